@@ -1,0 +1,125 @@
+"""Device code for tlx_dist: TLX kernels per GPU generation, portable Triton kernels, device helpers.
+
+This package holds only ``@triton.jit`` code and the capability detection below. It never allocates
+and never imports ``torch.distributed``; host wrappers live in ``tlx_dist``.
+
+Capability detection answers two questions without touching a GPU unless one is there:
+
+* ``tlx_available()`` -- can the real TLX compiler (``fbtriton``) be imported? Stock Triton has no
+  ``triton.language.extra.tlx``; fbtriton installs the ``triton`` module with it.
+* ``gpu_arch()`` -- which generation is present: ``"sm_90"`` (Hopper), ``"sm_100"`` (Blackwell),
+  ``"gfx94x"`` (AMD MI300), ``"other"`` (a GPU none of our kernels target) or ``"none"``.
+
+Both can be forced for tests and debugging with environment variables:
+``TLX_DIST_FORCE_ARCH=sm_90|sm_100|gfx94x|other|none`` and ``TLX_DIST_FORCE_TLX=0|1``, or in-process
+with :func:`override`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from typing import Iterator
+
+__all__ = ["ARCHS", "tlx_available", "triton_available", "gpu_arch", "override", "describe"]
+
+ARCHS = ("sm_90", "sm_100", "gfx94x", "other", "none")
+
+_overrides: dict[str, object] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_tlx() -> bool:
+    if not _probe_triton():
+        return False
+    try:
+        import triton.language.extra.tlx  # noqa: F401  (present only in fbtriton)
+    except Exception:
+        return False
+    return True
+
+
+def _env_flag(name: str) -> bool | None:
+    val = os.environ.get(name)
+    if val is None or val == "":
+        return None
+    if val not in ("0", "1"):
+        raise ValueError(f"{name}={val!r}: expected 0 or 1")
+    return val == "1"
+
+
+def triton_available() -> bool:
+    """True if some ``triton`` (stock or fbtriton) is importable."""
+    return _probe_triton()
+
+
+def tlx_available() -> bool:
+    """True if the TLX extensions (fbtriton) are importable; honours overrides."""
+    if "tlx" in _overrides:
+        return bool(_overrides["tlx"])
+    forced = _env_flag("TLX_DIST_FORCE_TLX")
+    if forced is not None:
+        return forced
+    return _probe_tlx()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_arch() -> str:
+    # Importing torch is cheap here (tlx_dist needs it anyway); torch.cuda.is_available() does not
+    # create a context when no driver is present.
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if getattr(torch.version, "hip", None):
+        arch = getattr(props, "gcnArchName", "")
+        return "gfx94x" if arch.startswith("gfx94") or arch.startswith("gfx95") else "other"
+    major = props.major
+    if major == 9:
+        return "sm_90"
+    if major == 10:
+        return "sm_100"
+    return "other"
+
+
+def gpu_arch() -> str:
+    """The GPU generation of the current device: one of :data:`ARCHS`."""
+    if "arch" in _overrides:
+        return str(_overrides["arch"])
+    forced = os.environ.get("TLX_DIST_FORCE_ARCH")
+    if forced:
+        if forced not in ARCHS:
+            raise ValueError(f"TLX_DIST_FORCE_ARCH={forced!r}: expected one of {ARCHS}")
+        return forced
+    return _probe_arch()
+
+
+@contextlib.contextmanager
+def override(*, arch: str | None = None, tlx: bool | None = None) -> Iterator[None]:
+    """Force the detected capability inside a ``with`` block (tests, debugging)."""
+    if arch is not None and arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: expected one of {ARCHS}")
+    saved = dict(_overrides)
+    try:
+        if arch is not None:
+            _overrides["arch"] = arch
+        if tlx is not None:
+            _overrides["tlx"] = bool(tlx)
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def describe() -> str:
+    """One line for logs: ``arch=sm_90 tlx=yes triton=yes``."""
+    yn = {True: "yes", False: "no"}
+    return f"arch={gpu_arch()} tlx={yn[tlx_available()]} triton={yn[triton_available()]}"

@@ -1,0 +1,1 @@
+"""tlx_dist: Mixture-of-Experts training with TLX grouped GEMMs and symmetric-memory dispatch."""

@@ -1,0 +1,171 @@
+"""Functional grouped GEMM with autograd, registered as torch custom ops.
+
+Legend: N rows in expert-major order, D input features, F output features, E experts,
+``offsets_E`` cumulative end row of each expert (int32 or int64, on the operands' device).
+
+    y_NF   = grouped_mm(x_ND, w_EDF, offsets_E)          # y[rows of e] = x[rows of e] @ w[e]
+    dw_EDF = grouped_mm_wgrad(x_ND, dy_NF, offsets_E)    # dw[e] = x[rows of e]^T @ dy[rows of e]
+
+Backward of ``grouped_mm``: ``dx = grouped_mm(dy, w^T, offsets)`` and ``dw = grouped_mm_wgrad(x, dy,
+offsets)`` -- the same backend family runs all three forms. Rows past ``offsets_E[-1]`` are padding:
+zero in ``y`` and ``dx``, ignored by ``dw``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .backends import select_backend, get_backend
+
+__all__ = ["grouped_mm", "grouped_mm_wgrad", "check_grouped_mm_args", "check_grouped_mm_wgrad_args"]
+
+ENV_CHECK_OFFSETS = "TLX_DIST_CHECK_OFFSETS"
+
+
+def _check_offsets_values(offsets_E: torch.Tensor, n_rows: int) -> None:
+    # Reading offsets on the host syncs, so on an accelerator this runs only on request
+    # (TLX_DIST_CHECK_OFFSETS=1); on CPU it is free and always on.
+    if offsets_E.device.type != "cpu" and os.environ.get(ENV_CHECK_OFFSETS, "0") != "1":
+        return
+    if offsets_E.numel() == 0:
+        return
+    o = offsets_E.detach().to("cpu", torch.int64)
+    if bool((o < 0).any()) or bool((o[1:] < o[:-1]).any()):
+        raise ValueError(f"offsets_E must be non-decreasing and >= 0, got {o.tolist()[:16]}")
+    if int(o[-1]) > n_rows:
+        raise ValueError(f"offsets_E[-1]={int(o[-1])} exceeds the number of rows N={n_rows}")
+
+
+def _check_common(pairs, offsets_E: torch.Tensor, n_experts: int, n_rows: int) -> None:
+    for name, t in pairs + [("offsets_E", offsets_E)]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    (a_name, a), *rest = pairs
+    if not a.is_floating_point():
+        raise TypeError(f"{a_name} must be a floating tensor, got {a.dtype}")
+    for name, t in rest:
+        if t.dtype != a.dtype:
+            raise TypeError(f"{name}.dtype={t.dtype} differs from {a_name}.dtype={a.dtype}")
+    if offsets_E.dim() != 1 or offsets_E.shape[0] != n_experts:
+        raise ValueError(f"offsets_E must be 1-D with E={n_experts} entries, got shape {tuple(offsets_E.shape)}")
+    if offsets_E.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets_E must be int32 or int64, got {offsets_E.dtype}")
+    devices = {t.device for _, t in pairs} | {offsets_E.device}
+    if len(devices) != 1:
+        names = ", ".join(n for n, _ in pairs)
+        raise ValueError(f"{names} and offsets_E must be on one device, got {sorted(map(str, devices))}")
+    _check_offsets_values(offsets_E, n_rows)
+
+
+def check_grouped_mm_args(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> None:
+    """Checks for ``grouped_mm``; raises TypeError / ValueError naming the argument."""
+    if isinstance(x_ND, torch.Tensor) and x_ND.dim() != 2:
+        raise ValueError(f"x_ND must be 2-D [N, D], got shape {tuple(x_ND.shape)}")
+    if isinstance(w_EDF, torch.Tensor) and w_EDF.dim() != 3:
+        raise ValueError(f"w_EDF must be 3-D [E, D, F], got shape {tuple(w_EDF.shape)}")
+    _check_common([("x_ND", x_ND), ("w_EDF", w_EDF)], offsets_E,
+                  w_EDF.shape[0] if isinstance(w_EDF, torch.Tensor) else 0,
+                  x_ND.shape[0] if isinstance(x_ND, torch.Tensor) else 0)
+    if x_ND.shape[1] != w_EDF.shape[1]:
+        raise ValueError(f"x_ND has D={x_ND.shape[1]} columns but w_EDF expects D={w_EDF.shape[1]}")
+
+
+def check_grouped_mm_wgrad_args(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> None:
+    """Checks for ``grouped_mm_wgrad``; raises TypeError / ValueError naming the argument."""
+    for name, t in (("x_ND", x_ND), ("dy_NF", dy_NF)):
+        if isinstance(t, torch.Tensor) and t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    n_experts = offsets_E.shape[0] if isinstance(offsets_E, torch.Tensor) and offsets_E.dim() == 1 else -1
+    _check_common([("x_ND", x_ND), ("dy_NF", dy_NF)], offsets_E, n_experts, x_ND.shape[0])
+    if x_ND.shape[0] != dy_NF.shape[0]:
+        raise ValueError(f"x_ND has N={x_ND.shape[0]} rows but dy_NF has N={dy_NF.shape[0]}")
+
+
+# --- custom ops ----------------------------------------------------------------------------------
+# The backend name travels as a string argument so that torch.compile / CUDA graphs see one opaque
+# op per call with no Python-side state.
+
+
+@torch.library.custom_op("tlx_dist::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    return get_backend(backend).mm(x_ND, w_EDF, offsets_E)
+
+
+@_grouped_mm_op.register_fake
+def _(x_ND, w_EDF, offsets_E, backend):
+    return x_ND.new_empty(x_ND.shape[0], w_EDF.shape[2])
+
+
+@torch.library.custom_op("tlx_dist::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    return get_backend(backend).wgrad(x_ND, dy_NF, offsets_E)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(x_ND, dy_NF, offsets_E, backend):
+    return x_ND.new_empty(offsets_E.shape[0], x_ND.shape[1], dy_NF.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x_ND, w_EDF, offsets_E, backend = inputs
+    ctx.save_for_backward(x_ND, w_EDF, offsets_E)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy_NF):
+    x_ND, w_EDF, offsets_E = ctx.saved_tensors
+    dx = dw = None
+    dy_NF = dy_NF.contiguous()
+    if ctx.needs_input_grad[0]:
+        w_EFD = w_EDF.transpose(1, 2)
+        dx = _grouped_mm_op(dy_NF, w_EFD, offsets_E, _pick(dy_NF, w_EFD, ctx.backend))
+    if ctx.needs_input_grad[1]:
+        dw = _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, ctx.backend))
+    return dx, dw, None, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pick(x_ND, w_EDF, backend: Optional[str]) -> str:
+    return select_backend(x_ND, w_EDF, backend).name
+
+
+def _pick_wgrad(x_ND, dy_NF, backend: Optional[str]) -> str:
+    # The weight-gradient form has the same operand constraints as a forward with w = [1, D, F].
+    return select_backend(x_ND, dy_NF.new_empty(1, x_ND.shape[1], dy_NF.shape[1]), backend).name
+
+
+# --- public functions ----------------------------------------------------------------------------
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+               *, backend: Optional[str] = None) -> torch.Tensor:
+    """Grouped GEMM over experts, differentiable in ``x_ND`` and ``w_EDF``.
+
+    Args:
+        x_ND: ``[N, D]`` rows grouped by expert (expert-major), float dtype.
+        w_EDF: ``[E, D, F]`` per-expert weights, same dtype as ``x_ND``.
+        offsets_E: ``[E]`` int32/int64 cumulative end rows; ``offsets_E[-1] <= N``.
+        backend: ``"tlx" | "triton" | "torch" | "reference"`` to pin one; default automatic.
+    Returns:
+        ``[N, F]`` with ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
+    """
+    check_grouped_mm_args(x_ND, w_EDF, offsets_E)
+    return _grouped_mm_op(x_ND, w_EDF, offsets_E, _pick(x_ND, w_EDF, backend))
+
+
+def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor,
+                     *, backend: Optional[str] = None) -> torch.Tensor:
+    """Per-expert ``x^T @ dy`` over each expert's rows.
+
+    Args:
+        x_ND: ``[N, D]``; dy_NF: ``[N, F]`` (same dtype and device); offsets_E: ``[E]`` cumulative end rows.
+    Returns:
+        ``[E, D, F]`` with ``x_ND.dtype``; an expert with no rows gets zeros.
+    """
+    check_grouped_mm_wgrad_args(x_ND, dy_NF, offsets_E)
+    return _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, backend))

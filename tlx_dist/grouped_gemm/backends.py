@@ -1,0 +1,144 @@
+"""Grouped-GEMM backends and the automatic choice between them.
+
+A backend provides two device functions with one contract (see ``reference.py`` for the semantics):
+
+* ``mm(x_ND, w_EDF, offsets_E) -> y_NF`` -- forward, and dX with a transposed weight view;
+* ``wgrad(x_ND, dy_NF, offsets_E) -> dw_EDF`` -- the varlen-K weight gradient;
+
+and ``supports(x_ND, w_EDF) -> str | None`` -- ``None`` when it can run these operands, else the
+reason it cannot (used in error messages when a backend is forced).
+
+Order of preference: ``tlx`` (TLX kernels, sm_90 / sm_100) -> ``triton`` (stock-Triton kernel) ->
+``torch`` (``torch._grouped_mm``) -> ``reference`` (the loop; any device and dtype). Kernel backends
+register themselves when their modules import; ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
+``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
+silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
+
+__all__ = ["Backend", "register_backend", "get_backend", "available_backends", "select_backend"]
+
+ENV_BACKEND = "TLX_DIST_GROUPED_MM_BACKEND"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    wgrad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    supports: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
+    priority: int  # lower is preferred
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def _load_kernel_backends() -> None:
+    # Imported lazily so that `import tlx_dist` never compiles or touches a GPU. Each module
+    # registers its backend only when its compiler is importable.
+    for mod in ("tlx_backend", "triton_backend"):
+        try:
+            __import__(f"{__package__}.{mod}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__package__}.{mod}":
+                raise
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        _load_kernel_backends()
+
+
+def available_backends() -> list[str]:
+    _ensure_loaded()
+    return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: b.priority)]
+
+
+def get_backend(name: str) -> Backend:
+    _ensure_loaded()
+    if name not in _BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {available_backends()}")
+    return _BACKENDS[name]
+
+
+def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[str] = None) -> Backend:
+    """The backend that runs these operands: the pinned one (argument, then environment) or the
+    first of the preference order that supports them."""
+    name = backend or os.environ.get(ENV_BACKEND) or None
+    if name is not None:
+        b = get_backend(name)
+        why = b.supports(x_ND, w_EDF)
+        if why is not None:
+            raise ValueError(f"grouped_mm backend={name!r} cannot run these operands: {why}")
+        return b
+    _ensure_loaded()
+    for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
+        if b.supports(x_ND, w_EDF) is None:
+            return b
+    raise AssertionError("the reference backend supports every input")  # pragma: no cover
+
+
+# --- torch._grouped_mm ------------------------------------------------------------------------
+
+
+def _torch_supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    if x_ND.dtype not in (torch.bfloat16, torch.float32) or w_EDF.dtype != x_ND.dtype:
+        return f"dtype {x_ND.dtype} (needs bfloat16, or float32 on CPU)"
+    if x_ND.is_cuda:
+        if torch.cuda.get_device_capability(x_ND.device)[0] < 9 or x_ND.dtype != torch.bfloat16:
+            return "torch._grouped_mm on CUDA needs sm_90+ and bfloat16"
+    elif x_ND.device.type != "cpu":
+        return f"device {x_ND.device}"
+    # Its kernels need 16-byte aligned leading strides for every operand it sees, in both the
+    # forward (x, w) and the weight-gradient (x^T, dy) forms.
+    esz = x_ND.element_size()
+    D, F = w_EDF.shape[1], w_EDF.shape[2]
+    if (D * esz) % 16 or (F * esz) % 16:
+        return f"D={D} and F={F} must be multiples of {16 // esz} for 16-byte aligned rows"
+    if x_ND.stride(1) != 1 or (x_ND.stride(0) * esz) % 16:
+        return "x must be row-major with a 16-byte aligned row stride"
+    if w_EDF.stride(1) != 1 and w_EDF.stride(2) != 1:
+        return "w must be contiguous in its last or second-to-last dimension"
+    return None
+
+
+def _rows_past_end(n_rows: int, offsets_E: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # [N, 1] bool mask without a host sync (no slicing by offsets[-1]).
+    return (torch.arange(n_rows, device=device) >= offsets_E[-1]).unsqueeze(1)
+
+
+def _torch_mm(x_ND, w_EDF, offsets_E):
+    y_NF = torch._grouped_mm(x_ND, w_EDF, offsets_E.to(torch.int32))
+    # torch._grouped_mm leaves rows past the last offset uninitialised; our contract says zero.
+    return y_NF.masked_fill_(_rows_past_end(x_ND.shape[0], offsets_E, x_ND.device), 0)
+
+
+def _torch_wgrad(x_ND, dy_NF, offsets_E):
+    # Rows past the last offset are already outside every expert's K range.
+    return torch._grouped_mm(x_ND.t(), dy_NF, offsets_E.to(torch.int32))
+
+
+register_backend(Backend("torch", _torch_mm, _torch_wgrad, _torch_supports, priority=30))
+register_backend(
+    Backend("reference", grouped_mm_ref, grouped_mm_wgrad_ref, lambda x, w: None, priority=100)
+)
