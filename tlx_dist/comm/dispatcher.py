@@ -1,0 +1,111 @@
+"""The dispatcher interface every backend implements, and its frozen handle.
+
+Legend: T tokens on this rank, D hidden, K top-k, S = T*K slots, E global experts, W ranks,
+e = E/W local experts, N rows received by this rank (expert-major, see ``layout.py``).
+
+    recv_ND, handle = dispatcher.dispatch(x_TD, idx_TK)   # rows for this rank's experts
+    y_ND            = experts(recv_ND, handle.offsets_e)  # grouped GEMMs
+    y_TKD           = dispatcher.combine(y_ND, handle)    # each slot's row back at its source
+
+Both are pure communication and differentiable: the backward of dispatch is a combine (summed
+over k, since one token row fed K slots) and the backward of combine is a dispatch. Gate weights
+are applied outside, in ops autograd understands (STYLE.md 4).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["DispatchHandle", "Dispatcher", "check_dispatch_args"]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine and the backward need to undo a dispatch.
+
+    num_tokens: T of the source tensor; top_k: K.
+    num_recv_rows: N, rows of the receive buffer (may exceed ``offsets_e[-1]`` for padded buffers).
+    offsets_e: ``[e]`` int32 cumulative end rows of the local experts (the grouped GEMM's offsets).
+    recv_counts_e: ``[e]`` int64 rows received per local expert.
+    tokens_per_expert_E: ``[E]`` int64 slots this rank sent to each global expert.
+    order_S: ``[S]`` slot ids in send order (sorted by global expert, stable).
+    inverse_S: ``[S]`` position of each slot in ``order_S``.
+    """
+
+    num_tokens: int
+    top_k: int
+    num_recv_rows: int
+    offsets_e: torch.Tensor
+    recv_counts_e: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    order_S: torch.Tensor
+    inverse_S: torch.Tensor
+
+
+def check_dispatch_args(x_TD: torch.Tensor, idx_TK: torch.Tensor, num_experts: int, validate_ids: bool) -> None:
+    if not isinstance(x_TD, torch.Tensor):
+        raise TypeError(f"x_TD must be a torch.Tensor, got {type(x_TD).__name__}")
+    if not isinstance(idx_TK, torch.Tensor):
+        raise TypeError(f"idx_TK must be a torch.Tensor, got {type(idx_TK).__name__}")
+    if x_TD.dim() != 2:
+        raise ValueError(f"x_TD must be 2-D [T, D], got shape {tuple(x_TD.shape)}")
+    if idx_TK.dim() != 2 or idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"idx_TK must be [T={x_TD.shape[0]}, K], got shape {tuple(idx_TK.shape)}")
+    if idx_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"idx_TK must be int32 or int64, got {idx_TK.dtype}")
+    if idx_TK.device != x_TD.device:
+        raise ValueError(f"idx_TK is on {idx_TK.device} but x_TD is on {x_TD.device}")
+    if not x_TD.is_floating_point():
+        raise TypeError(f"x_TD must be a floating tensor, got {x_TD.dtype}")
+    if validate_ids and idx_TK.numel():
+        # Host sync: only on the checked path (user-supplied ids); the router's ids are in range by
+        # construction and MoELayer turns this off.
+        lo, hi = int(idx_TK.min()), int(idx_TK.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"idx_TK holds expert ids in [{lo}, {hi}], outside [0, {num_experts})")
+
+
+def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order_S)
+    inv[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+    return inv
+
+
+class Dispatcher(abc.ABC):
+    """Moves (token, k) rows to the ranks owning their experts and back. See the module docstring."""
+
+    def __init__(self, num_experts: int, world_size: int, rank: int, validate: bool = True):
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        if num_experts % world_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP world size {world_size}")
+        self.num_experts = num_experts
+        self.world_size = world_size
+        self.rank = rank
+        self.num_local_experts = num_experts // world_size
+        self.validate = validate
+
+    @abc.abstractmethod
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        """Returns ``recv_ND`` (expert-major rows for this rank's local experts) and the handle."""
+
+    @abc.abstractmethod
+    def combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Returns ``y_TKD``: row ``[t, k]`` is the expert output for slot (t, k) of this rank."""
+
+    def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> None:
+        if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
+            raise ValueError(f"y_ND must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")
+        if y_ND.shape[0] != handle.num_recv_rows:
+            raise ValueError(f"y_ND has {y_ND.shape[0]} rows but the dispatch received N={handle.num_recv_rows}")
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def extra_repr(self) -> Optional[str]:
+        return f"E={self.num_experts}, W={self.world_size}, rank={self.rank}"

@@ -1,0 +1,124 @@
+"""Typed, validated configuration of an MoE layer.
+
+Errors name the field, e.g. ``moe.num_experts=12 is not divisible by expert_parallel=8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+__all__ = ["MoEConfig", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configuration of :class:`tlx_dist.MoELayer`.
+
+    Shapes use the legend: D hidden, F expert intermediate, E experts, K top-k.
+
+    Attributes:
+        dim: hidden size D.
+        moe_inter_dim: intermediate size F of each routed expert (SwiGLU: w13 is [D, 2F]).
+        num_experts: routed experts E.
+        top_k: experts per token K (1 <= K <= E).
+        score_func: ``"softmax"`` (Mixtral/OLMoE/Qwen) or ``"sigmoid"`` (DeepSeek-V3).
+        route_norm: renormalise the K selected gates to sum to 1.
+        route_scale: multiplies the gates after normalisation (DeepSeek-V3 uses 2.5).
+        num_shared_experts: dense SwiGLU experts every token goes through (0 = none).
+        shared_inter_dim: intermediate size of each shared expert; ``None`` means F.
+        aux_loss_coef: load-balancing loss coefficient (Switch/GShard form), 0 disables.
+        z_loss_coef: router z-loss coefficient (ST-MoE), 0 disables.
+        load_balance_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
+            scores for *selection only*; updated by :meth:`MoELayer.update_bias`.
+        bias_update_rate: step of the bias update (gamma).
+        dtype: parameter and activation dtype of the experts (router logits are always fp32).
+        init_std: std of the normal init of router and expert weights.
+        check_finite: raise ``ValueError`` on NaN/inf in the input. Off by default because it
+            synchronises with the host; with it off, a non-finite token stays confined to its own
+            output row in the forward pass (rows are independent through routing and the GEMMs).
+    """
+
+    dim: int
+    moe_inter_dim: int
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    num_shared_experts: int = 0
+    shared_inter_dim: Optional[int] = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    load_balance_bias: bool = False
+    bias_update_rate: float = 1e-3
+    dtype: str = "float32"
+    init_std: float = 0.02
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self, expert_parallel: int = 1, prefix: str = "moe") -> "MoEConfig":
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"{prefix}.{field}={getattr(self, field)!r} {msg}")
+
+        for f in ("dim", "moe_inter_dim", "num_experts", "top_k"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f, "must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise bad("top_k", f"exceeds num_experts={self.num_experts}")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise bad("score_func", "must be 'softmax' or 'sigmoid'")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise bad("num_shared_experts", "must be a non-negative integer")
+        if self.shared_inter_dim is not None and (not isinstance(self.shared_inter_dim, int) or self.shared_inter_dim < 1):
+            raise bad("shared_inter_dim", "must be a positive integer or None")
+        for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v < 0 or v != v:
+                raise bad(f, "must be a non-negative number")
+        if not isinstance(self.route_scale, (int, float)) or not self.route_scale > 0:
+            raise bad("route_scale", "must be a positive number")
+        if self.init_std is None or not self.init_std > 0:
+            raise bad("init_std", "must be a positive number")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {sorted(DTYPES)}")
+        if not isinstance(expert_parallel, int) or expert_parallel < 1:
+            raise ValueError(f"expert_parallel={expert_parallel!r} must be a positive integer")
+        if self.num_experts % expert_parallel:
+            raise bad("num_experts", f"is not divisible by expert_parallel={expert_parallel}")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def shared_dim(self) -> int:
+        """Total intermediate size of the shared experts (they are fused into one SwiGLU MLP)."""
+        return self.num_shared_experts * (self.shared_inter_dim or self.moe_inter_dim)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], prefix: str = "moe") -> "MoEConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{prefix}: unknown field(s) {unknown}; known: {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.name not in d)
+        if missing:
+            raise ValueError(f"{prefix}: missing field(s) {missing}")
+        return cls(**dict(d))
+
+    def params_per_token(self) -> int:
+        """Active parameters of this layer per token (router + K experts + shared)."""
+        D, F = self.dim, self.moe_inter_dim
+        return D * self.num_experts + self.top_k * 3 * D * F + 3 * D * self.shared_dim

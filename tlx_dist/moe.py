@@ -1,0 +1,183 @@
+"""MoELayer: router -> dispatch -> grouped SwiGLU experts -> combine (+ shared experts).
+
+Legend: B batch, S sequence, T = B*S tokens on this rank, D hidden, F expert intermediate,
+E global experts, W expert-parallel ranks, e = E/W local experts, K top-k, N received rows.
+
+    idx_TK, gate_TK  = router(x_TD)
+    recv_ND, handle  = dispatcher.dispatch(x_TD, idx_TK)
+    h_N2F            = grouped_mm(recv_ND, w13_eDF2, handle.offsets_e)    # [gate | up]
+    a_NF             = silu(h[:, :F]) * h[:, F:]
+    y_ND             = grouped_mm(a_NF, w2_eFD, handle.offsets_e)
+    y_TKD            = dispatcher.combine(y_ND, handle)
+    out_TD           = sum_k gate_TK * y_TKD  (+ shared_experts(x_TD))
+
+Parameters: ``router.weight [E, D]`` (replicated), ``w13 [e, D, 2F]`` and ``w2 [e, F, D]`` (this
+rank's experts ``[rank*e, (rank+1)*e)``), shared experts ``shared_w13 [D, 2*Fs]``, ``shared_w2
+[Fs, D]`` (replicated). Init: normal(0, init_std) for every weight; each expert is drawn from its
+own generator seeded by (layer seed, global expert id), so expert e has the same weights whatever
+the expert-parallel degree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from .config import MoEConfig
+from .grouped_gemm import grouped_mm
+from .router import Router, RoutingStats
+
+__all__ = ["MoELayer", "make_dispatcher"]
+
+
+def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
+                    group: Optional[dist.ProcessGroup] = None, validate: bool = True) -> Dispatcher:
+    """``"auto"`` (local for one rank, all-to-all otherwise), ``"local"``, ``"all_to_all"``."""
+    if isinstance(kind, Dispatcher):
+        return kind
+    world = dist.get_world_size(group) if group is not None else 1
+    if kind == "auto":
+        kind = "local" if world == 1 else "all_to_all"
+    if kind == "local":
+        if world != 1:
+            raise ValueError(f"dispatcher='local' needs an EP group of one rank, got {world}")
+        return LocalDispatcher(num_experts, validate=validate)
+    if kind == "all_to_all":
+        if group is None:
+            raise ValueError("dispatcher='all_to_all' needs ep_group")
+        return AllToAllDispatcher(num_experts, group, validate=validate)
+    raise ValueError(f"dispatcher={kind!r} is not one of 'auto', 'local', 'all_to_all' or a Dispatcher")
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    gate, up = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts feed-forward block. See the module docstring for the data flow.
+
+    Args:
+        cfg: the layer's :class:`MoEConfig`.
+        ep_group: expert-parallel process group; ``None`` = one rank holding every expert.
+        dispatcher: ``"auto" | "local" | "all_to_all"`` or a :class:`Dispatcher` instance.
+        gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
+        device: where parameters are created.
+
+    ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
+    ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
+    ``layer.aux_loss`` (aux + z, in the graph) to the training loss.
+    """
+
+    def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None,
+                 dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
+                 device: Optional[Union[str, torch.device]] = None):
+        super().__init__()
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
+        world = dist.get_world_size(ep_group) if ep_group is not None else 1
+        rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        cfg.validate(expert_parallel=world)
+        self.cfg = cfg
+        self.ep_group = ep_group
+        self.ep_size, self.ep_rank = world, rank
+        self.num_local_experts = cfg.num_experts // world
+        self.gemm_backend = gemm_backend
+        # Router ids are in range by construction: skip the (host-syncing) id validation.
+        self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False)
+        if self.dispatcher.world_size != world or self.dispatcher.num_experts != cfg.num_experts:
+            raise ValueError(
+                f"dispatcher has E={self.dispatcher.num_experts}, W={self.dispatcher.world_size}; "
+                f"layer has E={cfg.num_experts}, W={world}")
+
+        dt, D, Fe, e = cfg.torch_dtype, cfg.dim, cfg.moe_inter_dim, self.num_local_experts
+        self.router = Router(cfg, device=device)
+        self.w13 = nn.Parameter(torch.empty(e, D, 2 * Fe, dtype=dt, device=device))
+        self.w2 = nn.Parameter(torch.empty(e, Fe, D, dtype=dt, device=device))
+        if cfg.shared_dim:
+            self.shared_w13 = nn.Parameter(torch.empty(D, 2 * cfg.shared_dim, dtype=dt, device=device))
+            self.shared_w2 = nn.Parameter(torch.empty(cfg.shared_dim, D, dtype=dt, device=device))
+        else:
+            self.register_parameter("shared_w13", None)
+            self.register_parameter("shared_w2", None)
+        self.last_stats: Optional[RoutingStats] = None
+        self.reset_parameters()
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """Global ids ``[lo, hi)`` of this rank's experts."""
+        return self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """Normal(0, init_std) init. ``seed`` defaults to a draw from the global RNG, which all
+        ranks share when seeded alike, so EP=1 and EP=W layers built after the same
+        ``torch.manual_seed`` hold identical experts."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # init only; not on any hot path
+        std = self.cfg.init_std
+        self.router.reset_parameters()
+        lo, _ = self.expert_range
+        for j in range(self.num_local_experts):
+            g = torch.Generator().manual_seed(seed + 1_000_003 * (lo + j + 1))
+            for w in (self.w13, self.w2):
+                w[j].copy_(torch.randn(w.shape[1:], generator=g, dtype=torch.float32) * std)
+        if self.shared_w13 is not None:
+            nn.init.normal_(self.shared_w13, std=std)
+            nn.init.normal_(self.shared_w2, std=std)
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """aux + z loss of the last forward (coefficients applied), in the autograd graph."""
+        if self.last_stats is None:
+            raise RuntimeError("aux_loss is available after a forward pass")
+        return self.last_stats.loss
+
+    @torch.no_grad()
+    def update_bias(self, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+        """Aux-loss-free balancing step (see :meth:`Router.update_bias`); call after the optimizer
+        step. ``group`` should span every rank that routes tokens (data x expert parallel)."""
+        if not self.cfg.load_balance_bias:
+            raise RuntimeError("update_bias needs cfg.load_balance_bias=True")
+        return self.router.update_bias(group)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.cfg.dim:
+            raise ValueError(f"x must be [T, {self.cfg.dim}] or [B, S, {self.cfg.dim}], got shape {tuple(x.shape)}")
+        if x.dtype != self.w13.dtype:
+            raise TypeError(f"x.dtype={x.dtype} differs from the layer's dtype {self.w13.dtype} (cfg.dtype)")
+        if x.device != self.w13.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {self.w13.device}")
+        if self.cfg.check_finite and not bool(torch.isfinite(x).all()):
+            raise ValueError("x contains NaN or inf (cfg.check_finite=True)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x_TD = x.reshape(-1, self.cfg.dim)
+        route = self.router(x_TD)
+        self.last_stats = route.stats
+
+        recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK)
+        h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend)
+        y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
+        y_TKD = self.dispatcher.combine(y_ND, handle)
+
+        # Weighted sum over k in the gates' dtype (fp32, or fp64 for an fp64 layer), then back.
+        gate_TK = route.gate_TK
+        out_TD = torch.bmm(gate_TK.unsqueeze(1), y_TKD.to(gate_TK.dtype)).squeeze(1).to(x.dtype)
+        if self.shared_w13 is not None:
+            out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
+        return out_TD.view(x.shape)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"D={c.dim}, F={c.moe_inter_dim}, E={c.num_experts} (local {self.num_local_experts}), "
+                f"K={c.top_k}, score={c.score_func}, shared={c.num_shared_experts}, EP={self.ep_size}, "
+                f"dispatcher={self.dispatcher.name}")

@@ -1,0 +1,64 @@
+"""Naive per-token MoE: the test oracle for MoELayer and every fast path built under it.
+
+Deliberately written as the textbook loop -- one token, one selected expert at a time, no
+permutation, no grouped GEMM, no communication -- so that it shares no code (and no bug) with the
+layer. Differentiable; run it in float64 to get the reference gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .config import MoEConfig
+
+__all__ = ["moe_reference"]
+
+
+def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor,
+                  cfg: MoEConfig, shared_w13: Optional[torch.Tensor] = None, shared_w2: Optional[torch.Tensor] = None,
+                  expert_bias_E: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out_TD, idx_TK, aux_loss, z_loss)`` computed token by token in ``x_TD.dtype``.
+
+    Takes the *global* expert weights (all E experts), whatever the layer's EP degree.
+    """
+    T, D = x_TD.shape
+    E, K, Fe = cfg.num_experts, cfg.top_k, cfg.moe_inter_dim
+    outs, idxs, probs, lses = [], [], [], []
+    counts = [0] * E
+    for t in range(T):
+        x = x_TD[t]
+        logits = router_w_ED @ x
+        scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+        select = scores.detach() + (expert_bias_E.to(scores.dtype) if cfg.load_balance_bias and expert_bias_E is not None else 0)
+        chosen = torch.topk(select, K).indices.tolist()
+        gates = scores[chosen]
+        if cfg.route_norm:
+            gates = gates / (gates.sum() + 1e-20)
+        gates = gates * cfg.route_scale
+        out = torch.zeros_like(x)
+        for k, ex in enumerate(chosen):
+            counts[ex] += 1
+            h = x @ w13_EDF2[ex]
+            out = out + gates[k] * ((F.silu(h[:Fe]) * h[Fe:]) @ w2_EFD[ex])
+        if shared_w13 is not None:
+            hs = x @ shared_w13
+            half = hs.shape[0] // 2
+            out = out + (F.silu(hs[:half]) * hs[half:]) @ shared_w2
+        outs.append(out)
+        idxs.append(chosen)
+        probs.append(scores if cfg.score_func == "softmax" else scores / (scores.sum() + 1e-20))
+        lses.append(torch.logsumexp(logits, 0))
+    out_TD = torch.stack(outs) if T else x_TD.new_zeros(0, D)
+    idx_TK = torch.tensor(idxs, dtype=torch.int64).view(T, K)
+    zero = x_TD.new_zeros(())
+    aux, z = zero, zero
+    if cfg.aux_loss_coef > 0 and T:
+        P = torch.stack(probs).mean(0)
+        f = torch.tensor(counts, dtype=x_TD.dtype) / (T * K)
+        aux = cfg.aux_loss_coef * E * (f * P).sum()
+    if cfg.z_loss_coef > 0 and T:
+        z = cfg.z_loss_coef * torch.stack(lses).square().mean()
+    return out_TD, idx_TK, aux, z
