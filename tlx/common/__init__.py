@@ -1,0 +1,1 @@
+"""Device helpers shared by every grouped-GEMM kernel (portable Triton, TLX Hopper, TLX Blackwell)."""

@@ -1,0 +1,100 @@
+"""Grouped-GEMM tile scheduler, shared by the portable, Hopper and Blackwell kernels.
+
+Legend: N rows (expert-major), E experts, BM rows per tile, ``offsets_E`` cumulative end row per
+expert (int32, on the device). Expert ``e`` owns rows ``[offsets[e-1], offsets[e])``; rows at or past
+``offsets[E-1]`` are padding and form a pseudo-expert ``E`` whose output is zero.
+
+Forward / dX (ragged M). A tiny prep kernel turns the device offsets into ``tile_cum_E1[e]``, the
+inclusive cumulative count of BM-row tiles of experts ``0..e`` (entry ``E`` counts the padding tiles).
+A tile id ``t`` of the persistent loop maps to ``m_glob = t // tiles_n`` and ``n = t % tiles_n``;
+``m_glob`` is found in ``tile_cum_E1`` by a fixed-step binary search (scalar loads that stay in L1).
+The number of tiles is ``tile_cum_E1[E] * tiles_n``, read on the device: the host only bounds it
+(``N // BM + E + 1`` m-tiles), so nothing syncs and a CUDA graph can capture the launch.
+
+Weight gradient (ragged K). Every expert has the same ``tiles_m * tiles_n`` output tiles, so
+``e = t // (tiles_m * tiles_n)`` needs no search; the K loop runs over the expert's rows.
+
+Ragged TMA. One descriptor over a packed ``[N, C]`` tensor can be bounded to the rows of one expert:
+the descriptor is 4-D with dims ``[2^31-ish, 2^31-ish, 2^30, C]`` and strides ``[2^34 - s, s, s, 1]``
+(``s`` the row stride in elements); the coordinates ``(2^30, lo + cnt, 2^30 - cnt + row, col)`` land on
+row ``lo + row`` (the leading term wraps to zero modulo 2^64) and the third coordinate runs out of
+bounds exactly at ``row >= cnt``, so TMA zero-fills loads and drops stores past the expert's end.
+The host side builds it (``tlx_dist.grouped_gemm.triton_backend.ragged_descriptor``).
+"""
+
+import triton
+import triton.language as tl
+
+RAGGED_BILLION = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def _grouped_tile_prep_kernel(offsets_ptr, tile_cum_ptr, E, N_ROWS, BM: tl.constexpr, E1_P2: tl.constexpr):
+    """tile_cum[e] = sum_{j<=e} cdiv(rows_j, BM) for e in [0, E]; rows_E = N - offsets[E-1]."""
+    idx = tl.arange(0, E1_P2)
+    ends = tl.load(offsets_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offsets_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
+    last_end = tl.load(offsets_ptr + E - 1)
+    cnt = tl.where(idx < E, ends - starts, tl.where(idx == E, N_ROWS - last_end, 0))
+    cnt = tl.maximum(cnt, 0)
+    m_tiles = (cnt + BM - 1) // BM
+    cum = tl.cumsum(m_tiles, axis=0)
+    tl.store(tile_cum_ptr + idx, cum, mask=idx <= E)
+
+
+@triton.jit
+def _search_expert(tile_cum_ptr, E, m_glob, SEARCH_STEPS: tl.constexpr):
+    # Smallest e in [0, E] with tile_cum[e] > m_glob. Branch-free, fixed trip count
+    # (SEARCH_STEPS >= ceil(log2(E + 1)) + 1); once lo == hi the answer is stable.
+    lo = m_glob * 0
+    hi = lo + E
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(tile_cum_ptr + mid) <= m_glob
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def expert_rows(offsets_ptr, e, E, N_ROWS):
+    """(first row, row count) of expert ``e``; ``e == E`` is the padding pseudo-expert."""
+    lo = tl.load(offsets_ptr + tl.maximum(e - 1, 0))
+    lo = tl.where(e > 0, lo, 0)
+    hi = tl.load(offsets_ptr + tl.minimum(e, E - 1))
+    hi = tl.where(e < E, hi, N_ROWS)
+    return lo, hi - lo
+
+
+@triton.jit
+def mm_num_tiles(tile_cum_ptr, E, tiles_n):
+    return tl.load(tile_cum_ptr + E) * tiles_n
+
+
+@triton.jit
+def mm_tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS: tl.constexpr):
+    """Tile ``t`` of the ragged-M forms -> (expert, first row, rows, m-tile within expert, n-tile)."""
+    m_glob = t // tiles_n
+    n_idx = t % tiles_n
+    e = _search_expert(tile_cum_ptr, E, m_glob, SEARCH_STEPS)
+    before = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
+    before = tl.where(e > 0, before, 0)
+    lo, cnt = expert_rows(offsets_ptr, e, E, N_ROWS)
+    return e, lo, cnt, m_glob - before, n_idx
+
+
+@triton.jit
+def wgrad_tile(t, offsets_ptr, E, N_ROWS, tiles_m, tiles_n):
+    """Tile ``t`` of the weight gradient -> (expert, first row, rows, m-tile, n-tile)."""
+    per_e = tiles_m * tiles_n
+    e = t // per_e
+    r = t % per_e
+    lo, cnt = expert_rows(offsets_ptr, e, E, N_ROWS)
+    return e, lo, cnt, r // tiles_n, r % tiles_n
+
+
+@triton.jit
+def ragged_coords(lo, cnt, row):
+    """The three leading coordinates of a ragged 4-D descriptor for row ``row`` of the slice
+    ``[lo, lo + cnt)`` (see the module docstring)."""
+    return RAGGED_BILLION, lo + cnt, RAGGED_BILLION - cnt + row

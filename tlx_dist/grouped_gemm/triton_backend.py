@@ -1,0 +1,140 @@
+"""Host side of the portable stock-Triton grouped GEMM (``tlx/portable/grouped_gemm.py``).
+
+Registers ``Backend("triton", priority=20)`` when ``triton`` imports. Also holds the host helpers
+the TLX backend shares: the device tile-count prep (``tile_cum``), the binary-search depth and the
+ragged TMA descriptor. Nothing here reads device values on the host: every launch is CUDA-graph safe.
+
+Legend: N rows, D input features, F output features, E experts, ``offsets_E`` cumulative end rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from tlx import triton_available
+
+from .backends import Backend, register_backend
+
+__all__ = ["prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def search_steps(n_experts: int) -> int:
+    """Binary-search depth over the E + 1 entries of ``tile_cum`` (one spare step)."""
+    return max(1, math.ceil(math.log2(n_experts + 1)) + 1)
+
+
+def max_m_tiles(n_rows: int, n_experts: int, block_m: int) -> int:
+    """Upper bound of BM-row tiles over E experts + the padding pseudo-expert, from shapes only:
+    sum_e cdiv(rows_e, BM) <= N / BM + (E + 1)."""
+    return n_rows // block_m + n_experts + 1
+
+
+def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.Tensor:
+    """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding)."""
+    import triton
+
+    from tlx.common.scheduler import _grouped_tile_prep_kernel
+
+    E = offsets_E.shape[0]
+    tile_cum = torch.empty(E + 1, dtype=torch.int32, device=offsets_E.device)
+    _grouped_tile_prep_kernel[(1,)](offsets_E, tile_cum, E, n_rows, BM=block_m,
+                                    E1_P2=triton.next_power_of_2(E + 1))
+    return tile_cum
+
+
+def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):
+    """A 4-D TMA descriptor over a row-major ``[R, C]`` tensor whose loads/stores can be bounded to
+    any row slice (tlx/common/scheduler.py explains the coordinates)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    R, C = t_RC.shape
+    s = t_RC.stride(0)
+    if R > (1 << 30):
+        raise ValueError(f"ragged descriptor: {R} rows exceed 2**30")
+    big = 0x7FFF0000
+    return TensorDescriptor(t_RC, [big, big, 1 << 30, C], [(1 << 34) - s, s, s, 1], [1, 1, block_rows, block_cols])
+
+
+# --- the portable backend -------------------------------------------------------------------------
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
+    if not triton_available():
+        return "triton is not importable"
+    if x_ND.dtype not in _DTYPES or w_EDF.dtype != x_ND.dtype:
+        return f"dtype {x_ND.dtype}/{w_EDF.dtype} (needs one of bfloat16, float16, float32)"
+    if x_ND.device.type == "cpu":
+        return None if interpret_mode() else "CPU tensors (set TRITON_INTERPRET=1 to run the kernel interpreted)"
+    if x_ND.device.type != "cuda":
+        return f"device {x_ND.device}"
+    return None
+
+
+def _blocks(x: torch.Tensor) -> tuple[int, int, int, int, int]:
+    # (BM, BN, BK, num_warps, num_stages); small tiles under the interpreter keep CI fast.
+    if x.device.type == "cpu":
+        return 32, 32, 32, 4, 1
+    if x.dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def _offsets32(offsets_E: torch.Tensor) -> torch.Tensor:
+    return offsets_E.to(torch.int32).contiguous()
+
+
+def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    from tlx.portable.grouped_gemm import _grouped_mm_kernel
+
+    N, D = x_ND.shape
+    E, _, F = w_EDF.shape
+    y_NF = torch.empty(N, F, dtype=x_ND.dtype, device=x_ND.device)
+    if N == 0 or F == 0:
+        return y_NF
+    offsets = _offsets32(offsets_E)
+    BM, BN, BK, warps, stages = _blocks(x_ND)
+    tile_cum = prep_tile_cum(offsets, N, BM)
+    grid = (max_m_tiles(N, E, BM) * -(-F // BN),)
+    _grouped_mm_kernel[grid](
+        x_ND, w_EDF, y_NF, offsets, tile_cum, N, E, D, F,
+        x_ND.stride(0), x_ND.stride(1), w_EDF.stride(0), w_EDF.stride(1), w_EDF.stride(2),
+        y_NF.stride(0), y_NF.stride(1),
+        BM=BM, BN=BN, BK=BK, SEARCH_STEPS=search_steps(E), IEEE=x_ND.dtype == torch.float32, NO_DOT=interpret_mode(),
+        num_warps=warps, num_stages=stages,
+    )
+    return y_NF
+
+
+def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    from tlx.portable.grouped_gemm import _grouped_wgrad_kernel
+
+    N, D = x_ND.shape
+    F = dy_NF.shape[1]
+    E = offsets_E.shape[0]
+    dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
+    if dw_EDF.numel() == 0:
+        return dw_EDF
+    offsets = _offsets32(offsets_E)
+    BM, BN, BK, warps, stages = _blocks(x_ND)
+    grid = (E * -(-D // BM) * -(-F // BN),)
+    _grouped_wgrad_kernel[grid](
+        x_ND, dy_NF, dw_EDF, offsets, N, E, D, F,
+        x_ND.stride(0), x_ND.stride(1), dy_NF.stride(0), dy_NF.stride(1),
+        dw_EDF.stride(0), dw_EDF.stride(1), dw_EDF.stride(2),
+        BM=BM, BN=BN, BK=BK, IEEE=x_ND.dtype == torch.float32, NO_DOT=interpret_mode(), num_warps=warps, num_stages=stages,
+    )
+    return dw_EDF
+
+
+if triton_available():
+    register_backend(Backend("triton", _mm, _wgrad, _supports, priority=20))
