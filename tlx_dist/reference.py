@@ -51,7 +51,7 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
         idxs.append(chosen)
         probs.append(scores if cfg.score_func == "softmax" else scores / (scores.sum() + 1e-20))
         lses.append(torch.logsumexp(logits, 0))
-    out_TD = torch.stack(outs) if T else x_TD.new_zeros(0, D)
+    out_TD = torch.stack(outs) if T else x_TD * 0  # [0, D], still in the graph
     idx_TK = torch.tensor(idxs, dtype=torch.int64).view(T, K)
     zero = x_TD.new_zeros(())
     aux, z = zero, zero

@@ -1,0 +1,161 @@
+"""TLX grouped GEMM for Hopper (sm_90): persistent, warp-specialized, one kernel for fwd / dX / dW.
+
+Legend: N rows (expert-major), K reduction dim, NN output columns, E experts, BM x BN output tile
+split row-wise between two consumer warp groups (BMS = BM / 2 rows each), BK reduction step.
+
+Pipeline per CTA (grid = #SMs, persistent over tiles from tlx/common/scheduler.py):
+  producer warp group ("default", few registers): for each tile and k-step, wait ``empty[s]``, post
+    the expected bytes on ``full[s]``, TMA-load A (two BMS-row halves) and B into stage ``s`` of a
+    NUM_STAGES ring in shared memory.
+  consumer warp groups x2 (232 registers each): wait ``full[s]``, async wgmma on their A half and the
+    shared B, keep one wgmma in flight, release stage ``s`` (``empty[s]`` counts both groups), then
+    the epilogue: fp32 -> bf16 into a shared-memory tile and one TMA store, which overlaps the next
+    tile's main loop (``async_descriptor_store_wait`` before the buffer is reused).
+
+Forms (constexpr WGRAD, B_KMAJOR):
+  mm (fwd, dX): A = x [N, K] (2-D descriptor; rows past the expert are read but never stored),
+    B = w as a 3-D descriptor over [E, K, NN] (or [E, NN, K] when K-contiguous, i.e. dX's
+    ``w.transpose(1, 2)``), so K tails stop at the expert; C = y through a ragged 4-D descriptor
+    clipped at the expert's last row. Tiles of the padding pseudo-expert store zeros.
+  wgrad: A = x^T and B = dy through ragged 4-D descriptors whose K (row) range stops at the expert's
+    last row (TMA zero-fills), C = dw as 3-D [E, D, F]. Experts without rows store zeros.
+"""
+
+import triton
+import triton.language as tl
+import triton.language.extra.tlx as tlx
+
+from tlx.common.scheduler import mm_num_tiles, mm_tile, ragged_coords, wgrad_tile
+
+
+@triton.jit
+def _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM: tl.constexpr,
+          WGRAD: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    if WGRAD:
+        e, lo, cnt, mt, nt = wgrad_tile(t, offsets_ptr, E, N_ROWS, tl.cdiv(M_DIM, BM), tiles_n)
+    else:
+        e, lo, cnt, mt, nt = mm_tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS)
+    return e, lo, cnt, mt, nt
+
+
+@triton.jit
+def _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM: tl.constexpr, WGRAD: tl.constexpr):
+    if WGRAD:
+        n = E * tl.cdiv(M_DIM, BM) * tiles_n
+    else:
+        n = mm_num_tiles(tile_cum_ptr, E, tiles_n)
+    return n
+
+
+@triton.jit
+def _k_steps(e, cnt, E, K_DIM, BK: tl.constexpr, WGRAD: tl.constexpr):
+    # mm: the padding pseudo-expert loads nothing; wgrad: the K range is the expert's rows.
+    if WGRAD:
+        n = tl.cdiv(cnt, BK)
+    else:
+        n = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
+    return n
+
+
+@triton.jit
+def _grouped_gemm_hopper_kernel(
+    a_desc, b_desc, c_desc, offsets_ptr, tile_cum_ptr,
+    N_ROWS, E, M_DIM, K_DIM, NN,
+    WGRAD: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    NUM_SMS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):
+    BMS: tl.constexpr = BM // 2
+    dtype: tl.constexpr = tlx.dtype_of(a_desc)
+    # Shared-memory ring: A halves [stage * 2 + consumer], B [stage]; one epilogue tile per consumer.
+    if WGRAD:
+        a_buf = tlx.local_alloc((1, 1, BK, BMS), dtype, NUM_STAGES * 2)
+        b_buf = tlx.local_alloc((1, 1, BK, BN), dtype, NUM_STAGES)
+        c_buf = tlx.local_alloc((1, BMS, BN), dtype, 2)
+    else:
+        a_buf = tlx.local_alloc((BMS, BK), dtype, NUM_STAGES * 2)
+        if B_KMAJOR:
+            b_buf = tlx.local_alloc((1, BN, BK), dtype, NUM_STAGES)
+        else:
+            b_buf = tlx.local_alloc((1, BK, BN), dtype, NUM_STAGES)
+        c_buf = tlx.local_alloc((1, 1, BMS, BN), dtype, 2)
+    full = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+    empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=2)
+    STAGE_BYTES: tl.constexpr = (BM * BK + BK * BN) * 2
+
+    with tlx.async_tasks():
+        with tlx.async_task("default"):  # producer: TMA loads
+            tiles_n = tl.cdiv(NN, BN)
+            total = _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM, WGRAD)
+            it = 0
+            for t in range(tl.program_id(0), total, NUM_SMS):
+                e, lo, cnt, mt, nt = _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM, WGRAD,
+                                           SEARCH_STEPS)
+                n_off = nt * BN
+                for k in range(0, _k_steps(e, cnt, E, K_DIM, BK, WGRAD)):
+                    s = it % NUM_STAGES
+                    phase = (it // NUM_STAGES) & 1
+                    tlx.barrier_wait(empty[s], phase ^ 1)
+                    tlx.barrier_expect_bytes(full[s], STAGE_BYTES)
+                    k_off = k * BK
+                    if WGRAD:
+                        c0, c1, c2 = ragged_coords(lo, cnt, k_off)
+                        m_off = mt * BM
+                        tlx.async_descriptor_load(a_desc, a_buf[s * 2], [c0, c1, c2, m_off], full[s])
+                        tlx.async_descriptor_load(a_desc, a_buf[s * 2 + 1], [c0, c1, c2, m_off + BMS], full[s])
+                        tlx.async_descriptor_load(b_desc, b_buf[s], [c0, c1, c2, n_off], full[s])
+                    else:
+                        row = lo + mt * BM
+                        tlx.async_descriptor_load(a_desc, a_buf[s * 2], [row, k_off], full[s])
+                        tlx.async_descriptor_load(a_desc, a_buf[s * 2 + 1], [row + BMS, k_off], full[s])
+                        if B_KMAJOR:
+                            tlx.async_descriptor_load(b_desc, b_buf[s], [e, n_off, k_off], full[s])
+                        else:
+                            tlx.async_descriptor_load(b_desc, b_buf[s], [e, k_off, n_off], full[s])
+                    it += 1
+
+        with tlx.async_task(num_warps=4, replicate=2, registers=232):  # consumers: wgmma + epilogue
+            cid: tl.constexpr = tlx.async_task_replica_id()
+            tiles_n = tl.cdiv(NN, BN)
+            total = _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM, WGRAD)
+            it = 0
+            for t in range(tl.program_id(0), total, NUM_SMS):
+                e, lo, cnt, mt, nt = _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM, WGRAD,
+                                           SEARCH_STEPS)
+                n_steps = _k_steps(e, cnt, E, K_DIM, BK, WGRAD)
+                acc = tl.zeros((BMS, BN), dtype=tl.float32)
+                prev = 0
+                for k in range(0, n_steps):
+                    s = it % NUM_STAGES
+                    tlx.barrier_wait(full[s], (it // NUM_STAGES) & 1)
+                    if WGRAD:
+                        a = tlx.local_trans(tlx.local_reshape(a_buf[s * 2 + cid], [BK, BMS]))
+                        b = tlx.local_reshape(b_buf[s], [BK, BN])
+                    else:
+                        a = a_buf[s * 2 + cid]
+                        if B_KMAJOR:
+                            b = tlx.local_trans(tlx.local_reshape(b_buf[s], [BN, BK]))
+                        else:
+                            b = tlx.local_reshape(b_buf[s], [BK, BN])
+                    acc = tlx.async_dot(a, b, acc)
+                    # Keep one wgmma in flight; the one before it is done, so its stage is free.
+                    acc = tlx.async_dot_wait(1, acc)
+                    if k > 0:
+                        tlx.barrier_arrive(empty[prev])
+                    prev = s
+                    it += 1
+                acc = tlx.async_dot_wait(0, acc)
+                if n_steps > 0:
+                    tlx.barrier_arrive(empty[prev])
+
+                # Epilogue: the previous tile's TMA store must have read c_buf before we overwrite it.
+                tlx.async_descriptor_store_wait(0)
+                tlx.local_store(tlx.local_reshape(c_buf[cid], [BMS, BN]), acc.to(dtype))
+                tlx.fence_async_shared()
+                m_off = mt * BM + cid * BMS
+                if WGRAD:
+                    tlx.async_descriptor_store(c_desc, c_buf[cid], [e, m_off, nt * BN])
+                else:
+                    c0, c1, c2 = ragged_coords(lo, cnt, m_off)
+                    tlx.async_descriptor_store(c_desc, c_buf[cid], [c0, c1, c2, nt * BN])
+            tlx.async_descriptor_store_wait(0)

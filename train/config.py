@@ -1,0 +1,253 @@
+"""Typed training configuration, loaded from a TOML recipe and validated on load.
+
+A recipe has the tables ``[model]``, ``[model.moe]``, ``[parallel]``, ``[data]``, ``[train]``,
+``[checkpoint]`` and ``[metrics]``; every field is a dataclass field below. Errors name the field,
+e.g. ``model.moe.num_experts=12 is not divisible by parallel.ep=8``. Overrides use dotted keys:
+``--override train.steps=20 --override model.moe.top_k=1`` (values parsed as TOML, bare words
+as strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from tlx_dist import MoEConfig
+
+__all__ = ["ModelConfig", "ParallelConfig", "DataConfig", "TrainConfig", "CheckpointConfig",
+           "MetricsConfig", "Config", "load_config", "config_from_dict", "apply_overrides"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only MoE transformer. The MoE FFN's ``dim`` is taken from ``dim``.
+
+    dim: hidden size D; n_layers: blocks; n_heads: attention heads (head_dim = D / n_heads);
+    n_dense_layers: the first blocks use a dense SwiGLU MLP of ``dense_inter_dim`` instead of MoE;
+    vocab_size: at least the tokenizer's (259 for bytes + BOS/EOS/PAD).
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    moe: MoEConfig
+    vocab_size: int = 259
+    n_dense_layers: int = 0
+    dense_inter_dim: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """ep: expert-parallel degree (one DeviceMesh dimension); dp: data-parallel degree, 0 = world / ep.
+    The mesh is (dp, ep); experts are sharded over ep and FSDP-sharded over dp, everything else
+    is FSDP-sharded over all dp*ep ranks."""
+
+    ep: int = 1
+    dp: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """source: ``"pydoc"`` (Python's bundled documentation text), ``"file"`` (``path``, UTF-8 text)
+    or ``"synthetic"`` (uniform random bytes, for benchmarks). batch_size is per rank."""
+
+    seq_len: int = 128
+    batch_size: int = 8
+    source: str = "pydoc"
+    path: str = ""
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "auto"          # auto = bf16 on GPU, fp32 on CPU
+    log_every: int = 10
+    gemm_backend: str = ""       # "" = automatic (tlx -> triton -> torch -> reference)
+    crash_at_step: int = 0       # testing only: os._exit after this step (simulates a killed job)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""                # "" = no checkpoints
+    every: int = 0
+    resume: bool = True          # continue from the latest checkpoint in ``dir`` if there is one
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    out_dir: str = ""            # "" = no JSONL / TensorBoard output
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def _check_type(prefix: str, name: str, value: Any, hint: Any) -> Any:
+    if get_origin(hint) is Union:  # Optional[int]
+        if value is None:
+            return value
+        hint = [a for a in get_args(hint) if a is not type(None)][0]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise ValueError(f"{prefix}.{name}={value!r} must be of type {hint.__name__}")
+    return value
+
+
+def _build(cls, d: Any, prefix: str):
+    if not isinstance(d, dict):
+        raise ValueError(f"{prefix} must be a table, got {d!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{prefix}: unknown field(s) {unknown}; known: {sorted(names)}")
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{prefix}.{f.name} is missing")
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            kw[f.name] = _build(hint, d[f.name], f"{prefix}.{f.name}")
+        else:
+            kw[f.name] = _check_type(prefix, f.name, d[f.name], hint)
+    return cls(**kw)
+
+
+def _positive(prefix: str, obj, *names: str, allow_zero: bool = False) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ValueError(f"{prefix}.{n}={v!r} must be {'non-negative' if allow_zero else 'positive'}")
+
+
+def _validate(cfg: Config) -> None:
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    _positive("model", m, "dim", "n_layers", "n_heads", "vocab_size", "rope_theta", "norm_eps")
+    _positive("model", m, "n_dense_layers", "dense_inter_dim", allow_zero=True)
+    if m.dim % m.n_heads:
+        raise ValueError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.head_dim % 2:
+        raise ValueError(f"model.dim / model.n_heads = {m.head_dim} must be even (RoPE rotates pairs)")
+    if m.vocab_size < 259:
+        raise ValueError(f"model.vocab_size={m.vocab_size} must be >= 259 (256 bytes + BOS/EOS/PAD)")
+    if m.n_dense_layers > m.n_layers:
+        raise ValueError(f"model.n_dense_layers={m.n_dense_layers} exceeds model.n_layers={m.n_layers}")
+    if m.n_dense_layers and not m.dense_inter_dim:
+        raise ValueError(f"model.dense_inter_dim=0 must be positive when model.n_dense_layers={m.n_dense_layers}")
+    if m.moe.dim != m.dim:
+        raise ValueError(f"model.moe.dim={m.moe.dim} must equal model.dim={m.dim} (leave it out)")
+    _positive("parallel", p, "ep")
+    _positive("parallel", p, "dp", allow_zero=True)
+    if m.moe.num_experts % p.ep:
+        raise ValueError(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+    _positive("data", d, "seq_len", "batch_size")
+    if d.source not in ("pydoc", "file", "synthetic"):
+        raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
+    if d.source == "file" and not d.path:
+        raise ValueError("data.path='' must name a UTF-8 text file when data.source='file'")
+    _positive("train", t, "steps", "lr", "log_every")
+    _positive("train", t, "warmup_steps", "weight_decay", "grad_clip", "crash_at_step", allow_zero=True)
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    for b in ("beta1", "beta2"):
+        if not 0 <= getattr(t, b) < 1:
+            raise ValueError(f"train.{b}={getattr(t, b)} must be in [0, 1)")
+    if t.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"train.dtype={t.dtype!r} must be 'auto', 'bf16' or 'fp32'")
+    _positive("checkpoint", cfg.checkpoint, "every", allow_zero=True)
+    if cfg.checkpoint.every and not cfg.checkpoint.dir:
+        raise ValueError(f"checkpoint.every={cfg.checkpoint.every} needs checkpoint.dir")
+
+
+def config_from_dict(d: dict) -> Config:
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ValueError(f"unknown table(s) {unknown}")
+    if "model" not in d:
+        raise ValueError("model is missing")
+    model = dict(d["model"])
+    moe = dict(model.get("moe", {}))
+    moe.setdefault("dim", model.get("dim"))
+    model["moe"] = MoEConfig.from_dict(moe, prefix="model.moe")
+    hints = get_type_hints(ModelConfig)
+    mkw = {}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(model) - names)
+    if unknown:
+        raise ValueError(f"model: unknown field(s) {unknown}; known: {sorted(names)}")
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in model:
+            mkw[f.name] = model[f.name] if f.name == "moe" else _check_type("model", f.name, model[f.name], hints[f.name])
+        elif f.default is dataclasses.MISSING:
+            raise ValueError(f"model.{f.name} is missing")
+    kw = {"model": ModelConfig(**mkw)}
+    for f in dataclasses.fields(Config):
+        if f.name != "model" and f.name in d:
+            kw[f.name] = _build(get_type_hints(Config)[f.name], d[f.name], f.name)
+    cfg = Config(**kw)
+    _validate(cfg)
+    return cfg
+
+
+def _parse_value(s: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {s}")["v"]
+    except tomllib.TOMLDecodeError:
+        return s  # bare word: a string
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """``["train.steps=20", "model.moe.top_k=1"]`` applied to the raw recipe dict (in place)."""
+    for o in overrides or []:
+        if "=" not in o:
+            raise ValueError(f"--override {o!r} must look like key.path=value")
+        key, val = o.split("=", 1)
+        *path, leaf = key.strip().split(".")
+        node = d
+        for p in path:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--override {o!r}: {p} is not a table")
+        node[leaf] = _parse_value(val.strip())
+    return d
+
+
+def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> Config:
+    with open(path, "rb") as f:
+        d = tomllib.load(f)
+    return config_from_dict(apply_overrides(d, overrides or []))
