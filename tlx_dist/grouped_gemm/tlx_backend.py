@@ -1,0 +1,297 @@
+"""Host side of the TLX grouped GEMM (``tlx/hopper/grouped_gemm.py``, ``tlx/blackwell/grouped_gemm.py``).
+
+Registers ``Backend("tlx", priority=10)`` when ``tlx.tlx_available()`` and ``tlx.gpu_arch()`` is
+``sm_90`` or ``sm_100``. One kernel per architecture runs the three forms:
+
+* forward ``y_NF = x_ND @ w_EDF`` (weight N-contiguous),
+* dX ``dx_ND = dy_NF @ w_EDF^T`` via ``mm(dy, w.transpose(1, 2))`` (weight K-contiguous),
+* weight gradient ``dw_EDF[e] = x[rows e]^T @ dy[rows e]``.
+
+Operands the TMA path cannot take (misaligned rows/strides, fp32, other layouts) make ``supports()``
+return a reason (the automatic choice falls back to the ``triton`` backend), or, for the weight
+gradient, whose ``dy`` the selector does not see, delegate to the portable kernel.
+
+Tile configs are a frozen dataclass; the choice is cached per scalar key (form, E, K, NN, row
+bucket, dtype, arch). ``TLX_DIST_GROUPED_MM_CONFIG="BM=128,BN=256,BK=64,STAGES=3"`` pins one;
+``TLX_DIST_GROUPED_MM_AUTOTUNE=1`` times the candidates once per key on the real operands (never
+while a CUDA graph is being captured). Nothing reads device values on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import tlx
+
+from .backends import Backend, register_backend
+
+__all__ = ["GroupedGemmConfig", "CANDIDATES", "pick_config", "kernel_signature", "ENV_CONFIG", "ENV_AUTOTUNE"]
+
+ENV_CONFIG = "TLX_DIST_GROUPED_MM_CONFIG"
+ENV_AUTOTUNE = "TLX_DIST_GROUPED_MM_AUTOTUNE"
+_ARCH_CC = {"sm_90": 90, "sm_100": 100}
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    BM: int = 128
+    BN: int = 256
+    BK: int = 64
+    STAGES: int = 3
+
+    def __post_init__(self):
+        for f in ("BM", "BN", "BK"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GroupedGemmConfig.{f}={v} must be a power of two >= 16")
+        if self.BM not in (128, 256):
+            raise ValueError(f"GroupedGemmConfig.BM={self.BM} must be 128 or 256 (two consumer groups of BM/2 rows)")
+        if not 2 <= self.STAGES <= 8:
+            raise ValueError(f"GroupedGemmConfig.STAGES={self.STAGES} must be in [2, 8]")
+
+    def smem_bytes(self, cc: int) -> int:
+        ring = self.STAGES * (self.BM * self.BK + self.BK * self.BN) * 2
+        epi = self.BM * self.BN * 2 if cc == 90 else 2 * self.BM * min(self.BN, 128) * 2
+        return ring + epi
+
+    @staticmethod
+    def parse(text: str) -> "GroupedGemmConfig":
+        fields = {f.name for f in dataclasses.fields(GroupedGemmConfig)}
+        kw = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            k, _, v = part.partition("=")
+            k = k.strip().upper()
+            if k not in fields:
+                raise ValueError(f"{ENV_CONFIG}: unknown field {k!r} in {text!r} (fields: {sorted(fields)})")
+            kw[k] = int(v)
+        return GroupedGemmConfig(**kw)
+
+
+CANDIDATES = {
+    90: (GroupedGemmConfig(128, 256, 64, 3), GroupedGemmConfig(128, 128, 64, 4), GroupedGemmConfig(256, 128, 64, 3)),
+    100: (GroupedGemmConfig(128, 256, 64, 3), GroupedGemmConfig(128, 128, 64, 4)),
+}
+_SMEM_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
+
+# --- checks -----------------------------------------------------------------------------------------
+
+
+def _arch_cc() -> Optional[int]:
+    return _ARCH_CC.get(tlx.gpu_arch())
+
+
+def _tma_2d_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    esz = t.element_size()
+    if t.stride(-1) != 1:
+        return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
+    if any((s * esz) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        return f"{name} needs a 16-byte aligned base and row strides for TMA (strides {tuple(t.stride())})"
+    return None
+
+
+def _supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
+    if not tlx.tlx_available():
+        return "TLX (fbtriton) is not importable"
+    if tlx.gpu_arch() not in _ARCH_CC:
+        return f"gpu_arch()={tlx.gpu_arch()} (the TLX kernels target sm_90 and sm_100)"
+    if x_ND.device.type != "cuda":
+        return f"operands are on {x_ND.device}, not a CUDA GPU"
+    if x_ND.dtype not in (torch.bfloat16, torch.float16) or w_EDF.dtype != x_ND.dtype:
+        return f"dtype {x_ND.dtype} (the TLX kernels take bfloat16 or float16; float32 runs on 'triton')"
+    D, F = w_EDF.shape[1], w_EDF.shape[2]
+    if D == 0 or F == 0 or w_EDF.shape[0] == 0:
+        return f"empty dimension (E, D, F) = {tuple(w_EDF.shape)}"
+    if (D * 2) % 16 or (F * 2) % 16:
+        return f"D={D} and F={F} must be multiples of 8 for 16-byte aligned TMA rows"
+    why = _tma_2d_reason("x_ND", x_ND)
+    if why:
+        return why
+    if w_EDF.stride(2) == 1:
+        w_view = w_EDF
+    elif w_EDF.stride(1) == 1:
+        w_view = w_EDF.transpose(1, 2)
+    else:
+        return f"w_EDF must be contiguous in its last or second-to-last dimension (strides {tuple(w_EDF.stride())})"
+    return _tma_2d_reason("w_EDF", w_view)
+
+
+# --- configs ----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_CACHE: dict[tuple, GroupedGemmConfig] = {}
+
+
+def _default_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int) -> GroupedGemmConfig:
+    # 128x256 tiles (each consumer group 64x256) have the most arithmetic per byte of shared memory;
+    # narrow outputs waste half a 256-wide tile, so take 128x128 there.
+    if NN <= 128 or (NN % 256 and NN % 256 <= 128 and NN < 1024):
+        return GroupedGemmConfig(128, 128, 64, 4)
+    return GroupedGemmConfig(128, 256, 64, 3)
+
+
+def pick_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int, dtype: torch.dtype,
+                bench=None) -> GroupedGemmConfig:
+    """The tile config for a call: pinned (env) > cached > timed (env, not capturing) > default.
+    The key holds scalars only; rows are bucketed to powers of two."""
+    pinned = os.environ.get(ENV_CONFIG)
+    if pinned:
+        cfg = GroupedGemmConfig.parse(pinned)
+        if cfg.smem_bytes(cc) > _SMEM_LIMIT[cc]:
+            raise ValueError(f"{ENV_CONFIG}={pinned!r} needs {cfg.smem_bytes(cc)} bytes of shared memory")
+        return cfg
+    key = (cc, form, E, K, NN, 1 << max(0, n_rows - 1).bit_length(), str(dtype))
+    cfg = _CACHE.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = _default_config(cc, form, n_rows, E, K, NN)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if bench is not None and not capturing and os.environ.get(ENV_AUTOTUNE, "0") == "1":
+        import triton
+
+        fits = [c for c in CANDIDATES[cc] if c.smem_bytes(cc) <= _SMEM_LIMIT[cc]]
+        times = {c: triton.testing.do_bench(lambda c=c: bench(c), warmup=5, rep=20) for c in fits}
+        cfg = min(times, key=times.get)
+    _CACHE[key] = cfg
+    return cfg
+
+
+# --- launch -----------------------------------------------------------------------------------------
+
+
+def _kernel(cc: int):
+    if cc == 90:
+        from tlx.hopper.grouped_gemm import _grouped_gemm_hopper_kernel as k
+    else:
+        from tlx.blackwell.grouped_gemm import _grouped_gemm_blackwell_kernel as k
+    return k
+
+
+def _a_rows(cc: int, cfg: GroupedGemmConfig) -> int:
+    # Hopper splits the M tile between two consumer warp groups; Blackwell's MMA takes all of it.
+    return cfg.BM // 2 if cc == 90 else cfg.BM
+
+
+def _c_cols(cc: int, cfg: GroupedGemmConfig) -> int:
+    # Blackwell's epilogue stores the TMEM accumulator in column slices of at most 128.
+    return cfg.BN if cc == 90 else min(cfg.BN, 128)
+
+
+def _launch(cc, cfg, wgrad, b_kmajor, a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN,
+            n_tiles_bound, device):
+    from .triton_backend import search_steps
+
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    grid = (max(1, min(sms, n_tiles_bound)),)
+    _kernel(cc)[grid](
+        a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN,
+        WGRAD=wgrad, B_KMAJOR=b_kmajor, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES,
+        NUM_SMS=grid[0], SEARCH_STEPS=search_steps(E), num_warps=4, num_stages=1,
+    )
+
+
+def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .triton_backend import max_m_tiles, prep_tile_cum, ragged_descriptor
+
+    N, K = x_ND.shape
+    E, _, NN = w_EDF.shape
+    b_kmajor = w_EDF.stride(2) != 1
+    a_desc = TensorDescriptor(x_ND, [N, K], [x_ND.stride(0), 1], [_a_rows(cc, cfg), cfg.BK])
+    if b_kmajor:
+        b_desc = TensorDescriptor(w_EDF, [E, NN, K], [w_EDF.stride(0), w_EDF.stride(2), 1], [1, cfg.BN, cfg.BK])
+    else:
+        b_desc = TensorDescriptor(w_EDF, [E, K, NN], [w_EDF.stride(0), w_EDF.stride(1), 1], [1, cfg.BK, cfg.BN])
+    c_desc = ragged_descriptor(y_NF, _a_rows(cc, cfg), _c_cols(cc, cfg))
+    tile_cum = prep_tile_cum(offsets, N, cfg.BM)
+    bound = max_m_tiles(N, E, cfg.BM) * -(-NN // cfg.BN)
+    _launch(cc, cfg, False, b_kmajor, a_desc, b_desc, c_desc, offsets, tile_cum, N, E, N, K, NN, bound, x_ND.device)
+
+
+def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    N = x_ND.shape[0]
+    E, K, NN = w_EDF.shape
+    y_NF = torch.empty(N, NN, dtype=x_ND.dtype, device=x_ND.device)
+    if N == 0:
+        return y_NF
+    cc = _arch_cc()
+    offsets = offsets_E.to(torch.int32).contiguous()
+    form = "dX" if w_EDF.stride(2) != 1 else "fwd"
+    cfg = pick_config(cc, form, N, E, K, NN, x_ND.dtype,
+                      bench=lambda c: _mm_with(c, cc, x_ND, w_EDF, offsets, torch.empty_like(y_NF)))
+    _mm_with(cfg, cc, x_ND, w_EDF, offsets, y_NF)
+    return y_NF
+
+
+def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .triton_backend import ragged_descriptor
+
+    N, D = x_ND.shape
+    F = dy_NF.shape[1]
+    E = offsets.shape[0]
+    a_desc = ragged_descriptor(x_ND, cfg.BK, _a_rows(cc, cfg))
+    b_desc = ragged_descriptor(dy_NF, cfg.BK, cfg.BN)
+    c_desc = TensorDescriptor(dw_EDF, [E, D, F], [D * F, F, 1], [1, _a_rows(cc, cfg), _c_cols(cc, cfg)])
+    bound = E * -(-D // cfg.BM) * -(-F // cfg.BN)
+    _launch(cc, cfg, True, False, a_desc, b_desc, c_desc, offsets, offsets, N, E, D, N, F, bound, x_ND.device)
+
+
+def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    N, D = x_ND.shape
+    F = dy_NF.shape[1]
+    E = offsets_E.shape[0]
+    if N == 0 or _tma_2d_reason("dy_NF", dy_NF) is not None:
+        # dy is not seen by supports(); the portable kernel takes any layout (and N == 0 -> zeros).
+        from .triton_backend import _wgrad as portable_wgrad
+
+        return portable_wgrad(x_ND, dy_NF, offsets_E)
+    dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
+    cc = _arch_cc()
+    offsets = offsets_E.to(torch.int32).contiguous()
+    cfg = pick_config(cc, "dW", N, E, D, F, x_ND.dtype,
+                      bench=lambda c: _wgrad_with(c, cc, x_ND, dy_NF, offsets, torch.empty_like(dw_EDF)))
+    _wgrad_with(cfg, cc, x_ND, dy_NF, offsets, dw_EDF)
+    return dw_EDF
+
+
+def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[GroupedGemmConfig] = None,
+                     E: int = 64, dtype: str = "bf16"):
+    """(kernel, signature, constexprs, options) for ``triton.compile`` without a GPU (tests)."""
+    from .triton_backend import search_steps
+
+    cfg = cfg or CANDIDATES[cc][0]
+    ar, cc_cols = _a_rows(cc, cfg), _c_cols(cc, cfg)
+    if wgrad:
+        a = f"tensordesc<{dtype}[1,1,{cfg.BK},{ar}]>"
+        b = f"tensordesc<{dtype}[1,1,{cfg.BK},{cfg.BN}]>"
+        c = f"tensordesc<{dtype}[1,{ar},{cc_cols}]>"
+    else:
+        a = f"tensordesc<{dtype}[{ar},{cfg.BK}]>"
+        b = f"tensordesc<{dtype}[1,{cfg.BN},{cfg.BK}]>" if b_kmajor else f"tensordesc<{dtype}[1,{cfg.BK},{cfg.BN}]>"
+        c = f"tensordesc<{dtype}[1,1,{ar},{cc_cols}]>"
+    sig = {"a_desc": a, "b_desc": b, "c_desc": c, "offsets_ptr": "*i32", "tile_cum_ptr": "*i32",
+           "N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32"}
+    constexprs = {"WGRAD": wgrad, "B_KMAJOR": b_kmajor, "BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK,
+                  "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132, "SEARCH_STEPS": search_steps(E)}
+    for k in constexprs:
+        sig[k] = "constexpr"
+    return _kernel(cc), sig, constexprs, {"num_warps": 4, "num_stages": 1}
+
+
+if tlx.tlx_available() and tlx.gpu_arch() in _ARCH_CC:
+    register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10))
