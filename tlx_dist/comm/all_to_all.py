@@ -33,6 +33,15 @@ class _AllToAllRows(torch.autograd.Function):
         return _AllToAllRows.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
 
 
+def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """``[W * numel]`` concatenation of every rank's ``t`` (flat output: what gloo accepts)."""
+    out = t.new_empty(dist.get_world_size(group) * t.numel())
+    # torch >= 2.13 renames all_gather_into_tensor to all_gather_single; support both.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t.contiguous(), group=group)
+    return out
+
+
 def all_to_all_rows(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` over rows; its backward is the reverse exchange."""
     return _AllToAllRows.apply(rows, tuple(out_splits), tuple(in_splits), group)
@@ -66,8 +75,7 @@ class AllToAllDispatcher(Dispatcher):
         W, r, e = self.world_size, self.rank, self.num_local_experts
         slots = sort_slots(idx_TK, self.num_experts)
 
-        counts_WE = slots.counts_E.new_empty(W, self.num_experts)
-        dist.all_gather_into_tensor(counts_WE, slots.counts_E, group=self.group)
+        counts_WE = _all_gather_rows(slots.counts_E, self.group).view(W, self.num_experts)
         layout = layout_from_counts(counts_WE)
 
         counts_host = counts_WE.cpu()  # the one host sync: NCCL/gloo need split sizes on the host

@@ -1,0 +1,39 @@
+"""Run a function on W gloo ranks in separate processes (CPU, tier T1)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args):
+    """Runs ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the list of their results.
+    ``fn`` must be a module-level function (it is pickled by name)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        try:
+            mp.spawn(_entry, args=(world, init_file, tmp, fn, args), nprocs=world, join=True)
+        except Exception as err:
+            msgs = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+            raise AssertionError("a rank failed:\n" + "\n".join(msgs)) from err
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
