@@ -1,0 +1,81 @@
+"""Emulated world (tier T4): W virtual ranks in one process drive the real symmetric kernels.
+
+Each virtual rank has its own slice of one allocation and its own peer table
+(:meth:`SymmBuffers.emulated`). An op is run by advancing every rank's phase generator
+(``symm.py``) one phase at a time, in rank order, on one stream: every kernel a phase waits on was
+launched in an earlier phase, so nothing spins on a signal a later launch would raise.
+Not differentiable (autograd would run one rank at a time); the gradient ops are exposed directly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .symm import combine_grad_steps, combine_steps, dispatch_grad_steps, dispatch_steps
+from .symm_buffers import SymmBuffers
+
+__all__ = ["EmulatedWorld", "run_lockstep"]
+
+
+def run_lockstep(gens: list) -> list:
+    """Advances W phase generators together; returns their results in rank order."""
+    results = [None] * len(gens)
+    live = list(range(len(gens)))
+    while live:
+        still = []
+        for v in live:
+            try:
+                next(gens[v])
+                still.append(v)
+            except StopIteration as stop:
+                results[v] = stop.value
+        if still and len(still) != len(live):
+            raise RuntimeError("virtual ranks ran different numbers of phases")
+        live = still
+    return results
+
+
+class EmulatedWorld:
+    """W virtual ranks of one EP group on one device (``"cpu"`` runs the kernels in the Triton
+    interpreter). Methods take and return per-rank lists."""
+
+    def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
+                 dtype: torch.dtype, *, capacity: Optional[int] = None, device=None):
+        self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
+                                            capacity=capacity, device=device)
+        self.world_size = world_size
+        self.num_experts = num_experts
+
+    def _check(self, xs: Sequence, name: str) -> None:
+        if len(xs) != self.world_size:
+            raise ValueError(f"{name} must hold one tensor per virtual rank ({self.world_size}), got {len(xs)}")
+
+    def dispatch(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor], copy_out: bool = True):
+        """Returns ``[(recv_ND, SymmHandle)]`` per rank."""
+        self._check(xs_TD, "xs_TD")
+        self._check(idxs_TK, "idxs_TK")
+        return run_lockstep([dispatch_steps(b, x, i, copy_out) for b, x, i in zip(self.buffers, xs_TD, idxs_TK)])
+
+    def combine(self, ys_ND: Sequence[torch.Tensor], handles: Sequence, copy_out: bool = True):
+        self._check(ys_ND, "ys_ND")
+        return run_lockstep([combine_steps(b, y, h, copy_out) for b, y, h in zip(self.buffers, ys_ND, handles)])
+
+    def dispatch_grad(self, gs_TKD: Sequence[torch.Tensor], handles: Sequence):
+        """Combine's backward: ``g_TKD`` -> ``g_ND`` per rank."""
+        self._check(gs_TKD, "gs_TKD")
+        return run_lockstep([dispatch_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs_TKD, handles)])
+
+    def combine_grad(self, gs_ND: Sequence[torch.Tensor], handles: Sequence):
+        """Dispatch's backward: ``g_ND`` -> ``g_TD`` (summed over k) per rank."""
+        self._check(gs_ND, "gs_ND")
+        return run_lockstep([combine_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs_ND, handles)])
+
+    def check(self) -> None:
+        for b in self.buffers:
+            b.check()
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
