@@ -1,0 +1,75 @@
+"""Helpers for the training-loop tests: run ``train.pretrain`` in subprocesses (one process, or
+torchrun with gloo on loopback) and read back rank 0's per-step losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = str(ROOT / "configs" / "debug_cpu.toml")
+
+# A smaller cut of the debug recipe so that multi-process tests stay a few seconds each on 2 cores.
+# aux_loss_coef=0: the Switch aux loss is a product of per-rank means, so it differs between one
+# rank with 2b sequences and two ranks with b each; everything else (CE, z-loss, aux-loss-free bias
+# updated from counts summed over all ranks) is the same function of the global batch.
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.dense_inter_dim=128",
+        "model.moe.moe_inter_dim=64", "model.moe.num_experts=4", "model.moe.aux_loss_coef=0",
+        "data.seq_len=32", "train.warmup_steps=4", "train.log_every=5", "metrics.out_dir=''",
+        "metrics.progress=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONWARNINGS"] = "ignore"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def pretrain_cmd(overrides, losses_out, config=DEBUG, nproc=0, node=None) -> list[str]:
+    """``node=(node_rank, nnodes, port)`` for a multi-node torchrun on 127.0.0.1."""
+    if nproc:
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        if node is None:
+            launch += ["--standalone"]
+        else:
+            rank, nnodes, port = node
+            launch += [f"--nnodes={nnodes}", f"--node-rank={rank}", "--master-addr=127.0.0.1",
+                       f"--master-port={port}"]
+        launch += ["-m", "train.pretrain"]
+    else:
+        launch = [sys.executable, "-m", "train.pretrain"]
+    cmd = launch + ["--config", config]
+    for o in overrides:
+        cmd += ["--override", o]
+    if losses_out:
+        cmd += ["--losses-out", str(losses_out)]
+    return cmd
+
+
+def run_pretrain(overrides, tmp_path: Path, name: str, nproc=0, config=DEBUG, expect_rc=0, timeout=300):
+    """Runs one job to completion; returns (losses or None, stdout)."""
+    out = tmp_path / f"{name}.json"
+    threads = 1 if nproc else 2
+    p = subprocess.run(pretrain_cmd(overrides, out, config, nproc), cwd=ROOT, env=_env(threads),
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != expect_rc:
+        raise AssertionError(f"{name}: exit {p.returncode} (expected {expect_rc})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return (json.loads(out.read_text()) if out.exists() else None), p.stdout
+
+
+def popen_pretrain(cmd) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
