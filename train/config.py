@@ -203,7 +203,11 @@ def config_from_dict(d: dict) -> Config:
     model = dict(d["model"])
     moe = dict(model.get("moe", {}))
     moe.setdefault("dim", model.get("dim"))
-    model["moe"] = MoEConfig.from_dict(moe, prefix="model.moe")
+    try:
+        model["moe"] = MoEConfig.from_dict(moe, prefix="model.moe")
+    except ValueError as e:  # MoEConfig's own checks say "moe.<field>"; name the full path
+        msg = str(e)
+        raise ValueError("model." + msg if msg.startswith("moe.") else msg) from None
     hints = get_type_hints(ModelConfig)
     mkw = {}
     names = {f.name for f in dataclasses.fields(ModelConfig)}
