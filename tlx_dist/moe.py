@@ -37,7 +37,9 @@ __all__ = ["MoELayer", "make_dispatcher"]
 
 def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
                     group: Optional[dist.ProcessGroup] = None, validate: bool = True) -> Dispatcher:
-    """``"auto"`` (local for one rank, all-to-all otherwise), ``"local"``, ``"all_to_all"``."""
+    """``"auto"`` (local for one rank, all-to-all otherwise), ``"local"``, ``"all_to_all"``, ``"symm"``
+    (symmetric memory; buffers sized on the first dispatch -- pass a :class:`SymmDispatcher` built
+    with ``buffers=`` or ``max_tokens=`` to size them explicitly)."""
     if isinstance(kind, Dispatcher):
         return kind
     world = dist.get_world_size(group) if group is not None else 1
@@ -51,7 +53,10 @@ def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
         if group is None:
             raise ValueError("dispatcher='all_to_all' needs ep_group")
         return AllToAllDispatcher(num_experts, group, validate=validate)
-    raise ValueError(f"dispatcher={kind!r} is not one of 'auto', 'local', 'all_to_all' or a Dispatcher")
+    if kind == "symm":
+        from .comm.symm import SymmDispatcher
+        return SymmDispatcher(num_experts, group, validate=validate)
+    raise ValueError(f"dispatcher={kind!r} is not one of 'auto', 'local', 'all_to_all', 'symm' or a Dispatcher")
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .primitives import (NVSHMEM_SIGNAL_ADD, NVSHMEM_SIGNAL_SET, as_ptr, nvshmem_fence, nvshmem_int64_p,
-                         nvshmem_putmem_block, nvshmem_signal_op, signal_add, signal_max, wait_ge)
+from .primitives import (NVSHMEM_SIGNAL_ADD, NVSHMEM_SIGNAL_SET, nvshmem_fence, nvshmem_int64_p,
+                         nvshmem_putmem_block, nvshmem_signal_op)
 
 
 @triton.jit
@@ -42,30 +42,30 @@ def _barrier_signal_kernel(peers_ptr, pes_ptr, counts_E_ptr, RANK,
                            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                            OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_NVSHMEM: tl.constexpr):
     my = tl.load(peers_ptr + RANK)
-    state = as_ptr(my + OFF_STATE, tl.int64)
+    state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
     epoch = tl.load(state) + 1
     tl.store(state, epoch)
     wi = tl.arange(0, WP2)
-    tl.store(as_ptr(my + OFF_ARRIVE, tl.int64) + wi, tl.zeros([WP2], tl.int64), mask=wi < 2 * W)
+    tl.store((my + OFF_ARRIVE).to(tl.pointer_type(tl.int64)) + wi, tl.zeros([WP2], tl.int64), mask=wi < 2 * W)
     if HAS_COUNTS:
         ei = tl.arange(0, BLOCK_E)
         em = ei < E
         c = tl.load(counts_E_ptr + ei, mask=em, other=0)
         row_off = OFF_COUNTS + ((epoch % 2) * W + RANK) * (E * 8)
         if USE_NVSHMEM:  # NVSHMEM puts need a symmetric source: stage my row in my own COUNTS first
-            tl.store(as_ptr(my + row_off, tl.int64) + ei, c, mask=em)
+            tl.store((my + row_off).to(tl.pointer_type(tl.int64)) + ei, c, mask=em)
             tl.debug_barrier()
         for d in range(W):
             base = tl.load(peers_ptr + d)
             if base != 0:
-                tl.store(as_ptr(base + row_off, tl.int64) + ei, c, mask=em)
+                tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ei, c, mask=em)
             elif USE_NVSHMEM:
                 nvshmem_putmem_block(my + row_off, my + row_off, tl.full([], E * 8, tl.int64), tl.load(pes_ptr + d))
     tl.debug_barrier()
     for d in range(W):
         base = tl.load(peers_ptr + d)
         if base != 0:
-            signal_max(base + OFF_FLAGS + RANK * 8, epoch)
+            tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
         elif USE_NVSHMEM:
             nvshmem_fence()
             nvshmem_signal_op(my + OFF_FLAGS + RANK * 8, epoch, NVSHMEM_SIGNAL_SET, tl.load(pes_ptr + d))
@@ -77,15 +77,16 @@ def _barrier_wait_kernel(peers_ptr, counts_WE_ptr, RANK,
                          OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
                          HAS_COUNTS: tl.constexpr):
     my = tl.load(peers_ptr + RANK)
-    epoch = tl.load(as_ptr(my + OFF_STATE, tl.int64))
+    epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
     for s in range(W):
-        wait_ge(my + OFF_FLAGS + s * 8, epoch)
+        while tl.atomic_add((my + OFF_FLAGS + s * 8).to(tl.pointer_type(tl.int64)), 0, sem="acquire", scope="sys") < epoch:
+            pass
     tl.debug_barrier()
     if HAS_COUNTS:
         ei = tl.arange(0, BLOCK_E)
         em = ei < E
         for s in range(W):
-            c = tl.load(as_ptr(my + OFF_COUNTS + ((epoch % 2) * W + s) * (E * 8), tl.int64) + ei, mask=em)
+            c = tl.load((my + OFF_COUNTS + ((epoch % 2) * W + s) * (E * 8)).to(tl.pointer_type(tl.int64)) + ei, mask=em)
             tl.store(counts_WE_ptr + s * E + ei, c, mask=em)
 
 
@@ -120,7 +121,7 @@ def _publish_counts(hist, peers_ptr, pes_ptr, my, slot_off, W: tl.constexpr, WP:
         if n > 0:
             base = tl.load(peers_ptr + d)
             if base != 0:
-                signal_add(base + slot_off, n)
+                tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
             elif USE_NVSHMEM:
                 nvshmem_fence()
                 nvshmem_signal_op(my + slot_off, n, NVSHMEM_SIGNAL_ADD, tl.load(pes_ptr + d))
@@ -158,8 +159,8 @@ def _dispatch_send_kernel(src_ptr, stride_src, order_ptr, dest_rank_ptr, dest_ro
         base = tl.load(peers_ptr + d, mask=m, other=0)
         p2p = fits & (base != 0)
         _copy_rows(src_ptr + src_row.to(tl.int64) * stride_src,
-                   as_ptr(base + OFF_RECV + row * ROW_BYTES, WORD), p2p, WORDS, BLOCK_W)
-        tl.store(as_ptr(base + OFF_SRC + row * 8, tl.int64), RANK * S_MAX + slot, mask=p2p)
+                   (base + OFF_RECV + row * ROW_BYTES).to(tl.pointer_type(WORD)), p2p, WORDS, BLOCK_W)
+        tl.store((base + OFF_SRC + row * 8).to(tl.pointer_type(tl.int64)), RANK * S_MAX + slot, mask=p2p)
         if USE_NVSHMEM:  # rows for ranks without a peer pointer: one block-collective put per row
             for j in range(BLOCK_M):
                 ij = b * BLOCK_M + j
@@ -175,7 +176,7 @@ def _dispatch_send_kernel(src_ptr, stride_src, order_ptr, dest_rank_ptr, dest_ro
                                              tl.full([], ROW_BYTES, tl.int64), pe)
                         nvshmem_int64_p(my + OFF_SRC + rj * 8, RANK * S_MAX + sj, pe)
     if tl.max(overflow) > 0:
-        tl.atomic_max(as_ptr(my + OFF_STATE + 8, tl.int64), 1)
+        tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     # Dropped (overflowing) rows are counted too: the receiver waits for every row it was told of.
     _publish_counts(hist, peers_ptr, pes_ptr, my, OFF_ARRIVE + RANK * 8, W, WP, USE_NVSHMEM)
 
@@ -193,15 +194,16 @@ def _dispatch_recv_kernel(out_ptr, src_out_ptr, expected_ptr, peers_ptr, RANK,
     nprog = tl.num_programs(0)
     my = tl.load(peers_ptr + RANK)
     for s in range(W):
-        wait_ge(my + OFF_ARRIVE + s * 8, tl.load(expected_ptr + s))
+        while tl.atomic_add((my + OFF_ARRIVE + s * 8).to(tl.pointer_type(tl.int64)), 0, sem="acquire", scope="sys") < tl.load(expected_ptr + s):
+            pass
     tl.debug_barrier()
     wr = tl.arange(0, WP)
     total = tl.sum(tl.load(expected_ptr + wr, mask=wr < W, other=0))
     if (pid == 0) & (total > N_CAP):
-        tl.atomic_max(as_ptr(my + OFF_STATE + 8, tl.int64), 1)
+        tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     n_valid = tl.minimum(total, N_CAP)
-    recv = as_ptr(my + OFF_RECV, WORD)
-    src_ids = as_ptr(my + OFF_SRC, tl.int64)
+    recv = (my + OFF_RECV).to(tl.pointer_type(WORD))
+    src_ids = (my + OFF_SRC).to(tl.pointer_type(tl.int64))
     for b in range(pid, tl.cdiv(N_CAP, BLOCK_M), nprog):
         rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
         inb = rows < N_CAP
@@ -237,7 +239,7 @@ def _combine_send_kernel(y_ptr, stride_y, src_ids_ptr, expected_ptr, peers_ptr, 
         slot = code % S_MAX
         hist += tl.sum(((s[:, None] == wr[None, :]) & m[:, None]).to(tl.int64), axis=0)
         base = tl.load(peers_ptr + s, mask=m, other=0)
-        _copy_rows(y_ptr + rows.to(tl.int64) * stride_y, as_ptr(base + OFF_COMB + slot * ROW_BYTES, WORD),
+        _copy_rows(y_ptr + rows.to(tl.int64) * stride_y, (base + OFF_COMB + slot * ROW_BYTES).to(tl.pointer_type(WORD)),
                    m & (base != 0), WORDS, BLOCK_W)
         if USE_NVSHMEM:
             for j in range(BLOCK_M):
@@ -264,10 +266,11 @@ def _combine_recv_kernel(out_ptr, row_S_ptr, expected_ptr, peers_ptr, RANK, S,
     nprog = tl.num_programs(0)
     my = tl.load(peers_ptr + RANK)
     for d in range(W):
-        wait_ge(my + OFF_ARRIVE + (W + d) * 8, tl.load(expected_ptr + d))
+        while tl.atomic_add((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), 0, sem="acquire", scope="sys") < tl.load(expected_ptr + d):
+            pass
     tl.debug_barrier()
     if COPY_ROWS:
-        comb = as_ptr(my + OFF_COMB, WORD)
+        comb = (my + OFF_COMB).to(tl.pointer_type(WORD))
         for b in range(pid, tl.cdiv(S, BLOCK_M), nprog):
             slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
             inb = slots < S

@@ -1,4 +1,4 @@
-"""Device helpers for one-sided communication: peer addressing, arrival signals, NVSHMEM calls.
+"""Device-side conventions for one-sided communication, and the NVSHMEM calls.
 
 Every rank's symmetric memory is one byte region with the same layout on every rank (offsets are
 constexprs chosen by the host). A *peer table* ``peers[W]`` (int64) holds each rank's base address
@@ -8,8 +8,10 @@ address is ``peers[d] + offset``; a row of a receive buffer is ``offset + row * 
 
 Signals are int64 counters in the destination's region. Producers publish with a release add at
 system scope after a CTA barrier (so every thread's stores precede the signal); consumers poll with
-an acquire read-modify-write, then barrier. These are plain Triton atomics so the kernels also run
-under ``TRITON_INTERPRET=1``.
+an acquire read-modify-write, then barrier. These are plain Triton atomics, written inline in the
+kernels (the interpreter re-patches the language on every nested ``@triton.jit`` call, which
+made small helpers cost more than the kernels), so the kernels also run under
+``TRITON_INTERPRET=1``.
 
 NVSHMEM (peers on other nodes): extern declarations of libnvshmem_device functions. The host links
 ``libnvshmem_device.bc`` and initialises the module (``tlx_dist.comm.symm_buffers``); kernels only
@@ -24,32 +26,6 @@ from triton.language import core
 
 NVSHMEM_SIGNAL_SET = tl.constexpr(0)
 NVSHMEM_SIGNAL_ADD = tl.constexpr(5)
-
-
-@triton.jit
-def as_ptr(addr, DTYPE: tl.constexpr):
-    """int64 address (scalar or tensor) -> pointer to DTYPE."""
-    return addr.to(tl.pointer_type(DTYPE))
-
-
-@triton.jit
-def signal_add(addr, n):
-    """``*addr += n`` on a (possibly peer) int64 counter, releasing this CTA's earlier stores.
-    Callers put ``tl.debug_barrier()`` before it."""
-    tl.atomic_add(as_ptr(addr, tl.int64), n.to(tl.int64), sem="release", scope="sys")
-
-
-@triton.jit
-def signal_max(addr, v):
-    tl.atomic_max(as_ptr(addr, tl.int64), v.to(tl.int64), sem="release", scope="sys")
-
-
-@triton.jit
-def wait_ge(addr, target):
-    """Spin until the local int64 counter at ``addr`` reaches ``target`` (acquire, system scope)."""
-    p = as_ptr(addr, tl.int64)
-    while tl.atomic_add(p, 0, sem="acquire", scope="sys") < target:
-        pass
 
 
 # ---- NVSHMEM device API (declared here; linked from libnvshmem_device.bc by the host) ----

@@ -16,7 +16,7 @@ import torch
 from .symm import combine_grad_steps, combine_steps, dispatch_grad_steps, dispatch_steps
 from .symm_buffers import SymmBuffers
 
-__all__ = ["EmulatedWorld", "run_lockstep"]
+__all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
 
 
 def run_lockstep(gens: list) -> list:
@@ -79,3 +79,31 @@ class EmulatedWorld:
     def close(self) -> None:
         for b in self.buffers:
             b.close()
+
+
+def reference_dispatch(xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor], num_experts: int):
+    """Pure-torch oracle of a W-rank dispatch, independent of ``layout.py``: returns per rank the
+    received rows ``[n_d, D]`` (expert-major, then source rank, then source slot) and the ``[e]``
+    rows per local expert. One stable sort of every slot of the world by (expert, source, slot)."""
+    W = len(xs_TD)
+    e = num_experts // W
+    s_max = max(1, max(int(i.numel()) for i in idxs_TK))
+    keys, rows = [], []
+    for s, (x, idx) in enumerate(zip(xs_TD, idxs_TK)):
+        K = idx.shape[1]
+        flat = idx.reshape(-1).long()
+        slot = torch.arange(flat.numel(), device=flat.device)
+        keys.append(flat * (W * s_max) + s * s_max + slot)
+        rows.append(x.index_select(0, torch.div(slot, K, rounding_mode="floor")))
+    key = torch.cat(keys)
+    order = torch.sort(key, stable=True).indices
+    all_rows = torch.cat(rows).index_select(0, order)
+    expert = torch.div(key[order], W * s_max, rounding_mode="floor")
+    per_expert = torch.bincount(expert, minlength=num_experts)
+    out, start = [], 0
+    for d in range(W):
+        cnt = per_expert[d * e:(d + 1) * e]
+        n = int(cnt.sum())
+        out.append((all_rows[start:start + n], cnt))
+        start += n
+    return out

@@ -18,6 +18,7 @@ of W virtual ranks phase by phase on one stream, so no kernel waits on a later l
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Generator, Optional
 
@@ -62,9 +63,18 @@ def _num_programs(device_str: str) -> int:
     return 2  # Triton interpreter: a couple of programs still exercises the persistent loops
 
 
-def _kernels():
-    from tlx import comm as k  # device code; imported on first use (no Triton work at import time)
-    return k
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels(device: torch.device):
+    """The ``tlx/comm`` kernels (imported on first use). Triton fixes compiled vs interpreted when
+    the kernels are decorated, from ``TRITON_INTERPRET``: CPU tensors need it set, CUDA ones unset."""
+    if (device.type == "cpu") != _interpreting():
+        raise ValueError(f"symmetric dispatch on {device.type} tensors needs TRITON_INTERPRET="
+                         f"{'1' if device.type == 'cpu' else '0'} (it is {os.environ.get('TRITON_INTERPRET')!r})")
+    from tlx import comm
+    return comm
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +114,7 @@ def _grid(n_blocks: int, dev: torch.device) -> tuple[int]:
 
 def _barrier(bufs: SymmBuffers, counts_E: Optional[torch.Tensor]):
     """Phase 1 of every op; returns the wait launcher (phase 2). See tlx/comm/dispatch.py."""
-    L, k = bufs.layout, _kernels()
+    L, k = bufs.layout, _kernels(bufs.device)
     W, E = L.world_size, L.num_experts
     be = triton_next_pow2(E)
     has = counts_E is not None
@@ -129,7 +139,7 @@ def _words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
 
 
 def _send_rows(bufs, src_RD, h_order, dest_rank, dest_row, S, K, src_is_slot):
-    L, k = bufs.layout, _kernels()
+    L, k = bufs.layout, _kernels(bufs.device)
     word = L.word_dtype
     src = _words(src_RD, word)
     bm, bw = _tiles(L.words)
@@ -142,7 +152,7 @@ def _send_rows(bufs, src_RD, h_order, dest_rank, dest_row, S, K, src_is_slot):
 
 
 def _recv_rows(bufs, recv_from_W, copy_out):
-    L, k = bufs.layout, _kernels()
+    L, k = bufs.layout, _kernels(bufs.device)
     bm, bw = _tiles(L.words)
     out = (torch.empty(L.n_cap, L.hidden, dtype=L.dtype, device=bufs.device) if copy_out
            else bufs.recv_view())
@@ -209,7 +219,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor, 
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, copy_out: bool = True) -> Steps:
     """Phases of one combine; returns ``y_TKD`` (row [t, k] = expert output of slot (t, k))."""
-    L, k = bufs.layout, _kernels()
+    L, k = bufs.layout, _kernels(bufs.device)
     wait = _barrier(bufs, None)
     yield
     wait()
@@ -238,7 +248,7 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TKD: torch.Tensor, h: SymmHandle) -
     yield
     wait()
     S = h.num_tokens * h.top_k
-    _send_rows(bufs, g_TKD.reshape(S, -1), h.order_S, h.dest_rank_sorted_S, h.dest_row_sorted_S, S,
+    _send_rows(bufs, g_TKD.reshape(S, bufs.layout.hidden), h.order_S, h.dest_rank_sorted_S, h.dest_row_sorted_S, S,
                h.top_k, src_is_slot=True)
     yield
     g_ND, _ = _recv_rows(bufs, h.recv_from_W, copy_out=True)
