@@ -26,6 +26,7 @@ fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,6 +99,9 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
     ep_group = pd.ep_group if pd.ep > 1 else None
     model = Transformer(cfg.model, ep_group=ep_group, gemm_backend=cfg.train.gemm_backend or None,
                         device=device, seed=cfg.train.seed)
+    # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the
+    # backward hook. Block adds it out of place (h + ffn(h)), so the warning does not apply here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoELayer\) returned a view")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in model.layers:
         if block.moe is not None:
