@@ -84,6 +84,11 @@ def train(cfg: Config, device: torch.device) -> list[float]:
               f"params total={pc.total / 1e6:.1f}M active={pc.active / 1e6:.1f}M flops/token={fpt / 1e9:.3f}G "
               f"peak={'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     moe_layers = model.moe_layers()
+    if moe_layers:  # which grouped-GEMM kernel the experts run (decided per call; same shapes each step)
+        from tlx_dist.grouped_gemm import select_backend
+        D, Fe, dt = cfg.model.dim, cfg.model.moe.moe_inter_dim, torch.bfloat16 if bf16 else torch.float32
+        x = torch.empty(8, D, dtype=dt, device=device)
+        log.print(f"grouped GEMM backend: {select_backend(x, x.new_empty(1, D, 2 * Fe), cfg.train.gemm_backend or None).name}")
     use_bias = cfg.model.moe.load_balance_bias
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
     losses: list[float] = []
