@@ -96,11 +96,11 @@ def _tiles(words: int) -> tuple[int, int]:
     bw = 512
     while bw > 64 and words % bw:
         bw //= 2
-    bw = min(bw, triton_next_pow2(words))
+    bw = min(bw, _next_pow2(words))
     return max(1, 2048 // bw), bw
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -116,10 +116,10 @@ def _barrier(bufs: SymmBuffers, counts_E: Optional[torch.Tensor]):
     """Phase 1 of every op; returns the wait launcher (phase 2). See tlx/comm/dispatch.py."""
     L, k = bufs.layout, _kernels(bufs.device)
     W, E = L.world_size, L.num_experts
-    be = triton_next_pow2(E)
+    be = _next_pow2(E)
     has = counts_E is not None
     _launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, bufs.pes, counts_E if has else bufs.peers,
-            bufs.rank, W=W, WP2=triton_next_pow2(2 * W), E=E, BLOCK_E=be, OFF_STATE=L.off_state,
+            bufs.rank, W=W, WP2=_next_pow2(2 * W), E=E, BLOCK_E=be, OFF_STATE=L.off_state,
             OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=has)
 
     def wait() -> Optional[torch.Tensor]:
@@ -145,7 +145,7 @@ def _send_rows(bufs, src_RD, h_order, dest_rank, dest_row, S, K, src_is_slot):
     bm, bw = _tiles(L.words)
     _launch(bufs, k._dispatch_send_kernel, _grid(_cdiv(S, bm), bufs.device),
             src, src.stride(0), h_order, dest_rank, dest_row, bufs.peers, bufs.pes, bufs.rank, S, K,
-            W=L.world_size, WP=triton_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
+            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
             WORDS=L.words, ROW_BYTES=L.row_bytes, OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive,
             OFF_SRC=L.off_src, OFF_RECV=L.off_recv, SRC_IS_SLOT=src_is_slot, BLOCK_M=bm, BLOCK_W=bw,
             num_warps=8)
@@ -159,7 +159,7 @@ def _recv_rows(bufs, recv_from_W, copy_out):
     src_N = torch.empty(L.n_cap, dtype=torch.int64, device=bufs.device)
     _launch(bufs, k._dispatch_recv_kernel, _grid(_cdiv(L.n_cap, bm), bufs.device),
             out.view(L.word_dtype), src_N, recv_from_W, bufs.peers, bufs.rank, nvshmem_arg=False,
-            W=L.world_size, WP=triton_next_pow2(L.world_size), N_CAP=L.n_cap, WORDS=L.words,
+            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, WORDS=L.words,
             OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive, OFF_SRC=L.off_src, OFF_RECV=L.off_recv,
             COPY_ROWS=copy_out, BLOCK_M=bm, BLOCK_W=bw, num_warps=8)
     return out, src_N
@@ -227,7 +227,7 @@ def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, copy_out
     bm, bw = _tiles(L.words)
     _launch(bufs, k._combine_send_kernel, _grid(_cdiv(L.n_cap, bm), bufs.device),
             y, y.stride(0), h.src_N, h.recv_from_W, bufs.peers, bufs.pes, bufs.rank,
-            W=L.world_size, WP=triton_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
+            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
             WORDS=L.words, ROW_BYTES=L.row_bytes, OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb,
             BLOCK_M=bm, BLOCK_W=bw, num_warps=8)
     yield
