@@ -3,7 +3,7 @@ and the JSONL / TensorBoard / plot outputs are written.
 
 Golden tolerance rtol=1e-4: the run is deterministic on one machine, but another CPU (AVX2 vs
 AVX-512 kernels), thread count or torch build sums in another order. Measured here: 1 vs 2 threads
-differ by 1.7e-7 relative over 40 steps, and 1 vs 2 ranks by under 2e-5 (test_train_dist.py).
+differ by 1.7e-7 relative over 40 steps, and 1 vs 2 ranks by 2.3e-7 over 20 (test_train_dist.py).
 1e-4 sits above those reorderings and ~100x below the loss change of one step (~1e-2), so a change
 to the model, optimizer, schedule, data order or initialisation still fails it.
 """
