@@ -37,6 +37,9 @@ class Backend:
     wgrad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     supports: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
     priority: int  # lower is preferred
+    # Chosen automatically for CPU tensors? Kernel backends can run on CPU only interpreted
+    # (TRITON_INTERPRET=1), which is for tests: they run there when pinned, never by default.
+    auto_on_cpu: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -90,7 +93,10 @@ def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[st
             raise ValueError(f"grouped_mm backend={name!r} cannot run these operands: {why}")
         return b
     _ensure_loaded()
+    on_cpu = x_ND.device.type == "cpu"
     for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
+        if on_cpu and not b.auto_on_cpu:
+            continue
         if b.supports(x_ND, w_EDF) is None:
             return b
     raise AssertionError("the reference backend supports every input")  # pragma: no cover
@@ -138,7 +144,6 @@ def _torch_wgrad(x_ND, dy_NF, offsets_E):
     return torch._grouped_mm(x_ND.t(), dy_NF, offsets_E.to(torch.int32))
 
 
-register_backend(Backend("torch", _torch_mm, _torch_wgrad, _torch_supports, priority=30))
-register_backend(
-    Backend("reference", grouped_mm_ref, grouped_mm_wgrad_ref, lambda x, w: None, priority=100)
-)
+register_backend(Backend("torch", _torch_mm, _torch_wgrad, _torch_supports, priority=30, auto_on_cpu=True))
+register_backend(Backend("reference", grouped_mm_ref, grouped_mm_wgrad_ref, lambda x, w: None, priority=100,
+                         auto_on_cpu=True))
