@@ -27,6 +27,14 @@ from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E4
 DEV = "cuda"
 
 
+def _close_ksum(ref, ours, K):
+    """Gradients that differ only in how a K-term bf16 sum is rounded (index_add rounds after each
+    add, in atomic order; the symm backward rounds once from fp32): each of the K roundings is at
+    most half a bf16 ulp (2**-8 relative) of a partial sum bounded by K * max|term|."""
+    atol = K * K * 2.0 ** -9 * float(ref.abs().max())
+    assert float((ours.float() - ref.float()).abs().max()) <= atol
+
+
 def _idx(g, T, K, E, W, kind):
     if kind == "random":
         return torch.rand(T, E, generator=g, device=DEV).topk(K, dim=1).indices
@@ -173,7 +181,10 @@ def test_world_size_one_torch_symmetric_memory():
             gy = torch.randn_like(y)
             (y.float() * gy.float()).sum().backward()
             (ly.float() * gy.float()).sum().backward()
-            assert torch.equal(x.grad, x2.grad)
+            # Dispatch backward sums the K slot gradients of a token: ours in fp32 then one rounding
+            # (exactly torch's bf16 sum over k); LocalDispatcher's index_add rounds after every add.
+            assert torch.equal(x.grad, (gy * 3).sum(1))
+            _close_ksum(x2.grad, x.grad, K)
 
             cfg = MoEConfig(dim=512, moe_inter_dim=256, num_experts=16, top_k=4, dtype="bfloat16")
             torch.manual_seed(0)
@@ -186,7 +197,7 @@ def test_world_size_one_torch_symmetric_memory():
             assert torch.equal(oa, ob)
             oa.float().square().sum().backward()
             ob.float().square().sum().backward()
-            assert torch.equal(xa.grad, xb.grad)
+            _close_ksum(xa.grad, xb.grad, cfg.top_k)
             for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
                 assert torch.equal(pa.grad, pb.grad), n
             bufs.close()

@@ -21,6 +21,12 @@ pytestmark = [
 ]
 
 
+def _close_ksum(ref, ours, K):
+    """Differ only in the rounding of a K-term bf16 sum (see tests/test_symm_gpu.py)."""
+    atol = K * K * 2.0 ** -9 * float(ref.abs().max())
+    assert float((ours.float() - ref.float()).abs().max()) <= atol
+
+
 @pytest.fixture(scope="module")
 def group():
     import torch.distributed as dist
@@ -64,7 +70,9 @@ def test_symm_matches_all_to_all(group, kind):
     gy = torch.randn(ys.shape, device="cuda", generator=g).to(torch.bfloat16)
     (ys.float() * gy.float()).sum().backward()
     (ya.float() * gy.float()).sum().backward()
-    assert torch.equal(xs.grad, xa.grad)
+    owner_scale = (1 + idx // (E // W)).to(torch.bfloat16)[..., None]
+    assert torch.equal(xs.grad, (gy * owner_scale).sum(1))  # one rounding of the fp32 k-sum
+    _close_ksum(xa.grad, xs.grad, K)
     sd.check()
     bufs.close()
 
@@ -87,6 +95,6 @@ def test_moe_layer_symm_vs_all_to_all(group):
     assert torch.equal(oa, ob)
     oa.float().square().sum().backward()
     ob.float().square().sum().backward()
-    assert torch.equal(xa.grad, xb.grad)
+    _close_ksum(xa.grad, xb.grad, cfg.top_k)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa.grad, pb.grad), name

@@ -8,8 +8,9 @@ A backend provides two device functions with one contract (see ``reference.py`` 
 and ``supports(x_ND, w_EDF) -> str | None`` -- ``None`` when it can run these operands, else the
 reason it cannot (used in error messages when a backend is forced).
 
-Order of preference: ``tlx`` (TLX kernels, sm_90 / sm_100) -> ``triton`` (stock-Triton kernel) ->
-``torch`` (``torch._grouped_mm``) -> ``reference`` (the loop; any device and dtype). Kernel backends
+Order of preference: ``tlx`` (TLX kernels, sm_90 / sm_100) -> ``torch`` (``torch._grouped_mm``,
+sm_90+ bf16) -> ``triton`` (stock-Triton kernel: AMD and older GPUs, where ``torch._grouped_mm``
+cannot run; slower than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends
 register themselves when their modules import; ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
 ``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
 silent fallback.
