@@ -175,3 +175,94 @@ def test_cuda_graph_capture(backend):
     _close(dx, grouped_mm_ref(dy, wt, off), grouped_mm_ref(dy.double(), wt.double(), off), f"{backend} graph dX")
     _close(dw, grouped_mm_wgrad_ref(x, dy, off), grouped_mm_wgrad_ref(x.double(), dy.double(), off),
            f"{backend} graph dW")
+
+
+# --- TLX Hopper scheduling paths: longest-expert-first dW with atomic tile claims, GROUP_M raster ---
+
+needs_tlx = pytest.mark.skipif("tlx" not in BACKENDS, reason="the TLX backend is not available here")
+
+
+def _wgrad_check(counts, N, D, F, what, seed=0):
+    torch.manual_seed(seed)
+    off = _offsets(counts)
+    x = torch.randn(N, D, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(N, F, device=DEV, dtype=torch.bfloat16)
+    _poison(len(counts) * D * F * 2)
+    dw = get_backend("tlx").wgrad(x, dy, off)
+    _close(dw, grouped_mm_wgrad_ref(x, dy, off), grouped_mm_wgrad_ref(x.double(), dy.double(), off), what)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert (dw[e] == 0).all(), f"{what}: expert {e} has no rows but non-zero gradient"
+    return x, dy, off, dw
+
+
+# (counts, N, D, F, why); each has more dW tiles than the H200's 132 SMs, so CTAs claim tiles
+# from the atomic counter more than once.
+LPT_CASES = [
+    (_zipf_counts(16384, 64, seed=3), 16384, 256, 512, "Zipf s=1.2 over 64 experts: heavy experts claimed first"),
+    ([0] * 20 + [8192] + [0] * 43, 8192, 256, 512, "one expert owns every row; 63 zero-row experts must store zeros"),
+    ([700, 0, 0, 1, 3000, 0, 64, 129] * 8, 31153, 128, 768, "zero-row and 1-row experts among heavy ones; 1 padding row"),
+    (_zipf_counts(8192, 8, seed=1), 8192, 512, 4096, "Mixtral-like: 8 experts, wide F (GROUP_M=8 raster)"),
+]
+
+
+@needs_tlx
+@pytest.mark.parametrize("counts,N,D,F,why", LPT_CASES, ids=[c[-1][:40] for c in LPT_CASES])
+def test_tlx_dw_lpt_matches_static_and_ref(counts, N, D, F, why, monkeypatch):
+    x, dy, off, dw = _wgrad_check(counts, N, D, F, f"tlx dW lpt ({why})")
+    # Same tiles, same K order, only the walk differs: the static walk must agree bit for bit.
+    monkeypatch.setenv("TLX_DIST_GROUPED_MM_DW_SCHED", "static")
+    dw_static = get_backend("tlx").wgrad(x, dy, off)
+    assert torch.equal(dw, dw_static), "lpt and static dW walks differ (they must be bitwise equal)"
+    # Deterministic across runs despite the atomic claims.
+    monkeypatch.setenv("TLX_DIST_GROUPED_MM_DW_SCHED", "lpt")
+    assert torch.equal(dw, get_backend("tlx").wgrad(x, dy, off)), "dW not deterministic"
+
+
+@needs_tlx
+@pytest.mark.parametrize("cfg", ["", "BM=128,BN=256,BK=64,STAGES=3,GROUP_M=8", "BM=128,BN=128,BK=64,STAGES=5,GROUP_M=8",
+                                 "BM=256,BN=128,BK=64,STAGES=3,GROUP_M=8", "BM=128,BN=256,BK=32,STAGES=6,GROUP_M=8"])
+def test_tlx_wide_forms_group_raster(cfg, monkeypatch):
+    # Wide outputs take the GROUP_M raster by default (fwd: F=4096, dX: D=4096, dW: F=4096); the
+    # m-tile count (27 + padding) is no multiple of GROUP_M, so the last group is partial. Also the
+    # autotune candidates, pinned one by one.
+    if cfg:
+        monkeypatch.setenv("TLX_DIST_GROUPED_MM_CONFIG", cfg)
+    counts = [1000, 0, 1, 1500, 37, 500]
+    for D, F in ((256, 4096), (4096, 256)):
+        _all_forms("tlx", counts, 3100, D, F)
+
+
+@needs_tlx
+def test_tlx_cuda_graph_replays_rezero_the_tile_counter():
+    # The dW tile counter is zeroed inside the graph (a memset node): two replays with different
+    # routings must both be right. 256 dW tiles > 132 SMs, F=4096 -> GROUP_M=8 in fwd and dW.
+    torch.manual_seed(4)
+    N, D, F, E = 1024, 256, 4096, 8
+    x = torch.randn(N, D, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(E, D, F, device=DEV, dtype=torch.bfloat16) / 16
+    dy = torch.randn(N, F, device=DEV, dtype=torch.bfloat16)
+    off = _offsets([128] * E)
+    b = get_backend("tlx")
+    for _ in range(2):
+        b.mm(x, w, off), b.mm(dy, w.transpose(1, 2), off), b.wgrad(x, dy, off)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = b.mm(x, w, off)
+        dx = b.mm(dy, w.transpose(1, 2), off)
+        dw = b.wgrad(x, dy, off)
+    wt = w.transpose(1, 2)
+    for counts in ([0, 900, 1, 0, 100, 0, 0, 23], [1024, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]):
+        off.copy_(_offsets(counts))
+        g.replay()
+        torch.cuda.synchronize()
+        end = sum(counts)
+        _close(y, grouped_mm_ref(x, w, off), grouped_mm_ref(x.double(), w.double(), off), f"graph fwd {counts}")
+        assert (y[end:] == 0).all()
+        _close(dx, grouped_mm_ref(dy, wt, off), grouped_mm_ref(dy.double(), wt.double(), off), f"graph dX {counts}")
+        _close(dw, grouped_mm_wgrad_ref(x, dy, off), grouped_mm_wgrad_ref(x.double(), dy.double(), off),
+               f"graph dW {counts}")
+        for e, c in enumerate(counts):
+            if c == 0:
+                assert (dw[e] == 0).all(), f"graph dW {counts}: expert {e} not zero"

@@ -13,6 +13,13 @@ The number of tiles is ``tile_cum_E1[E] * tiles_n``, read on the device: the hos
 
 Weight gradient (ragged K). Every expert has the same ``tiles_m * tiles_n`` output tiles, so
 ``e = t // (tiles_m * tiles_n)`` needs no search; the K loop runs over the expert's rows.
+Under imbalanced routing the tiles of a heavy expert are far longer than the rest; a static
+round-robin over tiles then leaves the SMs holding them busy long after the others are done. So the
+Hopper kernel walks the dW tiles longest-first (LPT): ``_lpt_order_kernel`` ranks the experts by row
+count on the device (ties by index, so the order is deterministic) into ``order_E``, tile ``t``
+belongs to expert ``order_E[t // (tiles_m * tiles_n)]``, and each CTA claims its next tile from an
+atomic counter when its producer is done issuing the current one (greedy list scheduling). Every
+tile is still computed whole by one CTA in a fixed K order: results are bitwise deterministic.
 
 Ragged TMA. One descriptor over a packed ``[N, C]`` tensor can be bounded to the rows of one expert:
 the descriptor is 4-D with dims ``[2^31-ish, 2^31-ish, 2^30, C]`` and strides ``[2^34 - s, s, s, 1]``
@@ -40,6 +47,29 @@ def _grouped_tile_prep_kernel(offsets_ptr, tile_cum_ptr, E, N_ROWS, BM: tl.const
     m_tiles = (cnt + BM - 1) // BM
     cum = tl.cumsum(m_tiles, axis=0)
     tl.store(tile_cum_ptr + idx, cum, mask=idx <= E)
+
+
+@triton.jit
+def _expert_counts(offsets_ptr, e, E):
+    ends = tl.load(offsets_ptr + e, mask=e < E, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=(e >= 1) & (e < E), other=0)
+    return tl.maximum(ends - starts, 0)
+
+
+@triton.jit
+def _lpt_order_kernel(offsets_ptr, order_ptr, E, BLOCK: tl.constexpr):
+    """order[r] = the expert with the r-th most rows (ties: lower index first), r in [0, E).
+    grid = cdiv(E, BLOCK); rank of e = #{j : cnt_j > cnt_e or (cnt_j == cnt_e and j < e)}."""
+    ei = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cnt_i = _expert_counts(offsets_ptr, ei, E)
+    rank = tl.zeros((BLOCK,), dtype=tl.int32)
+    for j0 in range(0, E, BLOCK):
+        ej = j0 + tl.arange(0, BLOCK)
+        cnt_j = _expert_counts(offsets_ptr, ej, E)
+        before = (cnt_j[None, :] > cnt_i[:, None]) | ((cnt_j[None, :] == cnt_i[:, None]) & (ej[None, :] < ei[:, None]))
+        before = before & (ej[None, :] < E)
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, ei, mask=ei < E)
 
 
 @triton.jit
@@ -91,6 +121,47 @@ def wgrad_tile(t, offsets_ptr, E, N_ROWS, tiles_m, tiles_n):
     r = t % per_e
     lo, cnt = expert_rows(offsets_ptr, e, E, N_ROWS)
     return e, lo, cnt, r // tiles_n, r % tiles_n
+
+
+@triton.jit
+def group_raster(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a ``tiles_m x tiles_n`` grid -> (m, n), walking GROUP_M rows of tiles column by
+    column, so the tiles in flight at once share GROUP_M A row-blocks and a few B column-blocks in L2
+    instead of all of B. GROUP_M == 1 is the plain row-major walk."""
+    if GROUP_M == 1:
+        m = t // tiles_n
+        n = t % tiles_n
+    else:
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        r = t % per_group
+        m = first_m + r % rows
+        n = r // rows
+    return m, n
+
+
+@triton.jit
+def mm_tile_grouped(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """``mm_tile`` with the GROUP_M raster over the global m-tiles (groups may straddle experts)."""
+    m_glob, n_idx = group_raster(t, tl.load(tile_cum_ptr + E), tiles_n, GROUP_M)
+    e = _search_expert(tile_cum_ptr, E, m_glob, SEARCH_STEPS)
+    before = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
+    before = tl.where(e > 0, before, 0)
+    lo, cnt = expert_rows(offsets_ptr, e, E, N_ROWS)
+    return e, lo, cnt, m_glob - before, n_idx
+
+
+@triton.jit
+def wgrad_tile_lpt(t, order_ptr, offsets_ptr, E, N_ROWS, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Like ``wgrad_tile`` but tile ``t`` walks the experts longest-first (``order_E``) and the
+    tiles of one expert in the GROUP_M raster."""
+    per_e = tiles_m * tiles_n
+    e = tl.load(order_ptr + t // per_e)
+    mt, nt = group_raster(t % per_e, tiles_m, tiles_n, GROUP_M)
+    lo, cnt = expert_rows(offsets_ptr, e, E, N_ROWS)
+    return e, lo, cnt, mt, nt
 
 
 @triton.jit

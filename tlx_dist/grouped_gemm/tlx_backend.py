@@ -15,6 +15,11 @@ Tile configs are a frozen dataclass; the choice is cached per scalar key (form, 
 bucket, dtype, arch). ``TLX_DIST_GROUPED_MM_CONFIG="BM=128,BN=256,BK=64,STAGES=3"`` pins one;
 ``TLX_DIST_GROUPED_MM_AUTOTUNE=1`` times the candidates once per key on the real operands (never
 while a CUDA graph is being captured). Nothing reads device values on the host.
+
+Hopper dW walks its tiles longest expert first and claims them from an atomic counter (see
+tlx/common/scheduler.py): the heavy experts of imbalanced routing start first and the other SMs
+fill in around them. ``TLX_DIST_GROUPED_MM_DW_SCHED=static`` restores the plain round-robin walk
+(for A/B measurements). Both are deterministic: each tile is summed whole by one CTA in K order.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ import tlx
 
 from .backends import Backend, register_backend
 
-__all__ = ["GroupedGemmConfig", "CANDIDATES", "pick_config", "kernel_signature", "ENV_CONFIG", "ENV_AUTOTUNE"]
+__all__ = ["GroupedGemmConfig", "CANDIDATES", "pick_config", "kernel_signature", "ENV_CONFIG", "ENV_AUTOTUNE",
+           "ENV_DW_SCHED"]
 
 ENV_CONFIG = "TLX_DIST_GROUPED_MM_CONFIG"
 ENV_AUTOTUNE = "TLX_DIST_GROUPED_MM_AUTOTUNE"
+ENV_DW_SCHED = "TLX_DIST_GROUPED_MM_DW_SCHED"
 _ARCH_CC = {"sm_90": 90, "sm_100": 100}
 
 
@@ -44,6 +51,7 @@ class GroupedGemmConfig:
     BN: int = 256
     BK: int = 64
     STAGES: int = 3
+    GROUP_M: int = 1  # rows of tiles walked together (L2 reuse); Hopper only, 1 = row-major
 
     def __post_init__(self):
         for f in ("BM", "BN", "BK"):
@@ -54,6 +62,8 @@ class GroupedGemmConfig:
             raise ValueError(f"GroupedGemmConfig.BM={self.BM} must be 128 or 256 (two consumer groups of BM/2 rows)")
         if not 2 <= self.STAGES <= 8:
             raise ValueError(f"GroupedGemmConfig.STAGES={self.STAGES} must be in [2, 8]")
+        if self.GROUP_M not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GroupedGemmConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
 
     def smem_bytes(self, cc: int) -> int:
         ring = self.STAGES * (self.BM * self.BK + self.BK * self.BN) * 2
@@ -76,7 +86,9 @@ class GroupedGemmConfig:
 
 
 CANDIDATES = {
-    90: (GroupedGemmConfig(128, 256, 64, 3), GroupedGemmConfig(128, 128, 64, 4), GroupedGemmConfig(256, 128, 64, 3)),
+    90: (GroupedGemmConfig(128, 256, 64, 3), GroupedGemmConfig(128, 128, 64, 4), GroupedGemmConfig(256, 128, 64, 3),
+         GroupedGemmConfig(128, 256, 64, 3, 8), GroupedGemmConfig(128, 128, 64, 5, 8),
+         GroupedGemmConfig(256, 128, 64, 3, 8), GroupedGemmConfig(128, 256, 32, 6, 8)),
     100: (GroupedGemmConfig(128, 256, 64, 3), GroupedGemmConfig(128, 128, 64, 4)),
 }
 _SMEM_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
@@ -139,7 +151,11 @@ def _default_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int) ->
     # narrow outputs waste half a 256-wide tile, so take 128x128 there.
     if NN <= 128 or (NN % 256 and NN % 256 <= 128 and NN < 1024):
         return GroupedGemmConfig(128, 128, 64, 4)
-    return GroupedGemmConfig(128, 256, 64, 3)
+    # Wide outputs (>= 16 column tiles, e.g. Mixtral's F=14336): a row-major walk has the 132 tiles in
+    # flight read all of B (117 MB for one Mixtral expert, twice the L2) per wave; walking 8 rows of
+    # tiles together keeps ~45 MB of operands in flight instead.
+    group_m = 8 if cc == 90 and -(-NN // 256) >= 16 else 1
+    return GroupedGemmConfig(128, 256, 64, 3, group_m)
 
 
 def pick_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int, dtype: torch.dtype,
@@ -190,16 +206,40 @@ def _c_cols(cc: int, cfg: GroupedGemmConfig) -> int:
 
 
 def _launch(cc, cfg, wgrad, b_kmajor, a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN,
-            n_tiles_bound, device):
+            n_tiles_bound, device, order=None):
     from .triton_backend import search_steps
 
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     grid = (max(1, min(sms, n_tiles_bound)),)
-    _kernel(cc)[grid](
-        a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN,
-        WGRAD=wgrad, B_KMAJOR=b_kmajor, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES,
-        NUM_SMS=grid[0], SEARCH_STEPS=search_steps(E), num_warps=4, num_stages=1,
-    )
+    common = dict(WGRAD=wgrad, B_KMAJOR=b_kmajor, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES,
+                  NUM_SMS=grid[0], SEARCH_STEPS=search_steps(E), num_warps=4, num_stages=1)
+    if cc == 90:
+        common["GROUP_M"] = cfg.GROUP_M
+        # order is None: static round-robin tile walk; else longest-expert-first + atomic tile claims
+        # from a counter zeroed here (a memset node under CUDA-graph capture).
+        dynamic = order is not None
+        sched = torch.zeros(1, dtype=torch.int32, device=device) if dynamic else tile_cum
+        _kernel(cc)[grid](a_desc, b_desc, c_desc, offsets, tile_cum, order if dynamic else tile_cum, sched,
+                          n_rows, E, M_DIM, K_DIM, NN, DYNAMIC=dynamic, **common)
+    else:
+        _kernel(cc)[grid](a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN, **common)
+
+
+def _dw_schedule() -> str:
+    mode = os.environ.get(ENV_DW_SCHED, "lpt")
+    if mode not in ("lpt", "static"):
+        raise ValueError(f"{ENV_DW_SCHED}={mode!r} must be 'lpt' or 'static'")
+    return mode
+
+
+def _lpt_order(offsets: torch.Tensor) -> torch.Tensor:
+    """``[E]`` int32 on the device: experts by row count, largest first (ties by index)."""
+    from tlx.common.scheduler import _lpt_order_kernel
+
+    E = offsets.shape[0]
+    order = torch.empty(E, dtype=torch.int32, device=offsets.device)
+    _lpt_order_kernel[(-(-E // 64),)](offsets, order, E, BLOCK=64, num_warps=4)
+    return order
 
 
 def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
@@ -248,7 +288,9 @@ def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF):
     b_desc = ragged_descriptor(dy_NF, cfg.BK, cfg.BN)
     c_desc = TensorDescriptor(dw_EDF, [E, D, F], [D * F, F, 1], [1, _a_rows(cc, cfg), _c_cols(cc, cfg)])
     bound = E * -(-D // cfg.BM) * -(-F // cfg.BN)
-    _launch(cc, cfg, True, False, a_desc, b_desc, c_desc, offsets, offsets, N, E, D, N, F, bound, x_ND.device)
+    order = _lpt_order(offsets) if cc == 90 and _dw_schedule() == "lpt" else None
+    _launch(cc, cfg, True, False, a_desc, b_desc, c_desc, offsets, offsets, N, E, D, N, F, bound, x_ND.device,
+            order=order)
 
 
 def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -270,7 +312,7 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
 
 
 def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[GroupedGemmConfig] = None,
-                     E: int = 64, dtype: str = "bf16"):
+                     E: int = 64, dtype: str = "bf16", dynamic: Optional[bool] = None):
     """(kernel, signature, constexprs, options) for ``triton.compile`` without a GPU (tests)."""
     from .triton_backend import search_steps
 
@@ -284,10 +326,15 @@ def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[Grouped
         a = f"tensordesc<{dtype}[{ar},{cfg.BK}]>"
         b = f"tensordesc<{dtype}[1,{cfg.BN},{cfg.BK}]>" if b_kmajor else f"tensordesc<{dtype}[1,{cfg.BK},{cfg.BN}]>"
         c = f"tensordesc<{dtype}[1,1,{ar},{cc_cols}]>"
-    sig = {"a_desc": a, "b_desc": b, "c_desc": c, "offsets_ptr": "*i32", "tile_cum_ptr": "*i32",
-           "N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32"}
-    constexprs = {"WGRAD": wgrad, "B_KMAJOR": b_kmajor, "BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK,
-                  "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132, "SEARCH_STEPS": search_steps(E)}
+    sig = {"a_desc": a, "b_desc": b, "c_desc": c, "offsets_ptr": "*i32", "tile_cum_ptr": "*i32"}
+    constexprs = {"WGRAD": wgrad, "B_KMAJOR": b_kmajor}
+    if cc == 90:  # the Hopper kernel's dW walks tiles longest-expert-first with atomic claims
+        sig.update({"order_ptr": "*i32", "sched_ptr": "*i32"})
+        constexprs["DYNAMIC"] = wgrad if dynamic is None else dynamic
+        constexprs["GROUP_M"] = cfg.GROUP_M
+    sig.update({"N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32"})
+    constexprs.update({"BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
+                       "SEARCH_STEPS": search_steps(E), **constexprs})
     for k in constexprs:
         sig[k] = "constexpr"
     return _kernel(cc), sig, constexprs, {"num_warps": 4, "num_stages": 1}
