@@ -89,7 +89,10 @@ def test_auto_backend_on_cpu_and_alignment_fallback():
     with pytest.raises(ValueError, match="backend='torch' cannot run"):
         grouped_mm(x7, w7, _offsets([1, 3]), backend="torch")
     torch.testing.assert_close(grouped_mm(x7, w7, _offsets([1, 3])), grouped_mm_ref(x7, w7, _offsets([1, 3])))
-    assert available_backends()[-2:] == ["torch", "reference"]
+    order = available_backends()
+    assert order[-1] == "reference"
+    if "triton" in order:  # the portable kernel only where torch._grouped_mm cannot run
+        assert order.index("torch") < order.index("triton")
 
 
 def test_env_pins_backend(monkeypatch):

@@ -1,4 +1,4 @@
-"""Runs tests/test_symm_dispatch.py (the symmetric-memory kernels under the Triton interpreter, on
+"""Runs tests/symm_interpreted_cases.py (the symmetric-memory kernels under the Triton interpreter, on
 CPU) in a child pytest with TRITON_INTERPRET=1, so that this process keeps compiling kernels."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_symm_dispatch_interpreted_suite():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not multigpu",
-                        os.path.join(here, "test_symm_dispatch.py")],
+                        os.path.join(here, "symm_interpreted_cases.py")],
                        cwd=root, env=env, capture_output=True, text=True, timeout=540)
     tail = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail

@@ -60,7 +60,23 @@ def init_distributed() -> torch.device:
     return device
 
 
-def train(cfg: Config, device: torch.device) -> list[float]:
+def _profiler(steps: int, rank: int):
+    """A torch.profiler over ``steps`` steps after 3 warm-up steps (``--profile N``), or a no-op."""
+    if steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def report(p):
+        if rank == 0:
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            print(p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60), flush=True)
+
+    return profile(activities=acts, schedule=schedule(wait=0, warmup=3, active=steps, repeat=1), on_trace_ready=report)
+
+
+def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[float]:
     """Runs ``cfg`` to ``train.steps`` (resuming if a checkpoint exists); returns rank 0's
     per-step losses (cross-entropy averaged over all ranks) for the steps it ran."""
     pd = build_mesh(cfg, device.type)
@@ -98,6 +114,9 @@ def train(cfg: Config, device: torch.device) -> list[float]:
         torch.cuda.reset_peak_memory_stats(device)
     t_last, steps_since = time.perf_counter(), 0
 
+    prof = _profiler(profile_steps, pd.rank)
+    if prof is not None:
+        prof.start()
     model.train()
     for step in range(start + 1, cfg.train.steps + 1):
         inputs, targets = loader.next_batch()
@@ -145,6 +164,11 @@ def train(cfg: Config, device: torch.device) -> list[float]:
             counts_LE.zero_()
             t_last, steps_since = time.perf_counter(), 0
 
+        if prof is not None:
+            prof.step()
+            if step - start == 3 + profile_steps:
+                prof.stop()
+                prof = None
         if ck.every and step % ck.every == 0:
             save_checkpoint(ck.dir, step, model, optimizer, scheduler, loader, pd)
         if cfg.train.crash_at_step and step == cfg.train.crash_at_step:
@@ -161,13 +185,15 @@ def main(argv=None) -> int:
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted key, e.g. train.steps=20 (repeatable)")
     ap.add_argument("--losses-out", default="", help="write rank 0's per-step losses as JSON here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile N steps after 3 warm-up steps; rank 0 prints the top kernels by self time")
     args = ap.parse_args(argv)
     cfg = load_config(resolve_config_path(args.config), args.override)
     device = init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     try:
-        losses = train(cfg, device)
+        losses = train(cfg, device, args.profile)
         if args.losses_out and dist.get_rank() == 0:
             import json
             Path(args.losses_out).write_text(json.dumps(losses))
