@@ -23,8 +23,8 @@ from tlx_dist.comm.symm_buffers import SymmBuffers, SymmLayout  # noqa: E402
 from tlx_dist.comm.topology import Topology  # noqa: E402
 
 # Triton fixes interpret-or-compile per kernel when it is decorated, for the whole process, so this
-# module runs in a child pytest with TRITON_INTERPRET=1 (tests/test_symm_interpreted.py runs this file; its name keeps pytest from collecting it directly);
-# the parent process stays on the real compiler for the compile and GPU tests beside it.
+# module runs in a child pytest with TRITON_INTERPRET=1, started by tests/test_symm_interpreted.py
+# (its name keeps pytest from collecting it in the parent, which stays on the real compiler).
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
 

@@ -112,6 +112,8 @@ def _torch_supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
     if x_ND.dtype not in (torch.bfloat16, torch.float32) or w_EDF.dtype != x_ND.dtype:
         return f"dtype {x_ND.dtype} (needs bfloat16, or float32 on CPU)"
     if x_ND.is_cuda:
+        if getattr(torch.version, "hip", None):
+            return "torch._grouped_mm is not used on ROCm (the portable Triton kernel is)"
         if torch.cuda.get_device_capability(x_ND.device)[0] < 9 or x_ND.dtype != torch.bfloat16:
             return "torch._grouped_mm on CUDA needs sm_90+ and bfloat16"
     elif x_ND.device.type != "cpu":
