@@ -210,7 +210,8 @@ def _grouped_gemm_hopper_kernel(
                     it = _produce_tile(t, it, a_desc, b_desc, a_buf, b_buf, full, empty, tile_cum_ptr, offsets_ptr,
                                        order_ptr, E, N_ROWS, M_DIM, K_DIM, tiles_n, WGRAD, B_KMAJOR, DYNAMIC, BM, BN,
                                        BK, NUM_STAGES, SEARCH_STEPS, GROUP_M)
-                    t = tl.atomic_add(sched_ptr, 1) + NUM_SMS
+                    # Relaxed: the counter only hands out ids; no data is published through it.
+                    t = tl.atomic_add(sched_ptr, 1, sem="relaxed") + NUM_SMS
                     n += 1
                 slot = n % 2  # the end marker
                 tlx.barrier_wait(tid_empty[slot], ((n // 2) & 1) ^ 1)
