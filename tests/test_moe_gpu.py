@@ -31,7 +31,12 @@ def test_bf16_gpu_layer_vs_fp64_loop(backend):
     (ref, idx_ref, _, _), _ = reference_of(layer64, x)
     (same, idx_same, _, _), _ = reference_of(clone_layer(layer64, "bfloat16"), x.bfloat16())
     out = layer(x.bfloat16().cuda()).cpu()
-    agree = (idx_same.sort(1).values == idx_ref.sort(1).values).all(1)  # bf16 near-ties may flip
+    # Routing is a discrete choice: on near-ties the bf16 loop (bf16 logits), the layer (fp32 logits
+    # of bf16 inputs) and the fp64 loop may pick different experts. Compare the tokens all three
+    # route alike, and require that to be most of them.
+    idx_layer = layer.router(x.bfloat16().cuda()).idx_TK.cpu()
+    agree = ((idx_same.sort(1).values == idx_ref.sort(1).values).all(1)
+             & (idx_layer.sort(1).values == idx_ref.sort(1).values).all(1))
     assert agree.float().mean() > 0.8
     assert_close_to_ref(out[agree], ref[agree], same[agree], name=f"out bf16 gpu backend={backend}")
 

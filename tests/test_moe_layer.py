@@ -125,9 +125,12 @@ def test_bfloat16_layer_within_torch_error():
     (ref, idx_ref, _, _), _ = reference_of(layer64, x)
     (same, idx_same, _, _), _ = reference_of(layer16, x.to(torch.bfloat16))
     out = layer16(x.to(torch.bfloat16))
-    # Routing decided in fp32 from bf16 inputs may differ from fp64 routing on near ties; compare
-    # only where the bf16 loop routes like the fp64 loop.
-    agree = (idx_same.sort(1).values == idx_ref.sort(1).values).all(1)
+    # Routing is a discrete choice: on near-ties the bf16 loop (bf16 logits), the layer (fp32 logits
+    # of bf16 inputs) and the fp64 loop may pick different experts. Compare the tokens all three
+    # route alike, and require that to be most of them.
+    idx_layer = layer16.router(x.to(torch.bfloat16)).idx_TK
+    agree = ((idx_same.sort(1).values == idx_ref.sort(1).values).all(1)
+             & (idx_layer.sort(1).values == idx_ref.sort(1).values).all(1))
     assert agree.float().mean() > 0.8
     assert_close_to_ref(out[agree], ref[agree], same[agree], name="out bf16")
 

@@ -174,9 +174,11 @@ class MoELayer(nn.Module):
         y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
         y_TKD = self.dispatcher.combine(y_ND, handle)
 
-        # Weighted sum over k in the gates' dtype (fp32, or fp64 for an fp64 layer), then back.
-        gate_TK = route.gate_TK
-        out_TD = torch.bmm(gate_TK.unsqueeze(1), y_TKD.to(gate_TK.dtype)).squeeze(1).to(x.dtype)
+        # Weighted sum over k: products in the activation dtype (as the per-token loop does), the
+        # k-sum accumulated in fp32 and rounded once. No [T, K, D] fp32 copy, no batched tiny GEMMs.
+        w_TK1 = route.gate_TK.to(y_TKD.dtype).unsqueeze(-1)
+        acc = torch.promote_types(y_TKD.dtype, torch.float32)
+        out_TD = (y_TKD * w_TK1).sum(1, dtype=acc).to(x.dtype)
         if self.shared_w13 is not None:
             out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
         return out_TD.view(x.shape)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation
+from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation, permute_rows, replicate_rows
 from .layout import layout_from_counts, sort_slots
 
 __all__ = ["AllToAllDispatcher", "AllToAllHandle", "all_to_all_rows"]
@@ -93,14 +93,14 @@ class AllToAllDispatcher(Dispatcher):
         scatter_N = torch.repeat_interleave(block_start, block_counts, output_size=n_recv) + within
         gather_N = inverse_permutation(scatter_N)
 
-        send_SD = x_TD.index_select(0, torch.div(slots.order_S, K, rounding_mode="floor"))
+        inverse_S = inverse_permutation(slots.order_S)
+        send_SD = replicate_rows(x_TD, slots.order_S, inverse_S, K)
         recv_src_major = all_to_all_rows(send_SD, output_splits, input_splits, self.group)
-        recv_ND = recv_src_major.index_select(0, gather_N)
+        recv_ND = permute_rows(recv_src_major, gather_N, scatter_N)
         handle = AllToAllHandle(
             num_tokens=T, top_k=K, num_recv_rows=n_recv,
             offsets_e=layout.offsets_We[r].to(torch.int32), recv_counts_e=layout.recv_counts_We[r],
-            tokens_per_expert_E=slots.counts_E, order_S=slots.order_S,
-            inverse_S=inverse_permutation(slots.order_S),
+            tokens_per_expert_E=slots.counts_E, order_S=slots.order_S, inverse_S=inverse_S,
             input_splits=input_splits, output_splits=output_splits, gather_N=gather_N, scatter_N=scatter_N)
         return recv_ND, handle
 
@@ -108,6 +108,7 @@ class AllToAllDispatcher(Dispatcher):
         self._check_combine(y_ND, handle)
         if not isinstance(handle, AllToAllHandle):
             raise TypeError(f"handle must come from AllToAllDispatcher.dispatch, got {type(handle).__name__}")
-        y_src_major = y_ND.index_select(0, handle.scatter_N)
+        y_src_major = permute_rows(y_ND, handle.scatter_N, handle.gather_N)
         y_sorted_SD = all_to_all_rows(y_src_major, handle.input_splits, handle.output_splits, self.group)
-        return y_sorted_SD.index_select(0, handle.inverse_S).view(handle.num_tokens, handle.top_k, y_ND.shape[1])
+        y_SD = permute_rows(y_sorted_SD, handle.inverse_S, handle.order_S)
+        return y_SD.view(handle.num_tokens, handle.top_k, y_ND.shape[1])

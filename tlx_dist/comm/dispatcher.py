@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DispatchHandle", "Dispatcher", "check_dispatch_args"]
+__all__ = ["DispatchHandle", "Dispatcher", "check_dispatch_args", "permute_rows", "replicate_rows", "inverse_permutation"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,49 @@ def check_dispatch_args(x_TD: torch.Tensor, idx_TK: torch.Tensor, num_experts: i
         lo, hi = int(idx_TK.min()), int(idx_TK.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"idx_TK holds expert ids in [{lo}, {hi}], outside [0, {num_experts})")
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``out = x[index]`` for a permutation ``index``; the backward gathers with its inverse (a
+    gather, not the atomic ``index_add`` autograd would use for ``index_select``)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _ReplicateRows(torch.autograd.Function):
+    """``out[i] = x_TD[order_S[i] // K]``: each token row once per slot, in slot order ``order_S``.
+    Backward: ``dx[t] = sum_k grad[inverse_S[t*K + k]]`` -- a gather and a k-sum accumulated in fp32
+    and rounded once, deterministic (``index_select``'s own backward is an atomic ``index_add``)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order_S, inverse_S, K):
+        ctx.save_for_backward(inverse_S)
+        ctx.K = K
+        return x_TD.index_select(0, torch.div(order_S, K, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse_S,) = ctx.saved_tensors
+        g_TKD = grad.index_select(0, inverse_S).view(-1, ctx.K, grad.shape[1])
+        return g_TKD.sum(1, dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype), None, None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``x[index]`` for a permutation ``index`` whose inverse is ``inverse``."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+def replicate_rows(x_TD: torch.Tensor, order_S: torch.Tensor, inverse_S: torch.Tensor, K: int) -> torch.Tensor:
+    """Differentiable ``x_TD[order_S // K]`` (one row per (token, k) slot, in ``order_S`` order)."""
+    return _ReplicateRows.apply(x_TD, order_S, inverse_S, K)
 
 
 def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:

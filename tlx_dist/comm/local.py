@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation
+from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation, permute_rows, replicate_rows
 from .layout import sort_slots
 
 __all__ = ["LocalDispatcher"]
@@ -20,16 +20,18 @@ class LocalDispatcher(Dispatcher):
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         T, K = idx_TK.shape
         slots = sort_slots(idx_TK, self.num_experts)
-        # Gathering token rows: autograd's backward is an index_add over k -- the combine of dx.
-        recv_ND = x_TD.index_select(0, torch.div(slots.order_S, K, rounding_mode="floor"))
+        inverse_S = inverse_permutation(slots.order_S)
+        # Backward: gather each slot's gradient back and sum over k -- the combine of dx.
+        recv_ND = replicate_rows(x_TD, slots.order_S, inverse_S, K)
         handle = DispatchHandle(
             num_tokens=T, top_k=K, num_recv_rows=T * K,
             offsets_e=torch.cumsum(slots.counts_E, 0).to(torch.int32),
             recv_counts_e=slots.counts_E, tokens_per_expert_E=slots.counts_E,
-            order_S=slots.order_S, inverse_S=inverse_permutation(slots.order_S))
+            order_S=slots.order_S, inverse_S=inverse_S)
         return recv_ND, handle
 
     def combine(self, y_ND, handle):
         self._check_combine(y_ND, handle)
-        # Backward of this gather is a scatter into expert-major order: a dispatch of dy.
-        return y_ND.index_select(0, handle.inverse_S).view(handle.num_tokens, handle.top_k, y_ND.shape[1])
+        # Backward: a gather back into expert-major order -- a dispatch of dy.
+        y_SD = permute_rows(y_ND, handle.inverse_S, handle.order_S)
+        return y_SD.view(handle.num_tokens, handle.top_k, y_ND.shape[1])
