@@ -10,9 +10,16 @@ import pytest
 import tlx
 
 
-def test_cpu_machine_reports_no_gpu():
-    # CI has no GPU; on a GPU box this still must return a known arch.
-    assert tlx.gpu_arch() in tlx.ARCHS
+def test_detected_arch_matches_the_machine(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TLX_DIST_FORCE_ARCH", raising=False)
+    if not torch.cuda.is_available():
+        assert tlx.gpu_arch() == "none"  # CI: no GPU
+    elif torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9:
+        assert tlx.gpu_arch() == "sm_90"
+    else:
+        assert tlx.gpu_arch() in tlx.ARCHS
 
 
 def test_override_context_and_env(monkeypatch):

@@ -18,6 +18,10 @@ from tlx_dist import LocalDispatcher, MoEConfig, MoELayer
     (dict(aux_loss_coef=-1.0), r"moe.aux_loss_coef=-1.0 must be a non-negative number"),
     (dict(route_scale=0), r"moe.route_scale=0 must be a positive number"),
     (dict(num_shared_experts=-1), r"moe.num_shared_experts=-1 must be a non-negative integer"),
+    (dict(route_norm="False"), r"moe.route_norm='False' must be a bool"),
+    (dict(load_balance_bias=1), r"moe.load_balance_bias=1 must be a bool"),
+    (dict(init_std="x"), r"moe.init_std='x' must be a positive number"),
+    (dict(z_loss_coef=True), r"moe.z_loss_coef=True must be a non-negative number"),
 ])
 def test_config_errors_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):

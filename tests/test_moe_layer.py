@@ -28,7 +28,8 @@ CASES = [
     ("prime_e13", dict(num_experts=13, top_k=3, z_loss_coef=1e-2), 17, "prime E=13"),
     ("single_token", dict(num_shared_experts=1), 1, "T=1: one token, most experts empty"),
     ("zero_token_experts", dict(num_experts=16, top_k=1, route_norm=False), 3, "T*K=3 < E=16: at least 13 experts get no rows"),
-    ("empty_batch", dict(num_shared_experts=1), 0, "T=0: an empty micro-batch must not crash"),
+    ("empty_batch", dict(num_shared_experts=1, aux_loss_coef=0.01, z_loss_coef=1e-3), 0,
+     "T=0: an empty micro-batch must not crash, and its losses are 0, not NaN"),
 ]
 
 

@@ -81,14 +81,22 @@ class MoEConfig:
             raise bad("num_shared_experts", "must be a non-negative integer")
         if self.shared_inter_dim is not None and (not isinstance(self.shared_inter_dim, int) or self.shared_inter_dim < 1):
             raise bad("shared_inter_dim", "must be a positive integer or None")
+        for f in ("route_norm", "load_balance_bias", "check_finite"):
+            # Strictly bool: a string such as 'False' from a config override is truthy.
+            if type(getattr(self, f)) is not bool:
+                raise bad(f, "must be a bool (true/false)")
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
         for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or v < 0 or v != v:
+            if not number(v) or v < 0:
                 raise bad(f, "must be a non-negative number")
-        if not isinstance(self.route_scale, (int, float)) or not self.route_scale > 0:
-            raise bad("route_scale", "must be a positive number")
-        if self.init_std is None or not self.init_std > 0:
-            raise bad("init_std", "must be a positive number")
+        for f in ("route_scale", "init_std"):
+            v = getattr(self, f)
+            if not number(v) or not v > 0:
+                raise bad(f, "must be a positive number")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {sorted(DTYPES)}")
         if not isinstance(expert_parallel, int) or expert_parallel < 1:

@@ -95,6 +95,7 @@ class MoELayer(nn.Module):
         self.gemm_backend = gemm_backend
         # Router ids are in range by construction: skip the (host-syncing) id validation.
         self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False)
+        self.dispatcher.validate = False  # also for a Dispatcher instance passed in
         if self.dispatcher.world_size != world or self.dispatcher.num_experts != cfg.num_experts:
             raise ValueError(
                 f"dispatcher has E={self.dispatcher.num_experts}, W={self.dispatcher.world_size}; "

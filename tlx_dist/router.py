@@ -112,10 +112,11 @@ class Router(nn.Module):
                 p_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
             T = x_TD.shape[0]
             f_E = counts_E.to(p_TE.dtype) / max(T * cfg.top_k, 1)
-            aux = cfg.aux_loss_coef * cfg.num_experts * (f_E * p_TE.mean(dim=0)).sum()
+            P_E = p_TE.sum(dim=0) / max(T, 1)  # not .mean(): an empty batch gives 0, not NaN
+            aux = cfg.aux_loss_coef * cfg.num_experts * (f_E * P_E).sum()
         z = zero
         if cfg.z_loss_coef > 0:
-            z = cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+            z = cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().sum() / max(x_TD.shape[0], 1)
         return RouterOutput(idx_TK, gate_TK, RoutingStats(counts_E, aux, z))
 
     @torch.no_grad()

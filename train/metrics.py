@@ -88,7 +88,7 @@ class MetricLogger:
     """Rank 0 writes; other ranks are silent. Console line per log step with a progress bar,
     ``metrics.jsonl`` (one JSON object per log step) and TensorBoard scalars under ``out_dir/tb``."""
 
-    def __init__(self, cfg: Config, rank: int, total_steps: int):
+    def __init__(self, cfg: Config, rank: int, total_steps: int, append: bool = False):
         self.active = rank == 0
         self.total = total_steps
         self.progress = cfg.metrics.progress
@@ -98,7 +98,8 @@ class MetricLogger:
         if not self.active or not cfg.metrics.out_dir:
             return
         os.makedirs(cfg.metrics.out_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.metrics.out_dir, "metrics.jsonl"), "a")
+        # A resumed run continues its log; a fresh run starts a new one (no mixed curves in plots).
+        self.jsonl = open(os.path.join(cfg.metrics.out_dir, "metrics.jsonl"), "a" if append else "w")
         if cfg.metrics.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

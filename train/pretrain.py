@@ -81,17 +81,18 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     per-step losses (cross-entropy averaged over all ranks) for the steps it ran."""
     pd = build_mesh(cfg, device.type)
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
-    log = MetricLogger(cfg, pd.rank, cfg.train.steps)
+    ck = cfg.checkpoint
+    resume_step = latest_step(ck.dir) if ck.dir and ck.resume else None
+    log = MetricLogger(cfg, pd.rank, cfg.train.steps, append=resume_step is not None)
     model = build_model(cfg, pd, device, bf16)
     optimizer = build_optimizer(model, cfg, fused=(device.type == "cuda") or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     loader = ByteLoader(cfg.data, pd.rank, pd.world, device)
 
     start = 0
-    ck = cfg.checkpoint
-    if ck.dir and ck.resume and (s := latest_step(ck.dir)) is not None:
-        start = load_checkpoint(ck.dir, s, model, optimizer, scheduler, loader, pd)
-        log.print(f"resumed from {ck.dir}/step_{s} (samples_seen={loader.samples_seen})")
+    if resume_step is not None:
+        start = load_checkpoint(ck.dir, resume_step, model, optimizer, scheduler, loader, pd)
+        log.print(f"resumed from {ck.dir}/step_{resume_step} (samples_seen={loader.samples_seen})")
 
     pc = param_counts(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)

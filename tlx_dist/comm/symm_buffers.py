@@ -213,7 +213,8 @@ class SymmBuffers:
             flag.zero_()
             raise RuntimeError(
                 f"symmetric dispatch overflowed its capacity of {self.layout.n_cap} receive rows on rank "
-                f"{self.rank}: rows were dropped (their combine outputs are zero). Raise capacity= "
+                f"{self.rank}: rows were dropped (their combine outputs are zero with copy_out=True, "
+                f"stale with copy_out=False). Raise capacity= "
                 f"(worst case W*T_max*min(K, E/W) = "
                 f"{self.world_size * self.layout.max_tokens * min(self.layout.top_k, self.layout.num_experts // self.world_size)})")
 

@@ -104,7 +104,10 @@ def _tma_2d_reason(name: str, t: torch.Tensor) -> Optional[str]:
     esz = t.element_size()
     if t.stride(-1) != 1:
         return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
-    if any((s * esz) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+    # The base address is not traceable under torch.compile: there the check moves into _mm, which
+    # runs eagerly inside the custom op and falls back to the portable kernel if it fails.
+    misaligned_base = not torch.compiler.is_compiling() and t.data_ptr() % 16
+    if any((s * esz) % 16 for s in t.stride()[:-1]) or misaligned_base:
         return f"{name} needs a 16-byte aligned base and row strides for TMA (strides {tuple(t.stride())})"
     return None
 
@@ -262,6 +265,11 @@ def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
 
 
 def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if x_ND.data_ptr() % 16 or w_EDF.data_ptr() % 16:
+        # Only reachable when backend choice ran under torch.compile (no base-address check there).
+        from .triton_backend import _mm as portable_mm
+
+        return portable_mm(x_ND, w_EDF, offsets_E)
     N = x_ND.shape[0]
     E, K, NN = w_EDF.shape
     y_NF = torch.empty(N, NN, dtype=x_ND.dtype, device=x_ND.device)
@@ -297,8 +305,9 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = offsets_E.shape[0]
-    if N == 0 or _tma_2d_reason("dy_NF", dy_NF) is not None:
-        # dy is not seen by supports(); the portable kernel takes any layout (and N == 0 -> zeros).
+    if N == 0 or _tma_2d_reason("dy_NF", dy_NF) is not None or x_ND.data_ptr() % 16:
+        # dy is not seen by supports() (nor x's base address under torch.compile); the portable
+        # kernel takes any layout (and N == 0 -> zeros).
         from .triton_backend import _wgrad as portable_wgrad
 
         return portable_wgrad(x_ND, dy_NF, offsets_E)
