@@ -23,17 +23,10 @@ pytestmark = [
 
 from tlx_dist.comm import LocalDispatcher, SymmBuffers, SymmDispatcher  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
+from tlx_dist.testing import assert_close_ksum_bf16  # noqa: E402
 
 DEV = "cuda"
 
-
-def _close_ksum(ref, ours, K):
-    """Gradients that are each a K-term sum accumulated in fp32 and rounded once to bf16, on both
-    sides (LocalDispatcher/AllToAllDispatcher gather + fp32 k-sum; the symm backward kernel): only
-    the fp32 summation order differs, which can move a result by at most one bf16 ulp (2**-8 of the
-    value, bounded here by the largest magnitude)."""
-    atol = 2.0 ** -8 * float(ref.abs().max())
-    assert float((ours.float() - ref.float()).abs().max()) <= atol
 
 
 def _idx(g, T, K, E, W, kind):
@@ -155,8 +148,6 @@ def test_cuda_graph_capture_and_replay():
 def test_world_size_one_torch_symmetric_memory():
     """The real backend: torch symmetric memory (CUDA) rendezvous over a one-rank NCCL group; the
     dispatcher vs LocalDispatcher, forward and backward, plus MoELayer symm vs local."""
-    import dataclasses
-
     import torch.distributed as dist
 
     from tlx_dist import MoEConfig, MoELayer
@@ -185,7 +176,7 @@ def test_world_size_one_torch_symmetric_memory():
             # Dispatch backward sums the K slot gradients of a token: ours in fp32 then one rounding
             # (exactly torch's bf16 sum over k); LocalDispatcher's index_add rounds after every add.
             assert torch.equal(x.grad, (gy * 3).sum(1))
-            _close_ksum(x2.grad, x.grad, K)
+            assert_close_ksum_bf16(x2.grad, x.grad)
 
             cfg = MoEConfig(dim=512, moe_inter_dim=256, num_experts=16, top_k=4, dtype="bfloat16")
             torch.manual_seed(0)
@@ -198,7 +189,7 @@ def test_world_size_one_torch_symmetric_memory():
             assert torch.equal(oa, ob)
             oa.float().square().sum().backward()
             ob.float().square().sum().backward()
-            _close_ksum(xa.grad, xb.grad, cfg.top_k)
+            assert_close_ksum_bf16(xa.grad, xb.grad)
             for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
                 assert torch.equal(pa.grad, pb.grad), n
             bufs.close()

@@ -14,20 +14,14 @@ import os
 import pytest
 import torch
 
+from tlx_dist.testing import assert_close_ksum_bf16
+
 pytestmark = [
     pytest.mark.multigpu,
     pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) < 2, reason="needs torchrun with WORLD_SIZE >= 2"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 is set"),
 ]
 
-
-def _close_ksum(ref, ours, K):
-    """Gradients that are each a K-term sum accumulated in fp32 and rounded once to bf16, on both
-    sides (LocalDispatcher/AllToAllDispatcher gather + fp32 k-sum; the symm backward kernel): only
-    the fp32 summation order differs, which can move a result by at most one bf16 ulp (2**-8 of the
-    value, bounded here by the largest magnitude)."""
-    atol = 2.0 ** -8 * float(ref.abs().max())
-    assert float((ours.float() - ref.float()).abs().max()) <= atol
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def test_symm_matches_all_to_all(group, kind):
     (ya.float() * gy.float()).sum().backward()
     owner_scale = (1 + idx // (E // W)).to(torch.bfloat16)[..., None]
     assert torch.equal(xs.grad, (gy * owner_scale).sum(1))  # one rounding of the fp32 k-sum
-    _close_ksum(xa.grad, xs.grad, K)
+    assert_close_ksum_bf16(xa.grad, xs.grad)
     sd.check()
     bufs.close()
 
@@ -98,6 +92,6 @@ def test_moe_layer_symm_vs_all_to_all(group):
     assert torch.equal(oa, ob)
     oa.float().square().sum().backward()
     ob.float().square().sum().backward()
-    _close_ksum(xa.grad, xb.grad, cfg.top_k)
+    assert_close_ksum_bf16(xa.grad, xb.grad)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa.grad, pb.grad), name
