@@ -199,9 +199,57 @@ def main(argv=None) -> int:
             import json
             Path(args.losses_out).write_text(json.dumps(losses))
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
     return 0
 
 
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_process(rc) -> None:
+    """Ends the process with status ``rc`` without running interpreter finalization.
+
+    Why (issue 16): the model's FSDP2 state keeps the process groups alive through hooks that
+    autograd holds in C++, so their gloo worker threads outlive ``destroy_process_group``. A
+    worker that is still destroying its last finished ``AsyncWork`` when ``Py_FinalizeEx``
+    begins must take the GIL to release the work's tensors; a thread that takes the GIL during
+    finalization is ended with ``pthread_exit``, which unwinds through a noexcept destructor:
+    ``terminate called without an active exception`` and SIGABRT, after a run that finished
+    every step (seen in 6 of 31 two-process gloo runs; core dump: ``ProcessGroupGloo::runLoop``
+    -> ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``).
+    Everything the run owns is flushed and closed before this (metrics, checkpoints, process
+    groups), so skipping finalization loses nothing and removes the window.
+    """
+    import logging
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
+def cli() -> None:
+    """``python -m train.pretrain``: exit 0 after a finished run, the SystemExit status for
+    argument errors, 130 on Ctrl-C, 1 with the traceback printed for any other failure."""
+    try:
+        rc = main()
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        rc = 130
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        rc = 1
+    exit_process(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
