@@ -1,21 +1,25 @@
-"""Dispatch/combine benchmark: symmetric-memory kernels vs NCCL all_to_all_single (torchtitan-style).
+"""Dispatch/combine benchmark: the deduplicated symmetric exchange vs NCCL ``all_to_all_single``.
 
-Anchor ("nccl"): AllToAllDispatcher on a one-rank NCCL group -- the torchtitan path: all-gather of
-the counts, host-side split sizes (one .cpu() sync), all_to_all_single, expert-major index_select.
-"symm": SymmDispatcher on torch symmetric memory (CUDA backend, same one-rank group), copying the
-receive buffers out (what training uses). "symm_view": copy_out=False (views of the symmetric
-buffers; inference / a fused consumer). "emu<W>": an emulated world of W virtual ranks on this one
-GPU with T/W tokens each (the same total rows as W=1): every rank's kernels run one after another,
-and "peer" stores are local HBM stores -- so it measures the kernels' efficiency and the per-rank
-launch/signal overhead at W, not NVLink. Latency = whole op (all W ranks); bandwidth = payload rows
-(T*K rows of D) per second.
+Run under torchrun (one process per GPU; the anchor is the NCCL path at the same W):
 
-HBM traffic: symm dispatch reads T*K token rows and writes them to the receive buffer, then the
-copy-out reads and writes them again (4 row-passes; 2 with copy_out=False); combine likewise.
-``hbm_frac`` = that traffic / time over the measured copy bandwidth (``torch.Tensor.copy_``,
-read+write) of this GPU in the same run.
+    torchrun --nproc-per-node=2 bench/dispatch.py [--tokens 128,512,4096,16384] [--dims 2048,7168]
+             [--experts 64,256] [--json bench_dispatch.json]
 
-    python bench/dispatch.py [--json bench_dispatch.json] [--tokens 128,4096,16384] [--dims 2048,7168]
+or as one process: W = 1 (torch symmetric memory on a one-rank group, anchored by LocalDispatcher,
+the one-rank permutation path: nothing crosses a link there), or ``--emulate W`` (W virtual ranks on
+this GPU, every rank's kernels one after another; "peer" stores are local HBM stores, so this shows
+kernel efficiency and per-op overhead at W, never NVLink speed).
+
+Providers (K = 8, bf16, random top-K routing, gates from a softmax):
+  nccl        AllToAllDispatcher: all-gather of counts, host split sizes (one .cpu()), all_to_all_single,
+              expert-major gathers; combine = the reverse exchange + gate-weighted k-sum (torchtitan style)
+  symm        SymmDispatcher(capacity="exact"): one host read of the row count per dispatch
+  symm_graph  SymmDispatcher(capacity=2.0), dispatch and combine each captured in a CUDA graph and
+              replayed (no host work per op: the latency a graph-captured training step sees)
+Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
+``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
+symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
+and the ratio of nccl's dispatch+combine time to the provider's.
 """
 
 from __future__ import annotations
@@ -25,112 +29,159 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
-E, K = 256, 8
+K = 8
 
 
-def _routing(T, g):
-    return torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+def _median_ms(fn, iters: int, sync) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _graphs(disp, x, idx, gate):
+    """CUDA graphs of one dispatch and one combine (buffers warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        r, h = disp.dispatch(x, idx, gate)
+        disp.combine_weighted(r, h, gate)
+    torch.cuda.current_stream().wait_stream(side)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        r, h = disp.dispatch(x, idx, gate)
+    with torch.cuda.graph(gc):
+        disp.combine_weighted(r, h, gate)
+    return gd.replay, gc.replay
 
 
 def main() -> int:
     import torch.distributed as dist
-    from triton.testing import do_bench
 
-    from tlx_dist.comm import AllToAllDispatcher, SymmBuffers, SymmDispatcher
-    from tlx_dist.comm.emulated import EmulatedWorld
+    from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher, SymmDispatcher
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="bench_dispatch.json")
-    ap.add_argument("--tokens", default="128,4096,16384")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="128,512,4096,16384")
     ap.add_argument("--dims", default="2048,7168")
-    ap.add_argument("--emulated", default="8", help="comma-separated W of emulated worlds ('' for none)")
-    ap.add_argument("--rep", type=int, default=40, help="ms per do_bench measurement")
+    ap.add_argument("--experts", default="64,256")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--emulate", type=int, default=0, metavar="W", help="W virtual ranks on this GPU")
+    ap.add_argument("--json", default="bench_dispatch.json")
     args = ap.parse_args()
+    if args.emulate:
+        return emulated(args)
 
-    tmp = tempfile.mkdtemp()
-    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    W, r = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
-    dev_name = torch.cuda.get_device_name()
-
-    # HBM copy ceiling (read + write), 2 GiB buffers.
-    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    t_copy = do_bench(lambda: b.copy_(a), rep=200, return_mode="median") * 1e-3
-    copy_bw = 2 * a.numel() * 2 / t_copy
-    del a, b
-    print(f"{dev_name}: HBM copy {copy_bw / 1e12:.2f} TB/s (read+write)")
-
-    emus = [int(w) for w in args.emulated.split(",") if w]
+    sync = lambda: (torch.cuda.synchronize(), dist.barrier())  # noqa: E731
     rows = []
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for D in (int(d) for d in args.dims.split(",")):
-        for T in (int(t) for t in args.tokens.split(",")):
-            rb = D * 2
-            payload = T * K * rb
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-            idx = _routing(T, g)
-            res = {}
-            with torch.no_grad():
-                a2a = AllToAllDispatcher(E, group, validate=False)
-                recv, h = a2a.dispatch(x, idx)
-                res["nccl"] = (lambda: a2a.dispatch(x, idx), lambda: a2a.combine(recv, h), 6)
-                bufs = SymmBuffers(T, D, K, E, torch.bfloat16, group)
-                for name, copy in (("symm", True), ("symm_view", False)):
-                    sd = SymmDispatcher(E, group, buffers=bufs, copy_out=copy, validate=False)
-                    r_s, h_s = sd.dispatch(x, idx)
-                    r_ref, _ = a2a.dispatch(x, idx)
-                    n = r_ref.shape[0]
-                    assert torch.equal(r_s[:n].clone() if not copy else r_s[:n], r_ref), f"{name} dispatch mismatch"
-                    y_s = sd.combine(r_s.clone(), h_s)
-                    assert torch.equal(y_s, x[:, None, :].expand(T, K, D)), f"{name} combine mismatch"
-                    res[name] = ((lambda sd=sd: sd.dispatch(x, idx)), (lambda sd=sd, r=r_s.clone(), hh=h_s: sd.combine(r, hh)),
-                                 4 if copy else 2)
-                worlds = []
-                for W in emus:
-                    if T % W or T // W < 1:
-                        continue
-                    Tr = T // W
-                    world = EmulatedWorld(W, Tr, D, K, E, torch.bfloat16, capacity=2 * Tr * K, device="cuda")
-                    xs = list(x.view(W, Tr, D).unbind(0))
-                    idxs = list(idx.view(W, Tr, K).unbind(0))
-                    out = world.dispatch(xs, idxs)
-                    ys = [r.clone() for r, _ in out]
-                    hs = [hh for _, hh in out]
-                    world.check()
-                    res[f"emu{W}"] = ((lambda w=world, xs=xs, idxs=idxs: w.dispatch(xs, idxs)),
-                                      (lambda w=world, ys=ys, hs=hs: w.combine(ys, hs)), 4)
-                    worlds.append(world)
-                for name, (fd, fc, passes) in res.items():
-                    td = statistics.median(do_bench(fd, rep=args.rep, return_mode="all")) * 1e-3
-                    tc = statistics.median(do_bench(fc, rep=args.rep, return_mode="all")) * 1e-3
-                    row = dict(provider=name, T=T, D=D, K=K, E=E, dispatch_us=td * 1e6, combine_us=tc * 1e6,
-                               dispatch_GBps=payload / td / 1e9, combine_GBps=payload / tc / 1e9,
-                               hbm_frac=(passes * payload * 2) / (td + tc) / copy_bw if name != "nccl" else None)
-                    rows.append(row)
-                bufs.close()
-                for w in worlds:
-                    w.close()
-                torch.cuda.empty_cache()
-
-    base = {(r["T"], r["D"]): r for r in rows if r["provider"] == "nccl"}
-    print(f"\n{'provider':10} {'T':>6} {'D':>5} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} {'comb GB/s':>10} "
-          f"{'x nccl':>7} {'hbm%':>5}")
-    for r in rows:
-        ref = base[(r["T"], r["D"])]
-        ratio = (ref["dispatch_us"] + ref["combine_us"]) / (r["dispatch_us"] + r["combine_us"])
-        r["speedup_vs_nccl"] = ratio
-        hbm = f"{100 * r['hbm_frac']:5.0f}" if r["hbm_frac"] is not None else "    -"
-        print(f"{r['provider']:10} {r['T']:6d} {r['D']:5d} {r['dispatch_us']:9.1f} {r['combine_us']:9.1f} "
-              f"{r['dispatch_GBps']:10.1f} {r['combine_GBps']:10.1f} {ratio:7.2f} {hbm}")
-    with open(args.json, "w") as f:
-        json.dump(dict(device=dev_name, copy_TBps=copy_bw / 1e12, rows=rows), f, indent=1)
+    for E in [int(v) for v in args.experts.split(",")]:
+        if E % W:
+            continue
+        e = E // W
+        for D in [int(v) for v in args.dims.split(",")]:
+            for T in [int(v) for v in args.tokens.split(",")]:
+                g = torch.Generator(device="cuda").manual_seed(1000 * r + T)
+                x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                logits = torch.randn(T, E, device="cuda", generator=g)
+                gate, idx = torch.softmax(logits, -1).topk(K, dim=1)
+                dest = idx // e
+                others = (torch.arange(W, device="cuda") != r)
+                mask_TW = torch.zeros(T, W, dtype=torch.bool, device="cuda").scatter_(1, dest, True)
+                token_rows = int((mask_TW & others).sum())      # symm: a token once per other rank
+                slot_rows = int((dest != r).sum())               # nccl: a row per (token, k) slot
+                row_bytes = D * 2
+                anchor = LocalDispatcher(E, validate=False) if W == 1 else AllToAllDispatcher(E, group, validate=False)
+                symm = SymmDispatcher(E, group, max_tokens=T, capacity="exact", validate=False)
+                symm_g = SymmDispatcher(E, group, buffers=None, max_tokens=T, capacity=2.0, validate=False)
+                # correctness first: the same expert-major rows and the same output (to bf16 rounding)
+                ra, ha = anchor.dispatch(x, idx, gate)
+                rs, hs = symm.dispatch(x, idx, gate)
+                assert torch.equal(rs, ra), "symm dispatch differs from the anchor"
+                ya = anchor.combine_weighted(ra * 2, ha, gate)
+                ys = symm.combine_weighted(rs * 2, hs, gate)
+                torch.testing.assert_close(ys.float(), ya.float(), rtol=2 ** -7, atol=2 ** -7 * float(ya.abs().max()))
+                provs = {
+                    ("nccl" if W > 1 else "local"): (lambda: anchor.dispatch(x, idx, gate),
+                                                     lambda: anchor.combine_weighted(ra, ha, gate), slot_rows),
+                    "symm": (lambda: symm.dispatch(x, idx, gate), lambda: symm.combine_weighted(rs, hs, gate), token_rows),
+                }
+                provs["symm_graph"] = (*_graphs(symm_g, x, idx, gate), token_rows)
+                res = {}
+                for name, (fd, fc, link_rows) in provs.items():
+                    td = _median_ms(fd, args.iters, sync) / 1e3
+                    tc = _median_ms(fc, args.iters, sync) / 1e3
+                    res[name] = dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
+                                     link_rows=link_rows,
+                                     dispatch_link_GBps=link_rows * row_bytes / td / 1e9,
+                                     combine_link_GBps=(token_rows if name != ("nccl" if W > 1 else "local") else slot_rows)
+                                     * row_bytes / tc / 1e9)
+                base = res["nccl" if W > 1 else "local"]
+                for v in res.values():
+                    v["ratio_vs_anchor"] = (base["dispatch_us"] + base["combine_us"]) / (v["dispatch_us"] + v["combine_us"])
+                    rows.append(v)
+                symm.check()
+                symm_g.check()
+    if r == 0:
+        _print(rows, f"W={W} ({'torchrun' if W > 1 else 'one process'})")
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     dist.destroy_process_group()
     return 0
+
+
+def emulated(args) -> int:
+    from tlx_dist.comm.emulated import EmulatedWorld
+
+    W, rows = args.emulate, []
+    sync = torch.cuda.synchronize
+    for E in [int(v) for v in args.experts.split(",")]:
+        for D in [int(v) for v in args.dims.split(",")]:
+            for T in [int(v) for v in args.tokens.split(",")]:
+                world = EmulatedWorld(W, T, D, K, E, torch.bfloat16, capacity=2.0, device="cuda")
+                g = torch.Generator(device="cuda").manual_seed(T)
+                xs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(W)]
+                gi = [torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(K, dim=1) for _ in range(W)]
+                gates, idxs = [v[0] for v in gi], [v[1] for v in gi]
+                out = world.dispatch(xs, idxs, gates)
+                ys, hs = [o[0] for o in out], [o[1] for o in out]
+                td = _median_ms(lambda: world.dispatch(xs, idxs, gates), args.iters, sync) / 1e3
+                tc = _median_ms(lambda: world.combine(ys, hs), args.iters, sync) / 1e3
+                tok = sum(int(h.rows_to_W.sum()) for h in hs)
+                rows.append(dict(provider=f"emu{W}", W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
+                                 link_rows=tok, dispatch_link_GBps=tok * D * 2 / td / 1e9,
+                                 combine_link_GBps=tok * D * 2 / tc / 1e9, ratio_vs_anchor=float("nan")))
+                world.check()
+                world.close()
+    _print(rows, f"emulated W={W} on one GPU (rows 'sent' are local HBM stores)")
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+def _print(rows, title):
+    print(f"\n{title}: medians; link GB/s = bytes sent to other ranks per second; x anchor = anchor time / time")
+    print(f"{'provider':11} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
+          f"{'comb GB/s':>10} {'x anchor':>8}")
+    for v in rows:
+        print(f"{v['provider']:11} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
+              f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}")
 
 
 if __name__ == "__main__":

@@ -24,34 +24,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _specs():
-    W, E, D_WORDS = 8, 256, 1792  # a DeepSeek-V3-sized row (7168 bf16 = 1792 int64 words)
-    offs = dict(OFF_STATE=0, OFF_FLAGS=256, OFF_ARRIVE=512, OFF_COUNTS=768)
-    big = dict(OFF_SRC=33536, OFF_RECV=1082112)
-    common = dict(W=W, WP=8, N_CAP=131072, WORDS=D_WORDS, BLOCK_M=8, BLOCK_W=256)
+    import triton.language as tl
+    W, E, K, D, T_MAX = 8, 256, 8, 7168, 4096  # DeepSeek-V3-sized rows, EP = 8
+    offs = dict(OFF_STATE=0, OFF_FLAGS=256, OFF_ARRIVE=512, OFF_COUNTS=768, OFF_META=34048, OFF_GATES=1213696,
+                OFF_RECV=1737984, OFF_COMB=2 ** 31, OFF_DGATE=2 ** 32)
+    wait = dict(TIMEOUT_NS=30 * 10**9, INTERPRET=False)
+    o = lambda *names: {n: offs[n] for n in names}  # noqa: E731
+    tiles = dict(BLOCK_D=512)
+    exp_sig = dict(out_ptr="*bf16", src_map_ptr="*i32", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32",
+                   rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
+    exp_cx = dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
+                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE"))
     return {
-        "_barrier_signal_kernel": (
-            dict(peers_ptr="*i64", pes_ptr="*i32", counts_E_ptr="*i64", RANK="i32"),
-            dict(W=W, WP2=16, E=E, BLOCK_E=E, HAS_COUNTS=True, USE_NVSHMEM=False, **offs)),
-        "_barrier_wait_kernel": (
-            dict(peers_ptr="*i64", counts_WE_ptr="*i64", RANK="i32"),
-            dict(W=W, E=E, BLOCK_E=E, HAS_COUNTS=True, OFF_STATE=0, OFF_FLAGS=256, OFF_COUNTS=768)),
-        "_dispatch_send_kernel": (
-            dict(src_ptr="*i64", stride_src="i64", order_ptr="*i64", dest_rank_ptr="*i64", dest_row_ptr="*i64",
-                 peers_ptr="*i64", pes_ptr="*i32", RANK="i32", S="i32", K="i32"),
-            dict(S_MAX=131072, ROW_BYTES=8 * D_WORDS, OFF_STATE=0, OFF_ARRIVE=512, SRC_IS_SLOT=False,
-                 USE_NVSHMEM=False, **big, **common)),
-        "_dispatch_recv_kernel": (
-            dict(out_ptr="*i64", src_out_ptr="*i64", expected_ptr="*i64", peers_ptr="*i64", RANK="i32"),
-            dict(OFF_STATE=0, OFF_ARRIVE=512, COPY_ROWS=True, **big, **common)),
-        "_combine_send_kernel": (
-            dict(y_ptr="*i64", stride_y="i64", src_ids_ptr="*i64", expected_ptr="*i64", peers_ptr="*i64",
-                 pes_ptr="*i32", RANK="i32"),
-            dict(S_MAX=131072, ROW_BYTES=8 * D_WORDS, OFF_ARRIVE=512, OFF_COMB=2 ** 31, USE_NVSHMEM=False,
-                 **common)),
-        "_combine_recv_kernel": (
-            dict(out_ptr="*i64", row_S_ptr="*i64", expected_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),
-            dict(W=W, N_CAP=131072, WORDS=D_WORDS, OFF_ARRIVE=512, OFF_COMB=2 ** 31, COPY_ROWS=True,
-                 BLOCK_M=8, BLOCK_W=256)),
+        "_barrier_signal_kernel": ("_barrier_signal_kernel",
+            dict(peers_ptr="*i64", counts_ptr="*i64", RANK="i32"),
+            dict(W=W, WP3=32, NC=E + W, BLOCK_C=512, HAS_COUNTS=True,
+                 **o("OFF_STATE", "OFF_FLAGS", "OFF_ARRIVE", "OFF_COUNTS"))),
+        "_barrier_wait_kernel": ("_barrier_wait_kernel",
+            dict(peers_ptr="*i64", counts_WC_ptr="*i64", RANK="i32"),
+            dict(W=W, NC=E + W, BLOCK_C=512, HAS_COUNTS=True, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
+        "_send_tokens_kernel": ("_send_tokens_kernel",
+            dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", dest_ptr="*i32", pos_ptr="*i32",
+                 gate_ptr="*bf16", peers_ptr="*i64", RANK="i32"),
+            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8, **tiles,
+                 **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV"))),
+        "_expand_kernel": ("_expand_kernel", exp_sig, dict(FROM_META=True, GATE_GRAD=False, **exp_cx)),
+        "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
+        "_reduce_send_kernel": ("_reduce_send_kernel",
+            dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
+                 peers_ptr="*i64", RANK="i32", N_EXP="i32"),
+            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=True, ACC=tl.float32, BLOCK_R=8, **tiles,
+                 **o("OFF_ARRIVE", "OFF_COMB"))),
+        "_reduce_recv_kernel": ("_reduce_recv_kernel",
+            dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
+            dict(W=W, D=D, ACC=tl.float32, BLOCK_T=8, **tiles, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB"))),
+        "_gate_grad_recv_kernel": ("_gate_grad_recv_kernel",
+            dict(out_ptr="*fp32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),
+            dict(W=W, BLOCK=1024, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_DGATE"))),
     }
 
 
@@ -63,13 +72,14 @@ def _compile_all(arch: int) -> dict:
     from tlx import comm
 
     out = {}
-    for name, (sig, constexprs) in _specs().items():
+    for name, (fn, sig, constexprs) in _specs().items():
         sig = dict(sig, **{k: "constexpr" for k in constexprs})
-        k = triton.compile(ASTSource(getattr(comm, name), sig, constexprs=constexprs),
-                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        k = triton.compile(ASTSource(getattr(comm, fn), sig, constexprs=constexprs),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
         ptx = k.asm["ptx"]
         out[name] = dict(cubin=len(k.asm["cubin"]), release=ptx.count("sys.release"),
-                         acquire=ptx.count("sys.acquire"), st=ptx.count("st.global"), ld=ptx.count("ld.global"))
+                         acquire=ptx.count("sys.acquire"), st=ptx.count("st.global"), ld=ptx.count("ld.global"),
+                         timer=ptx.count("%globaltimer"))
     return out
 
 
@@ -86,12 +96,14 @@ def compiled(request):
 def test_kernels_compile_with_signal_semantics(compiled):
     for name, info in compiled.items():
         assert info["cubin"] > 0, name
-    # Producers publish with release atomics at system scope; consumers poll with acquire.
-    for name in ("_barrier_signal_kernel", "_dispatch_send_kernel", "_combine_send_kernel"):
+    # Producers publish with release atomics at system scope; consumers poll with acquire, and
+    # every poll is bounded by the device clock (%globaltimer).
+    for name in ("_barrier_signal_kernel", "_send_tokens_kernel", "_reduce_send_kernel", "_expand_kernel[grad]"):
         assert compiled[name]["release"] > 0, f"{name}: no release atomic"
-    for name in ("_barrier_wait_kernel", "_dispatch_recv_kernel", "_combine_recv_kernel"):
+    for name in ("_barrier_wait_kernel", "_expand_kernel", "_reduce_recv_kernel", "_gate_grad_recv_kernel"):
         assert compiled[name]["acquire"] > 0, f"{name}: no acquire poll"
-    for name in ("_dispatch_send_kernel", "_combine_send_kernel", "_dispatch_recv_kernel"):
+        assert compiled[name]["timer"] > 0, f"{name}: wait not bounded by %globaltimer"
+    for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):
         assert compiled[name]["st"] > 0 and compiled[name]["ld"] > 0, f"{name}: no row copy"
 
 

@@ -3,8 +3,8 @@ GPUs, and MoELayer forward/backward with both. Launch with torchrun, one process
 
     torchrun --nproc-per-node=2 -m pytest -m multigpu tests/test_symm_multigpu.py -q
 
-Not run yet: only single-GPU machines have been lent (see the report in bench/RESULTS.md).
-Across nodes (``--nnodes=2``) the same test exercises the NVSHMEM backend (``backend="auto"``).
+The deduplicated exchange has not run on two GPUs yet (only one-GPU machines were lent since it
+landed). Groups spanning nodes are refused by SymmBuffers (the NVSHMEM route is being rebuilt).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 
 import pytest
 import torch
-
-from tlx_dist.testing import assert_close_ksum_bf16
 
 pytestmark = [
     pytest.mark.multigpu,
@@ -53,23 +51,26 @@ def test_symm_matches_all_to_all(group, kind):
     else:
         idx = torch.rand(T, E // 2, device="cuda", generator=g).topk(K, dim=1).indices * 2
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate = torch.rand(T, K, device="cuda", generator=g)
     bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group)
     sd, ad = SymmDispatcher(E, group, buffers=bufs), AllToAllDispatcher(E, group)
     xs, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    rs, hs = sd.dispatch(xs, idx)
-    ra, ha = ad.dispatch(xa, idx)
+    gs, ga = gate.clone().requires_grad_(True), gate.clone().requires_grad_(True)
+    rs, hs = sd.dispatch(xs, idx, gs)
+    ra, ha = ad.dispatch(xa, idx, ga)
     n = ra.shape[0]
-    assert torch.equal(rs[:n], ra) and not rs[n:].any()
+    assert rs.shape[0] == n and torch.equal(rs, ra)  # capacity="exact"
     assert torch.equal(hs.offsets_e, ha.offsets_e)
+    assert hs.rows_to_W.tolist() == [int((idx // (E // W) == d).any(1).sum()) for d in range(W)]  # deduplicated
     scale = torch.tensor(1.0 + r, device="cuda", dtype=torch.bfloat16)
-    ys, ya = sd.combine(rs * scale, hs), ad.combine(ra * scale, ha)
-    assert torch.equal(ys, ya)
+    ys, ya = sd.combine_weighted(rs * scale, hs, gs), ad.combine_weighted(ra * scale, ha, ga)
+    # Per-rank partial sums then a sum over ranks vs one fp32 k-sum: the same terms, two roundings.
+    torch.testing.assert_close(ys.float(), ya.float(), rtol=2 ** -7, atol=2 ** -7 * float(ya.float().abs().max()))
     gy = torch.randn(ys.shape, device="cuda", generator=g).to(torch.bfloat16)
     (ys.float() * gy.float()).sum().backward()
     (ya.float() * gy.float()).sum().backward()
-    owner_scale = (1 + idx // (E // W)).to(torch.bfloat16)[..., None]
-    assert torch.equal(xs.grad, (gy * owner_scale).sum(1))  # one rounding of the fp32 k-sum
-    assert_close_ksum_bf16(xa.grad, xs.grad)
+    torch.testing.assert_close(xs.grad.float(), xa.grad.float(), rtol=2 ** -7, atol=2 ** -7 * float(xa.grad.abs().max()))
+    torch.testing.assert_close(gs.grad, ga.grad, rtol=2 ** -7, atol=2 ** -7 * float(ga.grad.abs().max()))
     sd.check()
     bufs.close()
 
@@ -89,9 +90,11 @@ def test_moe_layer_symm_vs_all_to_all(group):
                     generator=torch.Generator(device="cuda").manual_seed(dist.get_rank()))
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     oa, ob = a(xa), b(xb)
-    assert torch.equal(oa, ob)
+    torch.testing.assert_close(ob.float(), oa.float(), rtol=2 ** -7, atol=2 ** -7 * float(oa.float().abs().max()))
     oa.float().square().sum().backward()
     ob.float().square().sum().backward()
-    assert_close_ksum_bf16(xa.grad, xb.grad)
+    torch.testing.assert_close(xb.grad.float(), xa.grad.float(), rtol=2e-2, atol=2e-2 * float(xa.grad.abs().max()))
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(pa.grad, pb.grad), name
+        torch.testing.assert_close(pb.grad.float(), pa.grad.float(), rtol=2e-2,
+                                   atol=2e-2 * float(pa.grad.abs().max()), msg=name)
+    b.dispatcher.check()

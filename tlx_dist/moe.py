@@ -4,12 +4,12 @@ Legend: B batch, S sequence, T = B*S tokens on this rank, D hidden, F expert int
 E global experts, W expert-parallel ranks, e = E/W local experts, K top-k, N received rows.
 
     idx_TK, gate_TK  = router(x_TD)
-    recv_ND, handle  = dispatcher.dispatch(x_TD, idx_TK)
+    recv_ND, handle  = dispatcher.dispatch(x_TD, idx_TK, gate_TK)
     h_N2F            = grouped_mm(recv_ND, w13_eDF2, handle.offsets_e)    # [gate | up]
     a_NF             = silu(h[:, :F]) * h[:, F:]
     y_ND             = grouped_mm(a_NF, w2_eFD, handle.offsets_e)
-    y_TKD            = dispatcher.combine(y_ND, handle)
-    out_TD           = sum_k gate_TK * y_TKD  (+ shared_experts(x_TD))
+    out_TD           = dispatcher.combine_weighted(y_ND, handle, gate_TK)   # sum_k gate * y
+                       (+ shared_experts(x_TD))
 
 Parameters: ``router.weight [E, D]`` (replicated), ``w13 [e, D, 2F]`` and ``w2 [e, F, D]`` (this
 rank's experts ``[rank*e, (rank+1)*e)``), shared experts ``shared_w13 [D, 2*Fs]``, ``shared_w2
@@ -170,16 +170,11 @@ class MoELayer(nn.Module):
         route = self.router(x_TD)
         self.last_stats = route.stats
 
-        recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK)
+        recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
         h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend)
         y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
-        y_TKD = self.dispatcher.combine(y_ND, handle)
-
-        # Weighted sum over k: products in the activation dtype (as the per-token loop does), the
-        # k-sum accumulated in fp32 and rounded once. No [T, K, D] fp32 copy, no batched tiny GEMMs.
-        w_TK1 = route.gate_TK.to(y_TKD.dtype).unsqueeze(-1)
-        acc = torch.promote_types(y_TKD.dtype, torch.float32)
-        out_TD = (y_TKD * w_TK1).sum(1, dtype=acc).to(x.dtype)
+        # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.
+        out_TD = self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x.dtype)
         if self.shared_w13 is not None:
             out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
         return out_TD.view(x.shape)

@@ -1,16 +1,17 @@
 """Device code for symmetric-memory token dispatch and combine (``@triton.jit`` only).
 
-``primitives``: peer addressing from a device-side peer table, arrival signals (release adds,
-acquire polls), NVSHMEM extern declarations for peers outside the node.
-``dispatch``: the phase kernels every rank runs for one exchange (signal -> wait -> send -> receive).
-Host wrappers, buffer allocation and autograd live in ``tlx_dist.comm.symm``.
+``exchange``: the phase kernels every rank runs for one deduplicated exchange (barrier -> send
+token rows once per rank -> expand to expert-major rows; reduce per token -> send partial sums
+home), with bounded waits. Host wrappers, buffer allocation and autograd live in
+``tlx_dist.comm.symm``.
 """
 
-from .dispatch import (  # noqa: F401
+from .exchange import (  # noqa: F401
     _barrier_signal_kernel,
     _barrier_wait_kernel,
-    _combine_recv_kernel,
-    _combine_send_kernel,
-    _dispatch_recv_kernel,
-    _dispatch_send_kernel,
+    _expand_kernel,
+    _gate_grad_recv_kernel,
+    _reduce_recv_kernel,
+    _reduce_send_kernel,
+    _send_tokens_kernel,
 )

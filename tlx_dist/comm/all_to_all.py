@@ -69,7 +69,7 @@ class AllToAllDispatcher(Dispatcher):
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group), validate)
         self.group = group
 
-    def dispatch(self, x_TD, idx_TK):
+    def dispatch(self, x_TD, idx_TK, gate_TK=None):
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         T, K = idx_TK.shape
         W, r, e = self.world_size, self.rank, self.num_local_experts

@@ -3,13 +3,16 @@
 Legend: T tokens on this rank, D hidden, K top-k, S = T*K slots, E global experts, W ranks,
 e = E/W local experts, N rows received by this rank (expert-major, see ``layout.py``).
 
-    recv_ND, handle = dispatcher.dispatch(x_TD, idx_TK)   # rows for this rank's experts
-    y_ND            = experts(recv_ND, handle.offsets_e)  # grouped GEMMs
-    y_TKD           = dispatcher.combine(y_ND, handle)    # each slot's row back at its source
+    recv_ND, handle = dispatcher.dispatch(x_TD, idx_TK, gate_TK)   # rows for this rank's experts
+    y_ND            = experts(recv_ND, handle.offsets_e)           # grouped GEMMs
+    out_TD          = dispatcher.combine_weighted(y_ND, handle, gate_TK)   # sum_k gate * y, at the source
 
-Both are pure communication and differentiable: the backward of dispatch is a combine (summed
-over k, since one token row fed K slots) and the backward of combine is a dispatch. Gate weights
-are applied outside, in ops autograd understands (STYLE.md 4).
+Differentiable: the backward of dispatch is a combine (summed over k, since one token row fed K
+slots) and the backward of combine is a dispatch. ``combine(y_ND, handle) -> y_TKD`` (each slot's
+row back at its source; the gates applied outside, in ops autograd understands) exists where the
+backend returns rows per slot (local, all-to-all: the references). The deduplicated symmetric
+backend sends one row per (token, rank), so it applies the gates where the experts live and only
+offers ``combine_weighted``; its gate gradient is computed there too.
 """
 
 from __future__ import annotations
@@ -133,12 +136,24 @@ class Dispatcher(abc.ABC):
         self.validate = validate
 
     @abc.abstractmethod
-    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
-        """Returns ``recv_ND`` (expert-major rows for this rank's local experts) and the handle."""
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor,
+                 gate_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchHandle]:
+        """Returns ``recv_ND`` (expert-major rows for this rank's local experts) and the handle.
+        ``gate_TK`` (the router's gates) is needed by backends that combine with the gates where
+        the experts live; the others ignore it."""
 
     @abc.abstractmethod
     def combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Returns ``y_TKD``: row ``[t, k]`` is the expert output for slot (t, k) of this rank."""
+
+    def combine_weighted(self, y_ND: torch.Tensor, handle: DispatchHandle, gate_TK: torch.Tensor) -> torch.Tensor:
+        """``out_TD[t] = sum_k gate_TK[t, k] * y[t, k]``: products in the activation dtype (as the
+        per-token reference does), the k-sum accumulated in fp32 and rounded once. No [T, K, D]
+        fp32 copy, no batched tiny GEMMs."""
+        y_TKD = self.combine(y_ND, handle)
+        w_TK1 = gate_TK.to(y_TKD.dtype).unsqueeze(-1)
+        acc = torch.promote_types(y_TKD.dtype, torch.float32)
+        return (y_TKD * w_TK1).sum(1, dtype=acc).to(y_ND.dtype)
 
     def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> None:
         if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:

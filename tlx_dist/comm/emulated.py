@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .symm import combine_grad_steps, combine_steps, dispatch_grad_steps, dispatch_steps
+from .symm import check_capacity, combine_grad_steps, combine_steps, dispatch_grad_steps, dispatch_steps
 from .symm_buffers import SymmBuffers
 
 __all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
@@ -39,33 +39,41 @@ def run_lockstep(gens: list) -> list:
 
 class EmulatedWorld:
     """W virtual ranks of one EP group on one device (``"cpu"`` runs the kernels in the Triton
-    interpreter). Methods take and return per-rank lists."""
+    interpreter). Methods take and return per-rank lists. ``capacity``: expanded rows per rank,
+    as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync)."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype, *, capacity: Optional[int] = None, device=None):
+                 dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None):
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
-                                            capacity=capacity, device=device)
+                                            device=device, timeout_s=timeout_s)
         self.world_size = world_size
         self.num_experts = num_experts
+        self.capacity = check_capacity(capacity)
 
     def _check(self, xs: Sequence, name: str) -> None:
         if len(xs) != self.world_size:
             raise ValueError(f"{name} must hold one tensor per virtual rank ({self.world_size}), got {len(xs)}")
 
-    def dispatch(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor], copy_out: bool = True):
-        """Returns ``[(recv_ND, SymmHandle)]`` per rank."""
+    def dispatch(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor],
+                 gates_TK: Optional[Sequence[torch.Tensor]] = None):
+        """Returns ``[(x_exp_ND, SymmHandle)]`` per rank (gates default to 1)."""
         self._check(xs_TD, "xs_TD")
         self._check(idxs_TK, "idxs_TK")
-        return run_lockstep([dispatch_steps(b, x, i, copy_out) for b, x, i in zip(self.buffers, xs_TD, idxs_TK)])
+        gates = [None] * self.world_size if gates_TK is None else gates_TK
+        self._check(gates, "gates_TK")
+        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity)
+                             for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates)])
 
-    def combine(self, ys_ND: Sequence[torch.Tensor], handles: Sequence, copy_out: bool = True):
+    def combine(self, ys_ND: Sequence[torch.Tensor], handles: Sequence):
+        """``out_TD = sum_k gate * y`` per rank, with the gates given to dispatch."""
         self._check(ys_ND, "ys_ND")
-        return run_lockstep([combine_steps(b, y, h, copy_out) for b, y, h in zip(self.buffers, ys_ND, handles)])
+        return run_lockstep([combine_steps(b, y, h) for b, y, h in zip(self.buffers, ys_ND, handles)])
 
-    def dispatch_grad(self, gs_TKD: Sequence[torch.Tensor], handles: Sequence):
-        """Combine's backward: ``g_TKD`` -> ``g_ND`` per rank."""
-        self._check(gs_TKD, "gs_TKD")
-        return run_lockstep([dispatch_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs_TKD, handles)])
+    def dispatch_grad(self, gs_TD: Sequence[torch.Tensor], ys_ND: Sequence[torch.Tensor], handles: Sequence):
+        """Combine's backward: ``g_TD`` -> ``(g_y_ND, g_gate_TK)`` per rank."""
+        self._check(gs_TD, "gs_TD")
+        return run_lockstep([dispatch_grad_steps(b, g, y, h)
+                             for b, g, y, h in zip(self.buffers, gs_TD, ys_ND, handles)])
 
     def combine_grad(self, gs_ND: Sequence[torch.Tensor], handles: Sequence):
         """Dispatch's backward: ``g_ND`` -> ``g_TD`` (summed over k) per rank."""

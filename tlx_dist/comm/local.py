@@ -16,7 +16,7 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, num_experts: int, validate: bool = True):
         super().__init__(num_experts, world_size=1, rank=0, validate=validate)
 
-    def dispatch(self, x_TD, idx_TK):
+    def dispatch(self, x_TD, idx_TK, gate_TK=None):
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         T, K = idx_TK.shape
         slots = sort_slots(idx_TK, self.num_experts)

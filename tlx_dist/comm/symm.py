@@ -1,26 +1,45 @@
-"""Expert-parallel dispatch/combine over symmetric memory: peer stores + device-side signals.
+"""Expert-parallel dispatch/combine over symmetric memory: deduplicated token rows, peer stores,
+device-side signals and bounded waits.
 
-Legend: T tokens on this rank, D hidden, K top-k, S = T*K slots, E experts, W ranks, e = E/W,
-N = N_CAP receive rows (static: the buffers' capacity). Receive layout and handle semantics are
-those of :class:`AllToAllDispatcher` (expert-major, source-minor; ``offsets_e`` int32 ends; rows
-past ``offsets_e[-1]`` are padding, zero-filled), computed with the same ``layout.py`` math.
+Legend: T tokens on this rank, D hidden, K top-k, E experts, W ranks, e = E/W, R = W * T_max
+receive rows, N expanded (expert-major) rows of this rank.
 
-No host sync and no data-dependent shape: counts are exchanged through the symmetric COUNTS
-region and the layout is computed on the GPU; ``num_recv_rows`` is the static capacity; signals
-use device-side epochs and counters, so a captured CUDA graph replays correctly.
+    x_exp_ND, handle = dispatcher.dispatch(x_TD, idx_TK, gate_TK)
+    y_exp_ND         = experts(x_exp_ND, handle.offsets_e)          # grouped GEMMs
+    out_TD           = dispatcher.combine_weighted(y_exp_ND, handle, gate_TK)
 
-Each op (dispatch, combine, and their gradients) is a sequence of *phases* written as a Python
-generator that yields between kernel launches (``tlx/comm/dispatch.py`` lists them). A real rank
-runs its generator straight through; the emulated world (``emulated.py``) advances the generators
-of W virtual ranks phase by phase on one stream, so no kernel waits on a later launch.
+**Dispatch.** A token row crosses to a destination rank once, however many of that rank's experts
+it picked: row ``send_row_TW[t, d]`` of the source's block ``[s*T_max, (s+1)*T_max)`` of rank d's
+receive buffer, with metadata (the expanded row of each k-slot that lives on d, the K gates, the
+token id). The receiver expands the rows into the expert-major layout of :mod:`layout` (the same
+rows, in the same order, as :class:`AllToAllDispatcher` and :class:`LocalDispatcher` produce).
+**Combine.** The owning rank sums, per received token, ``gate * y`` over its own slots (products in
+the activation dtype, as the per-token reference does, accumulated in fp32, rounded once) and sends
+one row back per (token, rank); the source adds the partial sums of the ranks it sent t to (fp32,
+one rounding). Backward mirrors both: combine's backward dispatches ``dout`` rows once per rank and
+returns gate-scaled expert-row gradients plus the gate gradients ``<dout[t], y[t, k]>`` (computed
+where ``y`` lives, sent back per slot); dispatch's backward is an ungated combine.
+
+**Expanded rows** (``capacity``): ``"exact"`` reads this rank's row count on the host once per
+dispatch (one sync, as the all-to-all path does) and allocates exactly; ``"worst"`` allocates the
+worst case ``W*T_max*min(K, E/W)``; a float f allocates ``ceil(f*T_max*K)`` rows (f = 1 is a
+perfectly balanced load) and a positive int that many rows -- static shapes, no host sync, CUDA-graph
+capturable; rows past it are not computed, raise the device overflow flag and :meth:`check` raises.
+
+No other host sync and no data-dependent shape: counts travel through the symmetric COUNTS region,
+the layout is computed on the GPU, and signals use device-side epochs and counters, so a captured
+CUDA graph replays correctly. Each op is a sequence of *phases* (Python generators that yield
+between kernel launches, ``tlx/comm/exchange.py`` lists them): a real rank runs its generator
+straight through; the emulated world (``emulated.py``) advances W ranks' generators in lockstep.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
-from typing import Generator, Optional
+from typing import Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,29 +48,56 @@ from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse
 from .layout import dest_rows, layout_from_counts, sort_slots
 from .symm_buffers import SymmBuffers
 
-__all__ = ["SymmDispatcher", "SymmHandle", "dispatch_steps", "combine_steps", "dispatch_grad_steps",
-           "combine_grad_steps", "run_steps"]
+__all__ = ["SymmDispatcher", "SymmHandle", "ep_buffers", "expanded_rows", "dispatch_steps", "combine_steps",
+           "dispatch_grad_steps", "combine_grad_steps", "run_steps"]
+
+Capacity = Union[str, float, int]
 
 
 @dataclass(frozen=True)
 class SymmHandle(DispatchHandle):
-    """Adds what the symmetric kernels need to undo (or repeat) the dispatch.
+    """What combine and the backward need. ``num_recv_rows`` is N (expanded rows).
 
-    dest_rank_sorted_S / dest_row_sorted_S: ``[S]`` int64, destination rank / row of each sorted slot.
-    row_S: ``[S]`` int64 destination row of slot (t*K + k) (>= capacity: the row was dropped).
-    recv_from_W: ``[W]`` int64 rows this rank receives from each source.
-    sent_to_W: ``[W]`` int64 rows of this rank stored on each destination (dropped ones excluded).
-    src_N: ``[N]`` int64 ``src_rank * T_max*K + slot`` of each received row (-1 on padding).
-    buffers: the :class:`SymmBuffers` the rows went through.
+    send_row_TW: ``[T, W]`` int32 row of token t within this rank's block on rank d (-1: not sent).
+    rows_to_W: ``[W]`` int64 token rows sent to each rank. rows_from_W: ``[W]`` int64 received from each.
+    pos_RK: ``[R, K]`` int32 expanded row of received row n's slot k (-1: that expert is elsewhere,
+        or row n is empty); row n came from source ``n // T_max``.
+    gate_RK: ``[R, K]`` gates of the received rows (activation dtype). tok_R: ``[R]`` int32 their source token ids.
+    src_map_N: ``[N]`` int32 ``n*K + k`` of each expanded row (the gather index of a fused GEMM;
+        undefined past ``offsets_e[-1]``).
+    gate_TK: the gates given to dispatch (combine must get the same tensor).
     """
 
-    dest_rank_sorted_S: torch.Tensor
-    dest_row_sorted_S: torch.Tensor
-    row_S: torch.Tensor
-    recv_from_W: torch.Tensor
-    sent_to_W: torch.Tensor
-    src_N: torch.Tensor
+    send_row_TW: torch.Tensor
+    rows_to_W: torch.Tensor
+    rows_from_W: torch.Tensor
+    pos_RK: torch.Tensor
+    gate_RK: torch.Tensor
+    tok_R: torch.Tensor
+    src_map_N: torch.Tensor
+    gate_TK: Optional[torch.Tensor]
     buffers: SymmBuffers
+
+
+def check_capacity(capacity: Capacity) -> Capacity:
+    if isinstance(capacity, str):
+        if capacity not in ("exact", "worst"):
+            raise ValueError(f"capacity={capacity!r} must be 'exact', 'worst', a float factor > 0 or a positive int")
+    elif isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not (0 < capacity < math.inf):
+        raise ValueError(f"capacity={capacity!r} must be 'exact', 'worst', a float factor > 0 or a positive int")
+    return capacity
+
+
+def expanded_rows(capacity: Capacity, bufs: SymmBuffers) -> Optional[int]:
+    """Static expanded rows for ``capacity`` (None for ``"exact"``)."""
+    L = bufs.layout
+    if capacity == "exact":
+        return None
+    if capacity == "worst":
+        return L.worst_case_rows
+    if isinstance(capacity, float):
+        return max(1, min(L.worst_case_rows, math.ceil(capacity * L.max_tokens * L.top_k)))
+    return capacity
 
 
 # ---------------------------------------------------------------- launch helpers
@@ -68,101 +114,86 @@ def _interpreting() -> bool:
 
 
 def _kernels(device: torch.device):
-    """The ``tlx/comm`` kernels (imported on first use). Triton fixes compiled vs interpreted when
+    """``tlx/comm/exchange.py`` (imported on first use). Triton fixes compiled vs interpreted when
     the kernels are decorated, from ``TRITON_INTERPRET``: CPU tensors need it set, CUDA ones unset."""
     if (device.type == "cpu") != _interpreting():
         raise ValueError(f"symmetric dispatch on {device.type} tensors needs TRITON_INTERPRET="
                          f"{'1' if device.type == 'cpu' else '0'} (it is {os.environ.get('TRITON_INTERPRET')!r})")
-    from tlx import comm
-    return comm
-
-
-@functools.lru_cache(maxsize=None)
-def _with_nvshmem(kernel):
-    from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
-    return requires_nvshmem(kernel)
-
-
-def _launch(bufs: SymmBuffers, kernel, grid, *args, nvshmem_arg: bool = True, **meta):
-    if bufs.use_nvshmem:
-        kernel = _with_nvshmem(kernel)
-    if nvshmem_arg:
-        meta["USE_NVSHMEM"] = bufs.use_nvshmem
-    kernel[grid](*args, **meta)
-
-
-def _tiles(words: int) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_W words): row chunks that divide the row when possible, ~16 KiB tiles."""
-    bw = 512
-    while bw > 64 and words % bw:
-        bw //= 2
-    bw = min(bw, _next_pow2(words))
-    return max(1, 2048 // bw), bw
+    from tlx.comm import exchange
+    return exchange
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _tiles(D: int) -> tuple[int, int]:
+    """(BLOCK rows, BLOCK_D columns): ~4K-element tiles."""
+    bd = min(512, _next_pow2(D))
+    return max(1, 4096 // bd), bd
 
 
 def _grid(n_blocks: int, dev: torch.device) -> tuple[int]:
     return (max(1, min(n_blocks, _num_programs(str(dev)))),)
 
 
-def _barrier(bufs: SymmBuffers, counts_E: Optional[torch.Tensor]):
-    """Phase 1 of every op; returns the wait launcher (phase 2). See tlx/comm/dispatch.py."""
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of sums over k, ranks and D: fp32 (fp64 for fp64 rows)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _common(bufs: SymmBuffers) -> dict:
+    import triton.language as tl
+    L = bufs.layout
+    return dict(W=L.world_size, OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive, TIMEOUT_NS=bufs.timeout_ns,
+                INTERPRET=_interpreting(), ACC=tl.float64 if L.dtype == torch.float64 else tl.float32)
+
+
+def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
+    """Phase 1 of every op; returns the wait launcher (phase 2)."""
     L, k = bufs.layout, _kernels(bufs.device)
-    W, E = L.world_size, L.num_experts
-    be = _next_pow2(E)
-    has = counts_E is not None
-    _launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, bufs.pes, counts_E if has else bufs.peers,
-            bufs.rank, W=W, WP2=_next_pow2(2 * W), E=E, BLOCK_E=be, OFF_STATE=L.off_state,
-            OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=has)
+    W, NC = L.world_size, L.num_counts
+    bc = _next_pow2(NC)
+    has = counts_C is not None
+    k._barrier_signal_kernel[(1,)](bufs.peers, counts_C if has else bufs.peers, bufs.rank, W=W,
+                                   WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=bc, OFF_STATE=L.off_state,
+                                   OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
+                                   HAS_COUNTS=has)
 
     def wait() -> Optional[torch.Tensor]:
-        counts_WE = torch.empty(W, E, dtype=torch.int64, device=bufs.device) if has else bufs.peers
-        _launch(bufs, k._barrier_wait_kernel, (1,), bufs.peers, counts_WE, bufs.rank, nvshmem_arg=False,
-                W=W, E=E, BLOCK_E=be, OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags,
-                OFF_COUNTS=L.off_counts, HAS_COUNTS=has)
-        return counts_WE if has else None
+        counts_WC = torch.empty(W, NC, dtype=torch.int64, device=bufs.device) if has else bufs.peers
+        k._barrier_wait_kernel[(1,)](bufs.peers, counts_WC, bufs.rank, W=W, NC=NC, BLOCK_C=bc,
+                                     OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts,
+                                     HAS_COUNTS=has, TIMEOUT_NS=bufs.timeout_ns, INTERPRET=_interpreting())
+        return counts_WC if has else None
     return wait
 
 
-def _words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
-    """Rows of ``t`` as raw words (a view; copies only if the last dim is not contiguous)."""
-    if t.stride(-1) != 1 or (t.dim() > 1 and t.stride(-2) * t.element_size() % word.itemsize):
-        t = t.contiguous()
-    return t.view(word)
-
-
-def _send_rows(bufs, src_RD, h_order, dest_rank, dest_row, S, K, src_is_slot):
+def _send_tokens(bufs, x_TD, send_row_TW, dest_TK, pos_TK, gate_TK, with_meta: bool):
     L, k = bufs.layout, _kernels(bufs.device)
-    word = L.word_dtype
-    src = _words(src_RD, word)
-    bm, bw = _tiles(L.words)
-    _launch(bufs, k._dispatch_send_kernel, _grid(_cdiv(S, bm), bufs.device),
-            src, src.stride(0), h_order, dest_rank, dest_row, bufs.peers, bufs.pes, bufs.rank, S, K,
-            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
-            WORDS=L.words, ROW_BYTES=L.row_bytes, OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive,
-            OFF_SRC=L.off_src, OFF_RECV=L.off_recv, SRC_IS_SLOT=src_is_slot, BLOCK_M=bm, BLOCK_W=bw,
-            num_warps=8)
+    T, D = x_TD.shape
+    if x_TD.stride(-1) != 1:
+        x_TD = x_TD.contiguous()
+    bt, bd = _tiles(D)
+    dummy = send_row_TW
+    k._send_tokens_kernel[_grid(-(-T // bt), bufs.device)](
+        x_TD, x_TD.stride(0), T, send_row_TW, dest_TK if with_meta else dummy, pos_TK if with_meta else dummy,
+        gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
+        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=D, T_MAX=L.max_tokens,
+        META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
+        OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
 
 
-def _recv_rows(bufs, recv_from_W, copy_out):
+def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool):
     L, k = bufs.layout, _kernels(bufs.device)
-    bm, bw = _tiles(L.words)
-    out = (torch.empty(L.n_cap, L.hidden, dtype=L.dtype, device=bufs.device) if copy_out
-           else bufs.recv_view())
-    src_N = torch.empty(L.n_cap, dtype=torch.int64, device=bufs.device)
-    _launch(bufs, k._dispatch_recv_kernel, _grid(_cdiv(L.n_cap, bm), bufs.device),
-            out.view(L.word_dtype), src_N, recv_from_W, bufs.peers, bufs.rank, nvshmem_arg=False,
-            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, WORDS=L.words,
-            OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive, OFF_SRC=L.off_src, OFF_RECV=L.off_recv,
-            COPY_ROWS=copy_out, BLOCK_M=bm, BLOCK_W=bw, num_warps=8)
-    return out, src_N
+    br, bd = _tiles(L.hidden)
+    c = _common(bufs)
+    k._expand_kernel[_grid(-(-L.recv_rows // br), bufs.device)](
+        out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
+        bufs.rank, out_ND.shape[0], WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
+        META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate,
+        FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br, BLOCK_D=bd, num_warps=4, **c)
+
 
 # ---------------------------------------------------------------- the ops, as phase generators
 
@@ -186,79 +217,104 @@ def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int)
         raise ValueError(f"x_TD is on {x_TD.device} but the symmetric buffers are on {bufs.device}")
 
 
-def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor, copy_out: bool = True) -> Steps:
-    """Phases of one dispatch on rank ``bufs.rank``; returns ``(recv_ND, SymmHandle)``."""
+def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
+                   gate_TK: Optional[torch.Tensor] = None, capacity: Capacity = "worst") -> Steps:
+    """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``."""
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
-    W, r, E = L.world_size, bufs.rank, L.num_experts
+    W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     slots = sort_slots(idx_TK, E)
-    wait = _barrier(bufs, slots.counts_E)
+    dest_TK = torch.div(idx_TK.long(), e, rounding_mode="floor")
+    mask_TW = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
+    send_row_TW = torch.where(mask_TW, torch.cumsum(mask_TW, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
+    rows_to_W = mask_TW.sum(0)
+    wait = _barrier(bufs, torch.cat([slots.counts_E, rows_to_W]))
     yield
-    counts_WE = wait()
-    layout = layout_from_counts(counts_WE)
-    row_sorted_S = dest_rows(layout, r, slots, idx_TK)
-    rank_sorted_S = torch.div(idx_TK.reshape(-1).long()[slots.order_S], e, rounding_mode="floor")
-    _send_rows(bufs, x_TD, slots.order_S, rank_sorted_S, row_sorted_S, T * K, K, src_is_slot=False)
-    yield
-    recv_from_W = counts_WE[:, r * e:(r + 1) * e].sum(1)
-    recv_ND, src_N = _recv_rows(bufs, recv_from_W, copy_out)
+    counts_WC = wait()
+    layout = layout_from_counts(counts_WC[:, :E])
+    rows_from_W = counts_WC[:, E + r].contiguous()
     inverse_S = inverse_permutation(slots.order_S)
-    kept = (row_sorted_S < L.n_cap).long()
-    sent_to_W = torch.zeros(W, dtype=torch.int64, device=x_TD.device).scatter_add_(0, rank_sorted_S, kept)
+    pos_TK = dest_rows(layout, r, slots, idx_TK)[inverse_S].view(T, K).to(torch.int32)
+    # Gates travel in the activation dtype: the owner forms gate * y as the reference does.
+    gate_DT = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
+               else gate_TK.detach().to(L.dtype).contiguous())
+    _send_tokens(bufs, x_TD, send_row_TW, dest_TK.to(torch.int32), pos_TK, gate_DT, with_meta=True)
+    yield
+    n = expanded_rows(capacity, bufs)
+    if n is None:
+        n = int(layout.offsets_We[r, -1])  # capacity="exact": the one host sync of this op
+    x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
+    src_map = torch.empty(n, dtype=torch.int32, device=dev)
+    R = L.recv_rows
+    pos_RK = torch.empty(R, K, dtype=torch.int32, device=dev)
+    gate_RK = torch.empty(R, K, dtype=L.dtype, device=dev)
+    tok_R = torch.empty(R, dtype=torch.int32, device=dev)
+    _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False)
     handle = SymmHandle(
-        num_tokens=T, top_k=K, num_recv_rows=L.n_cap,
-        offsets_e=layout.offsets_We[r].clamp(max=L.n_cap).to(torch.int32),
+        num_tokens=T, top_k=K, num_recv_rows=n,
+        offsets_e=layout.offsets_We[r].clamp(max=n).to(torch.int32),
         recv_counts_e=layout.recv_counts_We[r], tokens_per_expert_E=slots.counts_E,
-        order_S=slots.order_S, inverse_S=inverse_S,
-        dest_rank_sorted_S=rank_sorted_S, dest_row_sorted_S=row_sorted_S, row_S=row_sorted_S[inverse_S],
-        recv_from_W=recv_from_W, sent_to_W=sent_to_W, src_N=src_N, buffers=bufs)
-    return recv_ND, handle
+        order_S=slots.order_S, inverse_S=inverse_S, send_row_TW=send_row_TW, rows_to_W=rows_to_W,
+        rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
+        gate_TK=gate_TK, buffers=bufs)
+    return x_exp, handle
 
 
-def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, copy_out: bool = True) -> Steps:
-    """Phases of one combine; returns ``y_TKD`` (row [t, k] = expert output of slot (t, k))."""
+def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool) -> Steps:
     L, k = bufs.layout, _kernels(bufs.device)
     wait = _barrier(bufs, None)
     yield
     wait()
-    y = _words(y_ND, L.word_dtype)
-    bm, bw = _tiles(L.words)
-    _launch(bufs, k._combine_send_kernel, _grid(_cdiv(L.n_cap, bm), bufs.device),
-            y, y.stride(0), h.src_N, h.recv_from_W, bufs.peers, bufs.pes, bufs.rank,
-            W=L.world_size, WP=_next_pow2(L.world_size), N_CAP=L.n_cap, S_MAX=L.s_max,
-            WORDS=L.words, ROW_BYTES=L.row_bytes, OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb,
-            BLOCK_M=bm, BLOCK_W=bw, num_warps=8)
+    y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
+    br, bd = _tiles(L.hidden)
+    k._reduce_send_kernel[_grid(-(-L.recv_rows // br), bufs.device)](
+        y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
+        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
+        OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4)
     yield
-    T, K = h.num_tokens, h.top_k
-    out = (torch.empty(T, K, L.hidden, dtype=L.dtype, device=bufs.device) if copy_out
-           else bufs.comb_view(T))
-    _launch(bufs, k._combine_recv_kernel, _grid(_cdiv(T * K, bm), bufs.device),
-            out.view(L.word_dtype), h.row_S, h.sent_to_W, bufs.peers, bufs.rank, T * K, nvshmem_arg=False,
-            W=L.world_size, N_CAP=L.n_cap, WORDS=L.words, OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb,
-            COPY_ROWS=copy_out, BLOCK_M=bm, BLOCK_W=bw, num_warps=8)
+    T = h.num_tokens
+    out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
+    k._reduce_recv_kernel[_grid(-(-T // br), bufs.device)](
+        out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, D=L.hidden, OFF_COMB=L.off_comb,
+        BLOCK_T=br, BLOCK_D=bd, num_warps=4, **_common(bufs))
     return out
 
 
-def dispatch_grad_steps(bufs: SymmBuffers, g_TKD: torch.Tensor, h: SymmHandle) -> Steps:
-    """Backward of combine: slot rows ``g_TKD[t, k]`` to their receive rows; returns ``g_ND``
-    (padding rows zero)."""
-    wait = _barrier(bufs, None)
-    yield
-    wait()
-    S = h.num_tokens * h.top_k
-    _send_rows(bufs, g_TKD.reshape(S, bufs.layout.hidden), h.order_S, h.dest_rank_sorted_S, h.dest_row_sorted_S, S,
-               h.top_k, src_is_slot=True)
-    yield
-    g_ND, _ = _recv_rows(bufs, h.recv_from_W, copy_out=True)
-    return g_ND
+def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
+    """Phases of one combine; returns ``out_TD = sum_k gate[t, k] * y[t, k]``."""
+    return (yield from _reduce_steps(bufs, y_ND, h, gated=True))
 
 
 def combine_grad_steps(bufs: SymmBuffers, g_ND: torch.Tensor, h: SymmHandle) -> Steps:
-    """Backward of dispatch: ``g_ND`` rows back to their slots, summed over k; returns ``g_TD``."""
-    g_TKD = yield from combine_steps(bufs, g_ND, h, copy_out=True)
-    return g_TKD.sum(1)
+    """Backward of dispatch: ``g_TD[t] = sum_k g_ND[row of (t, k)]`` (an ungated combine)."""
+    return (yield from _reduce_steps(bufs, g_ND, h, gated=False))
+
+
+def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
+    """Backward of combine: returns ``(g_y_ND, g_gate_TK)``: ``g_y[row of (t, k)] = gate[t, k] *
+    g_TD[t]`` and ``g_gate[t, k] = <g_TD[t], y[row of (t, k)]>`` (fp32; fp64 for fp64 rows)."""
+    L, k = bufs.layout, _kernels(bufs.device)
+    wait = _barrier(bufs, None)
+    yield
+    wait()
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, with_meta=False)
+    yield
+    n = h.num_recv_rows
+    g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
+    scratch = torch.empty(n, dtype=torch.int32, device=bufs.device)
+    y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
+    _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True)
+    yield
+    S = h.num_tokens * h.top_k
+    g_gate = torch.empty(S, dtype=_acc_dtype(L.dtype), device=bufs.device)
+    k._gate_grad_recv_kernel[_grid(-(-S // 1024), bufs.device)](
+        g_gate, h.rows_to_W, bufs.peers, bufs.rank, S, W=L.world_size, OFF_STATE=L.off_state,
+        OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, INTERPRET=_interpreting(),
+        BLOCK=1024)
+    return g_y, g_gate.view(h.num_tokens, h.top_k)
 
 
 def run_steps(steps: Steps):
@@ -274,48 +330,68 @@ def run_steps(steps: Steps):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, idx_TK, bufs, copy_out):
-        recv_ND, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, copy_out))
+    def forward(ctx, x_TD, idx_TK, gate_TK, bufs, capacity):
+        x_exp, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity))
         ctx.h = h
-        return recv_ND, h
+        return x_exp, h
 
     @staticmethod
-    def backward(ctx, g_ND, _g_handle):
+    def backward(ctx, g_exp, _g_handle):
         h = ctx.h
-        return run_steps(combine_grad_steps(h.buffers, g_ND.contiguous(), h)), None, None, None
+        return run_steps(combine_grad_steps(h.buffers, g_exp, h)), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_ND, h, copy_out):
+    def forward(ctx, y_ND, gate_TK, h):
         ctx.h = h
-        return run_steps(combine_steps(h.buffers, y_ND, h, copy_out))
+        ctx.gate_dtype = gate_TK.dtype if gate_TK is not None else None
+        ctx.save_for_backward(y_ND)
+        return run_steps(combine_steps(h.buffers, y_ND, h))
 
     @staticmethod
-    def backward(ctx, g_TKD):
+    def backward(ctx, g_TD):
+        (y_ND,) = ctx.saved_tensors
         h = ctx.h
-        return run_steps(dispatch_grad_steps(h.buffers, g_TKD.contiguous(), h)), None, None
+        g_y, g_gate = run_steps(dispatch_grad_steps(h.buffers, g_TD.contiguous(), y_ND, h))
+        return g_y, (g_gate.to(ctx.gate_dtype) if ctx.gate_dtype is not None else None), None
+
+
+_EP_BUFFERS: dict = {}
+
+
+def ep_buffers(group: Optional[dist.ProcessGroup], max_tokens: int, hidden: int, top_k: int, num_experts: int,
+               dtype: torch.dtype, device=None, timeout_s: Optional[float] = None) -> SymmBuffers:
+    """The one :class:`SymmBuffers` of an EP group for these sizes: built (collectively) on the
+    first call, returned from a cache afterwards, so every layer of a model shares it. Every rank
+    of ``group`` must call it with the same arguments."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device))
+    bufs = _EP_BUFFERS.get(key)
+    if bufs is None or bufs.closed:
+        bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s)
+        _EP_BUFFERS[key] = bufs
+    return bufs
 
 
 class SymmDispatcher(Dispatcher):
-    """Dispatch/combine through symmetric memory (see the module docstring).
+    """Deduplicated dispatch/combine through symmetric memory (see the module docstring).
 
     Args:
         num_experts: E.
         group: the EP process group (``None``: one rank).
-        buffers: a :class:`SymmBuffers` for this group, shared by every layer; built on the first
-            dispatch when omitted (then ``max_tokens`` is required, or taken as the largest first
-            T over the group, which syncs the host once).
-        max_tokens / capacity / backend: passed to :class:`SymmBuffers` when it is built here.
-        copy_out: copy the receive buffers out (default). ``False`` returns views of the symmetric
-            buffers, valid until the next op on them: for inference and benchmarks, not autograd.
+        buffers: the group's :class:`SymmBuffers` (:func:`ep_buffers`); when omitted they are taken
+            from :func:`ep_buffers` on the first dispatch, sized by ``max_tokens`` (or the largest
+            first T over the group: one host sync, once).
+        capacity: expanded rows per rank: ``"exact"`` (default; one host sync per dispatch),
+            ``"worst"``, a float factor of ``T_max*K``, or an int (see the module docstring).
+        timeout_s: how long a wait spins before it records an error (default 30 s).
         validate: check expert ids (syncs the host).
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
-                 capacity: Optional[int] = None, backend: str = "auto", copy_out: bool = True,
-                 validate: bool = True):
+                 capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if buffers is not None:
@@ -330,9 +406,8 @@ class SymmDispatcher(Dispatcher):
         self.group = group
         self.buffers = buffers
         self.max_tokens = max_tokens
-        self.capacity = capacity
-        self.backend = backend
-        self.copy_out = bool(copy_out)
+        self.capacity = check_capacity(capacity)
+        self.timeout_s = timeout_s
 
     def _buffers_for(self, x_TD: torch.Tensor, K: int) -> SymmBuffers:
         if self.buffers is None:
@@ -342,33 +417,38 @@ class SymmDispatcher(Dispatcher):
                 if self.group is not None:
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
                 T = int(t.item())  # one-time setup sync
-            self.buffers = SymmBuffers(T, x_TD.shape[1], K, self.num_experts, x_TD.dtype, self.group,
-                                       capacity=self.capacity, backend=self.backend, device=x_TD.device)
+            self.buffers = ep_buffers(self.group, T, x_TD.shape[1], K, self.num_experts, x_TD.dtype,
+                                      device=x_TD.device, timeout_s=self.timeout_s)
         return self.buffers
 
-    def dispatch(self, x_TD, idx_TK):
+    def dispatch(self, x_TD, idx_TK, gate_TK=None):
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
+        if gate_TK is not None and (not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape):
+            raise ValueError(f"gate_TK must be a tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
+                             f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        if not self.copy_out and torch.is_grad_enabled() and x_TD.requires_grad:
-            raise ValueError("copy_out=False returns views the next op overwrites; it cannot be used under autograd")
-        recv_ND, h = _Dispatch.apply(x_TD, idx_TK, bufs, self.copy_out)
-        return recv_ND, h
+        return _Dispatch.apply(x_TD, idx_TK, gate_TK, bufs, self.capacity)
 
     def combine(self, y_ND, handle):
+        raise NotImplementedError("SymmDispatcher returns one row per token (the gate-weighted sum over its "
+                                  "experts, summed where they live): use combine_weighted(y_ND, handle, gate_TK)")
+
+    def combine_weighted(self, y_ND, handle, gate_TK):
         self._check_combine(y_ND, handle)
         if not isinstance(handle, SymmHandle):
             raise TypeError(f"handle must come from SymmDispatcher.dispatch, got {type(handle).__name__}")
-        if y_ND.dtype != handle.buffers.layout.dtype or y_ND.shape[1] != handle.buffers.layout.hidden:
-            raise ValueError(f"y_ND must be [N, {handle.buffers.layout.hidden}] {handle.buffers.layout.dtype}, "
-                             f"got {tuple(y_ND.shape)} {y_ND.dtype}")
-        if not self.copy_out and torch.is_grad_enabled() and y_ND.requires_grad:
-            raise ValueError("copy_out=False returns views the next op overwrites; it cannot be used under autograd")
-        return _Combine.apply(y_ND, handle, self.copy_out)
+        L = handle.buffers.layout
+        if y_ND.dtype != L.dtype or y_ND.shape[1] != L.hidden:
+            raise ValueError(f"y_ND must be [N, {L.hidden}] {L.dtype}, got {tuple(y_ND.shape)} {y_ND.dtype}")
+        if gate_TK is not handle.gate_TK:
+            raise ValueError("gate_TK must be the tensor given to dispatch: its gates travelled with the tokens "
+                             "and are applied where the experts live")
+        return _Combine.apply(y_ND, gate_TK, handle)
 
-    def check(self) -> None:
-        """Raises if a dispatch dropped rows past the capacity (host sync; see SymmBuffers.check)."""
+    def check(self, capacity_hint: str = "the dispatcher's capacity") -> None:
+        """Raises if a wait gave up or expanded rows overflowed (host sync; see SymmBuffers.check)."""
         if self.buffers is not None:
-            self.buffers.check()
+            self.buffers.check(capacity_hint)
 
     def extra_repr(self) -> Optional[str]:
-        return f"{super().extra_repr()}, buffers={self.buffers!r}"
+        return f"{super().extra_repr()}, capacity={self.capacity!r}, buffers={self.buffers!r}"

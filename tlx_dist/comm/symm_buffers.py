@@ -1,24 +1,31 @@
-"""Symmetric buffers for one expert-parallel group: allocation, peer table, sizing, overflow check.
+"""Symmetric buffers for one expert-parallel group: allocation, peer table, sizing, checks.
 
-Legend: T_max max tokens per rank, D hidden, K top-k, E experts, W ranks, e = E/W,
-S_MAX = T_max*K slots, N_CAP receive rows per rank.
+Legend: T_max max tokens per rank, D hidden, K top-k, E experts, W ranks, e = E/W.
 
-One allocation per rank, the same byte layout on every rank (see ``tlx/comm/dispatch.py`` for the
-regions). ``N_CAP`` is the worst case ``W * T_max * min(K, e)`` (a token sends at most min(K, e)
-distinct experts to one rank) unless a smaller ``capacity`` is declared; rows past it are dropped
-*and counted*: the overflow flag is raised on the device and :meth:`SymmBuffers.check` raises.
+One allocation per rank, the same byte layout on every rank (the regions are listed in
+``tlx/comm/exchange.py``). Sized by what can arrive once token rows are deduplicated: at most
+``W * T_max`` token rows (a token crosses to a rank once), ``T_max * W`` combine partial rows and
+``T_max * K`` gate gradients -- nothing proportional to K x the rows. The expert-major rows the
+grouped GEMMs read are ordinary tensors of the dispatcher (see ``SymmDispatcher``'s capacity).
+
+Build one set per EP group with :func:`tlx_dist.comm.ep_buffers` and share it across every layer
+and step: ops on it are stream-ordered and each one opens with a barrier.
 
 Backends:
   ``"cuda"``     torch symmetric memory (CUDA backend): peer pointers over NVLink, one node.
-  ``"nvshmem"``  torch symmetric memory on its NVSHMEM backend: peer pointers for ranks on this
-                 node, NVSHMEM puts/signals for ranks on other nodes (kernels link libnvshmem_device).
   ``"local"``    W = 1 without a process group: a plain device allocation.
   ``"emulated"`` W virtual ranks in one process (:meth:`SymmBuffers.emulated`): slices of one
                  allocation, each with its own peer table; tier T4 tests and single-GPU benchmarks.
+Groups that span nodes are refused here (``make_dispatcher("auto")`` uses the all-to-all path
+for them): the NVSHMEM route is being rebuilt for the deduplicated exchange.
+
+Failures are reported, never hung on: every wait in the kernels gives up after ``timeout_s``
+and records the op and the peer; :meth:`check` raises them, and overflow of the expanded rows.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,11 +33,17 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["SymmLayout", "SymmBuffers"]
+__all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S"]
 
 _ALIGN = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+DEFAULT_TIMEOUT_S = 30.0
+_OPS = {1: "barrier (op start)", 2: "token rows of a dispatch", 3: "combine partial rows",
+        4: "gate gradients of combine's backward"}
+
+
+class ExchangeError(RuntimeError):
+    """A symmetric-memory wait gave up: the op, this rank and the peer it waited for."""
 
 
 def _align(n: int) -> int:
@@ -53,39 +66,38 @@ class SymmLayout:
     hidden: int
     top_k: int
     dtype: torch.dtype
-    n_cap: int
     off_state: int
     off_flags: int
     off_arrive: int
     off_counts: int
-    off_src: int
+    off_meta: int
+    off_gates: int
     off_recv: int
     off_comb: int
+    off_dgate: int
     nbytes: int
 
     @property
-    def s_max(self) -> int:
-        return self.max_tokens * self.top_k
+    def recv_rows(self) -> int:
+        """R = W * T_max token rows: the most a rank can receive once rows are deduplicated."""
+        return self.world_size * self.max_tokens
 
     @property
-    def row_bytes(self) -> int:
-        return self.hidden * self.dtype.itemsize
+    def meta_words(self) -> int:
+        return self.top_k + 1
 
     @property
-    def word_dtype(self) -> torch.dtype:
-        """Rows move as raw words: the widest of 8/4/2/1 bytes dividing a row."""
-        for w in (8, 4, 2, 1):
-            if self.row_bytes % w == 0:
-                return _WORD[w]
-        raise AssertionError("unreachable")
+    def num_counts(self) -> int:
+        return self.num_experts + self.world_size
 
     @property
-    def words(self) -> int:
-        return self.row_bytes // self.word_dtype.itemsize
+    def worst_case_rows(self) -> int:
+        """Expanded (expert-major) rows one rank can get: W * T_max * min(K, E/W)."""
+        return self.recv_rows * min(self.top_k, self.num_experts // self.world_size)
 
     @classmethod
     def build(cls, max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
-              dtype: torch.dtype, capacity: Optional[int] = None) -> "SymmLayout":
+              dtype: torch.dtype) -> "SymmLayout":
         _pos_int("max_tokens", max_tokens)
         _pos_int("hidden", hidden)
         _pos_int("top_k", top_k)
@@ -95,128 +107,129 @@ class SymmLayout:
             raise TypeError(f"dtype={dtype!r} must be one of {_DTYPES}")
         if num_experts % world_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
-        e = num_experts // world_size
-        worst = world_size * max_tokens * min(top_k, e)
-        n_cap = worst if capacity is None else _pos_int("capacity", capacity)
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}")
         if world_size * max_tokens * top_k >= 2**31:
             raise ValueError(f"world_size*max_tokens*top_k={world_size * max_tokens * top_k} must be < 2**31")
-        row = hidden * dtype.itemsize
+        W, row = world_size, hidden * dtype.itemsize
         off, offs = 0, {}
-        for name, size in (("state", 64), ("flags", 8 * world_size), ("arrive", 16 * world_size),
-                           ("counts", 16 * world_size * num_experts), ("src", 8 * n_cap),
-                           ("recv", row * n_cap), ("comb", row * max_tokens * top_k)):
+        for name, size in (("state", 64), ("flags", 8 * W), ("arrive", 24 * W),
+                           ("counts", 16 * W * (num_experts + W)),
+                           ("meta", 4 * W * max_tokens * (top_k + 1)),
+                           ("gates", dtype.itemsize * W * max_tokens * top_k), ("recv", row * W * max_tokens),
+                           ("comb", row * max_tokens * W), ("dgate", 8 * max_tokens * top_k)):
             offs[name] = off
             off = _align(off + size)
-        return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype, n_cap,
-                   offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["src"],
-                   offs["recv"], offs["comb"], off)
+        return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
+                   offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
+                   offs["gates"], offs["recv"], offs["comb"], offs["dgate"], off)
+
+
+def _timeout_s(timeout_s: Optional[float]) -> float:
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("TLX_DIST_EXCHANGE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < 1e6):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds in (0, 1e6)")
+    return float(timeout_s)
 
 
 class SymmBuffers:
-    """Symmetric buffers of one rank of an EP group; build once, share across layers and steps.
+    """Symmetric buffers of one rank of an EP group; build once (:func:`ep_buffers`), share
+    across layers and steps.
 
     Args:
         max_tokens: T_max, the most tokens any rank dispatches in one call.
         hidden: D. top_k: K. num_experts: E. dtype: the rows' dtype.
         group: the EP process group (``None``: one rank, ``backend="local"``).
-        capacity: receive rows per rank; default the worst case ``W * T_max * min(K, E/W)``.
-        backend: ``"auto"`` (cuda on one node, nvshmem across nodes), ``"cuda"``, ``"nvshmem"``, ``"local"``.
+        backend: ``"auto"`` (cuda: one node), ``"cuda"``, ``"local"``.
         device: CUDA device (default: the current one).
+        timeout_s: how long any wait in the exchange kernels spins before it gives up and records
+            an error (default 30 s, or ``TLX_DIST_EXCHANGE_TIMEOUT_S``).
     """
 
     def __init__(self, max_tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
-                 group=None, *, capacity: Optional[int] = None, backend: str = "auto", device=None):
+                 group=None, *, backend: str = "auto", device=None, timeout_s: Optional[float] = None):
         import torch.distributed as dist
 
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype, capacity)
-        if backend not in ("auto", "cuda", "nvshmem", "local"):
-            raise ValueError(f"backend={backend!r} is not one of 'auto', 'cuda', 'nvshmem', 'local'")
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype)
+        timeout = _timeout_s(timeout_s)
+        if backend not in ("auto", "cuda", "local"):
+            raise ValueError(f"backend={backend!r} is not one of 'auto', 'cuda', 'local'")
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if group is None:
             if backend not in ("auto", "local"):
                 raise ValueError(f"backend={backend!r} needs a process group")
             mem = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-            self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", handle=None)
+            self._init(layout, rank, mem, [mem.data_ptr()], "local", None, timeout)
             return
         topo = Topology.from_group(group)
-        if backend == "auto":
-            backend = "cuda" if topo.single_node else "nvshmem"
-        if backend == "cuda" and not topo.single_node:
-            raise ValueError("backend='cuda' reaches only ranks on this node; the group spans nodes (use 'nvshmem')")
+        if not topo.single_node:
+            raise ValueError("the EP group spans nodes: symmetric-memory peer pointers reach only this node "
+                             "(use dispatcher='all_to_all' across nodes; the NVSHMEM route is not available yet)")
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if backend == "nvshmem":
-            if not symm_mem.is_nvshmem_available():
-                raise RuntimeError("backend='nvshmem' needs torch built with NVSHMEM")
-            symm_mem.set_backend("NVSHMEM")
         mem = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
         mem.zero_()
         handle = symm_mem.rendezvous(mem, group)
-        # Peers on other nodes get 0: the kernels reach them with NVSHMEM puts to this rank's own
-        # (symmetric) addresses on PE ``pes[d]`` (torch's NVSHMEM PEs are global ranks).
-        ptrs = [int(p) if topo.same_node(d) else 0 for d, p in enumerate(handle.buffer_ptrs)]
-        self._init(layout, rank, mem, ptrs, list(topo.global_ranks), backend, handle=handle)
+        self._init(layout, rank, mem, [int(p) for p in handle.buffer_ptrs], "cuda", handle, timeout)
         handle.barrier(channel=0)  # every rank's region is zeroed before anyone signals into it
         torch.cuda.synchronize(device)
 
-    def _init(self, layout, rank, mem, ptrs, pes, backend, handle):
+    def _init(self, layout, rank, mem, ptrs, backend, handle, timeout_s):
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
         self.backend = backend
+        self.timeout_s = timeout_s
         self._mem = mem
         self._handle = handle
         self.device = mem.device
         self.peers = torch.tensor(ptrs, dtype=torch.int64, device=mem.device)
-        self.pes = torch.tensor(pes, dtype=torch.int32, device=mem.device)
-        self.use_nvshmem = backend == "nvshmem" and 0 in ptrs
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
 
     # ---- sizing ----
     @staticmethod
     def size_hint(max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
-                  dtype: torch.dtype, capacity: Optional[int] = None) -> int:
+                  dtype: torch.dtype) -> int:
         """Bytes of symmetric memory one rank allocates for these sizes."""
-        return SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, capacity).nbytes
-
-    @property
-    def capacity(self) -> int:
-        return self.layout.n_cap
+        return SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype).nbytes
 
     # ---- views of the regions (this rank's) ----
     def _region(self, off: int, nbytes: int) -> torch.Tensor:
         self._check_open()
         return self._mem[off: off + nbytes]
 
-    def recv_view(self) -> torch.Tensor:
-        """``[N_CAP, D]`` the dispatch receive rows (overwritten by the next dispatch)."""
-        L = self.layout
-        return self._region(L.off_recv, L.n_cap * L.row_bytes).view(L.dtype).view(L.n_cap, L.hidden)
-
-    def comb_view(self, num_tokens: int) -> torch.Tensor:
-        """``[T, K, D]`` the combine receive rows (overwritten by the next combine)."""
-        L = self.layout
-        n = num_tokens * L.top_k
-        return self._region(L.off_comb, n * L.row_bytes).view(L.dtype).view(num_tokens, L.top_k, L.hidden)
-
     def state(self) -> torch.Tensor:
-        """``[2]`` int64: ops started (epoch), overflow flag."""
-        return self._region(self.layout.off_state, 16).view(torch.int64)
+        """``[3]`` int64: ops started (epoch), overflow flag, error word (``op << 16 | peer``)."""
+        return self._region(self.layout.off_state, 24).view(torch.int64)
 
-    # ---- overflow ----
-    def check(self) -> None:
-        """Raises RuntimeError if any dispatch since the last check dropped rows past the capacity.
-        Syncs with the host: call it at a logging step, not per layer."""
-        flag = self.state()[1]
-        if int(flag.item()):
-            flag.zero_()
+    # ---- checks ----
+    def check(self, capacity_hint: str = "the dispatcher's capacity") -> None:
+        """Raises :class:`ExchangeError` if a wait gave up (naming the op, this rank and the peer),
+        or RuntimeError if expanded rows overflowed a capacity since the last check. Syncs with
+        the host: call it at a logging step, not per layer. ``capacity_hint`` names the setting
+        to raise in the overflow message (e.g. a training-config key)."""
+        st = self.state()
+        overflow, err = (int(v) for v in st[1:3].tolist())
+        if err:
+            op, peer = err >> 16, err & 0xFFFF
+            raise ExchangeError(
+                f"symmetric exchange: rank {self.rank} waited {self.timeout_s:g} s for the "
+                f"{_OPS.get(op, f'op {op}')} from rank {peer}, which never arrived (a rank skipped, "
+                f"repeated or died in an op). The exchange state is inconsistent; restart the job. "
+                f"(timeout: TLX_DIST_EXCHANGE_TIMEOUT_S / timeout_s)")
+        if overflow:
+            st[1].zero_()
             raise RuntimeError(
-                f"symmetric dispatch overflowed its capacity of {self.layout.n_cap} receive rows on rank "
-                f"{self.rank}: rows were dropped (their combine outputs are zero with copy_out=True, "
-                f"stale with copy_out=False). Raise capacity= "
-                f"(worst case W*T_max*min(K, E/W) = "
-                f"{self.world_size * self.layout.max_tokens * min(self.layout.top_k, self.layout.num_experts // self.world_size)})")
+                f"symmetric dispatch on rank {self.rank} received more expert rows than {capacity_hint} "
+                f"allows: the extra rows were not computed (their outputs count as zero). Raise "
+                f"{capacity_hint} (worst case {self.layout.worst_case_rows} rows = W*T_max*min(K, E/W)), "
+                f"or use capacity='exact'.")
 
     # ---- lifetime ----
     def _check_open(self) -> None:
@@ -228,7 +241,7 @@ class SymmBuffers:
         return self._mem is None
 
     def close(self) -> None:
-        """Releases the memory (collective for the cuda/nvshmem backends: every rank closes)."""
+        """Releases the memory (collective for the cuda backend: every rank closes)."""
         self._mem = None
         self._handle = None
         self.peers = None
@@ -236,25 +249,25 @@ class SymmBuffers:
     def __repr__(self) -> str:
         L = self.layout
         return (f"SymmBuffers(rank={self.rank}/{self.world_size}, backend={self.backend}, T_max={L.max_tokens}, "
-                f"D={L.hidden}, K={L.top_k}, E={L.num_experts}, dtype={L.dtype}, capacity={L.n_cap}, "
-                f"bytes={L.nbytes})")
+                f"D={L.hidden}, K={L.top_k}, E={L.num_experts}, dtype={L.dtype}, bytes={L.nbytes}, "
+                f"timeout_s={self.timeout_s:g})")
 
     # ---- emulated world ----
     @classmethod
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype, *, capacity: Optional[int] = None, device=None) -> list["SymmBuffers"]:
+                 dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
         ``"cpu"`` for the Triton interpreter."""
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, capacity)
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype)
+        timeout = _timeout_s(timeout_s)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
         out = []
         for v in range(world_size):
             b = cls.__new__(cls)
-            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], ptrs, list(range(world_size)),
-                    "emulated", handle=None)
+            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], ptrs, "emulated", None, timeout)
             b._world_mem = mem  # keeps the shared allocation alive
             out.append(b)
         return out

@@ -1,0 +1,353 @@
+"""Deduplicated token exchange over symmetric memory: the phase kernels of dispatch and combine.
+
+Legend: W ranks, E global experts, e = E/W local experts, K top-k, T tokens of this rank (at most
+T_MAX), D hidden, R = W * T_MAX receive rows, N_EXP expanded (expert-major) rows of this rank.
+
+A token crosses to a destination rank **once**, however many of that rank's experts it picked,
+with its per-k metadata; the receiver expands it into the expert-major rows the grouped GEMMs
+read, and the combine sums a token's local expert outputs on the owning rank and sends one row
+back per (token, rank).
+
+Symmetric region of every rank (byte offsets are constexprs from the host; ``peers[d]`` + offset):
+    STATE  [8]      int64  [0] epoch (ops started here), [1] sticky overflow flag, [2] error word
+    FLAGS  [W]      int64  barrier: FLAGS[s] = last epoch rank s signalled to me
+    ARRIVE [3W]     int64  [0:W) token rows from src s, [W:2W) combine rows from rank d,
+                           [2W:3W) gate-gradient rows from rank d
+    COUNTS [2,W,NC] int64  per-source count vectors (NC = E + W: slots per global expert, then
+                           token rows sent to each rank), double-buffered by epoch parity
+    META   [R, K+1] int32  per received token row: expanded row of each k-slot on this rank (-1:
+                           that slot's expert lives elsewhere), then the source token id
+    GATES  [R, K]          the K gates of each received row, in the activation dtype
+    RECV   [R, D]          token rows; rows [s*T_MAX, s*T_MAX + rows_from[s]) come from source s
+    COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
+    DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
+
+One op, kernels in launch order (the emulated world launches each phase for every virtual rank
+before the next, so no kernel waits on a signal raised by a later launch):
+    dispatch:  _barrier_signal (counts) | _barrier_wait -> layout (host ops) -> _send_tokens (meta)
+               | _expand (copy META out, expanded rows)
+    combine:   _barrier_signal | _barrier_wait -> _reduce_send (gated) | _reduce_recv
+    dispatch backward = combine without gates; combine backward:
+               _barrier_signal | _barrier_wait -> _send_tokens (dy rows) | _expand (gate-scaled
+               rows + gate gradients to their source) | _gate_grad_recv
+Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
+error word, and later waits on that rank return at once; the host raises a RuntimeError naming the
+op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
+the overflow flag, and count as zero in the combine: never silently.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+try:  # the device clock for bounded waits (CUDA); the interpreter counts polls instead
+    from triton.language.extra.cuda import globaltimer as _globaltimer
+except ImportError:  # pragma: no cover - builds without the CUDA extras
+    _globaltimer = None
+
+OP_BARRIER = tl.constexpr(1)
+OP_TOKENS = tl.constexpr(2)
+OP_COMBINE = tl.constexpr(3)
+OP_GATE_GRAD = tl.constexpr(4)
+
+
+@triton.jit
+def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Polls ``*flag_ptr >= target`` (acquire, system scope). Gives up after TIMEOUT_NS, or at once
+    when an earlier wait of this rank already failed, recording ``OP << 16 | peer`` in ``*err_ptr``."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
+    waited = tl.zeros([], tl.int64)
+    if INTERPRET:
+        t0 = tl.zeros([], tl.int64)
+    else:
+        t0 = _globaltimer()
+    while (v < target) & (err == 0) & (waited < TIMEOUT_NS):
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
+        if INTERPRET:
+            waited += 1000  # a poll counts as 1 us
+        else:
+            waited = _globaltimer() - t0
+    if v < target:  # one failed wait is reported (the largest code if several fail at once)
+        tl.atomic_max(err_ptr, tl.full([], OP * 65536, tl.int64) + peer, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
+                           W: tl.constexpr, WP3: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
+                           OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+                           OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """epoch += 1; zero my ARRIVE; [write my count vector into every peer's COUNTS]; raise
+    FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it)."""
+    my = tl.load(peers_ptr + RANK)
+    state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
+    epoch = tl.load(state) + 1
+    tl.store(state, epoch)
+    wi = tl.arange(0, WP3)
+    tl.store((my + OFF_ARRIVE).to(tl.pointer_type(tl.int64)) + wi, tl.zeros([WP3], tl.int64), mask=wi < 3 * W)
+    if HAS_COUNTS:
+        ci = tl.arange(0, BLOCK_C)
+        cm = ci < NC
+        c = tl.load(counts_ptr + ci, mask=cm, other=0)
+        row_off = OFF_COUNTS + ((epoch % 2) * W + RANK) * (NC * 8)
+        for d in range(W):
+            base = tl.load(peers_ptr + d)
+            tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
+    tl.debug_barrier()
+    for d in range(W):
+        base = tl.load(peers_ptr + d)
+        tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _barrier_wait_kernel(peers_ptr, counts_WC_ptr, RANK,
+                         W: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
+                         OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
+                         HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Waits FLAGS[s] >= epoch for every s; [copies COUNTS -> counts_WC [W, NC]]."""
+    my = tl.load(peers_ptr + RANK)
+    epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for s in range(W):
+        _wait_geq((my + OFF_FLAGS + s * 8).to(tl.pointer_type(tl.int64)), epoch, err_ptr,
+                  OP_BARRIER, s, TIMEOUT_NS, INTERPRET)
+    tl.debug_barrier()
+    if HAS_COUNTS:
+        ci = tl.arange(0, BLOCK_C)
+        cm = ci < NC
+        for s in range(W):
+            c = tl.load((my + OFF_COUNTS + ((epoch % 2) * W + s) * (NC * 8)).to(tl.pointer_type(tl.int64)) + ci,
+                        mask=cm, other=0)
+            tl.store(counts_WC_ptr + s * NC + ci, c, mask=cm)
+
+
+@triton.jit
+def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr):
+    """After this CTA's stores: add ``hist[d]`` to the counter at ``peers[d] + slot_off`` (one
+    scalar release add per destination, issued by one thread, after a CTA barrier)."""
+    tl.debug_barrier()
+    wr = tl.arange(0, WP)
+    for d in range(W):
+        n = tl.sum(tl.where(wr == d, hist, 0))
+        if n > 0:
+            base = tl.load(peers_ptr + d)
+            tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
+
+
+@triton.jit
+def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, dest_ptr, pos_ptr, gate_ptr, peers_ptr, RANK,
+                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                        D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
+                        OFF_ARRIVE: tl.constexpr, OFF_META: tl.constexpr, OFF_GATES: tl.constexpr,
+                        OFF_RECV: tl.constexpr, WITH_META: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
+    >= 0``; with WITH_META also its metadata row (``pos[t, k]`` where ``dest[t, k] == d`` else -1,
+    then t) and ``gate[t, :]``. Then one release add per destination of the rows sent."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    nblocks = tl.cdiv(T, BLOCK_T)
+    per = tl.cdiv(nblocks, nprog)
+    wr = tl.arange(0, WP)
+    hist = tl.zeros([WP], tl.int64)
+    kk = tl.arange(0, KP)
+    km = kk < K
+    for b in range(pid * per, tl.minimum(pid * per + per, nblocks)):
+        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        for d in range(W):
+            row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
+            m = row >= 0
+            hist += tl.where(wr == d, tl.sum(m.to(tl.int64)), 0)
+            base = tl.load(peers_ptr + d)
+            dst = (RANK * T_MAX + row).to(tl.int64)
+            recv = (base + OFF_RECV).to(tl.pointer_type(DT)) + dst * D
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = m[:, None] & (cols < D)[None, :]
+                v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
+                tl.store(recv[:, None] + cols[None, :], v, mask=cm)
+            if WITH_META:
+                mk = m[:, None] & km[None, :]
+                tk = t[:, None] * K + kk[None, :]
+                dk = tl.load(dest_ptr + tk, mask=mk, other=-1)
+                pk = tl.where(dk == d, tl.load(pos_ptr + tk, mask=mk, other=-1), -1)
+                meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
+                tl.store(meta[:, None] + kk[None, :], pk, mask=mk)
+                tl.store(meta + K, t, mask=m)
+                gates = (base + OFF_GATES).to(tl.pointer_type(DT)) + dst * K
+                tl.store(gates[:, None] + kk[None, :], tl.load(gate_ptr + tk, mask=mk, other=0.0), mask=mk)
+    _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP)
+
+
+@triton.jit
+def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, y_ptr, peers_ptr, RANK,
+                   N_EXP,
+                   W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr,
+                   META_W: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+                   OFF_META: tl.constexpr, OFF_GATES: tl.constexpr, OFF_RECV: tl.constexpr,
+                   OFF_DGATE: tl.constexpr,
+                   FROM_META: tl.constexpr, GATE_GRAD: tl.constexpr, ACC: tl.constexpr,
+                   TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
+    and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
+    recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
+    slot's gate gradient ``<recv[n], y[pos]>`` (fp32) stored into the source's DGATE at (token,
+    k)) and ``src_map[pos] = n*K + k``. FROM_META: (pos, token) come from META and the gates from
+    GATES, and are copied out to ``pos/gate/tok`` (invalid rows get pos -1)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my = tl.load(peers_ptr + RANK)
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for src in range(W):
+        _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src), err_ptr,
+                  OP_TOKENS, src, TIMEOUT_NS, INTERPRET)
+    tl.debug_barrier()
+    recv = (my + OFF_RECV).to(tl.pointer_type(DT))
+    meta = (my + OFF_META).to(tl.pointer_type(tl.int32))
+    wr = tl.arange(0, WP)
+    hist = tl.zeros([WP], tl.int64)
+    over = tl.zeros([BLOCK_R], tl.int32)
+    for b in range(pid, tl.cdiv(W * T_MAX, BLOCK_R), nprog):
+        n = b * BLOCK_R + tl.arange(0, BLOCK_R)
+        inr = n < W * T_MAX
+        s = n // T_MAX
+        valid = inr & ((n % T_MAX) < tl.load(rows_from_ptr + s, mask=inr, other=0))
+        if FROM_META:
+            tok = tl.load(meta + n.to(tl.int64) * META_W + K, mask=valid, other=-1)
+            tl.store(tok_ptr + n, tok, mask=inr)
+        else:
+            tok = tl.load(tok_ptr + n, mask=valid, other=-1)
+        if GATE_GRAD:
+            hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
+            sbase = tl.load(peers_ptr + s, mask=valid, other=0)
+        for k in range(K):
+            if FROM_META:
+                pk = tl.load(meta + n.to(tl.int64) * META_W + k, mask=valid, other=-1)
+                gk = tl.load((my + OFF_GATES).to(tl.pointer_type(DT)) + n.to(tl.int64) * K + k, mask=valid, other=0.0)
+                tl.store(pos_ptr + n * K + k, pk, mask=inr)
+                tl.store(gate_ptr + n * K + k, gk, mask=inr)
+            else:
+                pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                gk = tl.load(gate_ptr + n * K + k, mask=valid, other=0.0)
+            ok = valid & (pk >= 0) & (pk < N_EXP)
+            over = tl.maximum(over, (valid & (pk >= N_EXP)).to(tl.int32))
+            tl.store(src_map_ptr + pk, n * K + k, mask=ok)
+            p64 = pk.to(tl.int64)
+            dg = tl.zeros([BLOCK_R], ACC)
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = ok[:, None] & (cols < D)[None, :]
+                v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=cm, other=0.0)
+                if GATE_GRAD:
+                    yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cm, other=0.0).to(ACC)
+                    dg += tl.sum(v.to(ACC) * yv, axis=1)
+                    v = (v.to(ACC) * gk.to(ACC)[:, None]).to(DT)
+                tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cm)
+            if GATE_GRAD:  # every slot of this rank answers (0 for an overflowed one)
+                has = valid & (pk >= 0)
+                dst = (sbase + OFF_DGATE).to(tl.pointer_type(ACC)) + tok.to(tl.int64) * K + k
+                tl.store(dst, dg, mask=has)
+    if tl.max(over) > 0:
+        tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
+    if GATE_GRAD:
+        _publish(hist, peers_ptr, OFF_ARRIVE + (2 * W + RANK) * 8, W, WP)
+
+
+@triton.jit
+def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_ptr, RANK, N_EXP,
+                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                        T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
+                        GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
+    over this rank's slots of t (products in the activation dtype, as the per-token reference
+    computes them), accumulated in fp32 and rounded once, stored into row (t, RANK)
+    of the source's COMB. Then one release add per source of the rows sent back."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    wr = tl.arange(0, WP)
+    hist = tl.zeros([WP], tl.int64)
+    for b in range(pid, tl.cdiv(W * T_MAX, BLOCK_R), nprog):
+        n = b * BLOCK_R + tl.arange(0, BLOCK_R)
+        inr = n < W * T_MAX
+        s = n // T_MAX
+        valid = inr & ((n % T_MAX) < tl.load(rows_from_ptr + s, mask=inr, other=0))
+        if tl.sum(valid.to(tl.int32)) > 0:
+            hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
+            tok = tl.load(tok_ptr + n, mask=valid, other=0).to(tl.int64)
+            sbase = tl.load(peers_ptr + s, mask=valid, other=0)
+            dst = (sbase + OFF_COMB).to(tl.pointer_type(DT)) + (tok * W + RANK) * D
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = (cols < D)[None, :]
+                acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+                for k in range(K):
+                    pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                    ok = valid & (pk >= 0) & (pk < N_EXP)
+                    yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & cm,
+                                 other=0.0)
+                    if GATED:  # the product rounded to DT (exact in ACC before rounding)
+                        yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]).to(DT)
+                    acc += yv.to(ACC)
+                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=valid[:, None] & cm)
+    _publish(hist, peers_ptr, OFF_ARRIVE + (W + RANK) * 8, W, WP)
+
+
+@triton.jit
+def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
+                        W: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+                        OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+                        INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Waits for ``rows_to[d]`` rows back from every rank d, then ``out[t] = sum_d COMB[t, d]``
+    over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my = tl.load(peers_ptr + RANK)
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for d in range(W):
+        _wait_geq((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d), err_ptr,
+                  OP_COMBINE, d, TIMEOUT_NS, INTERPRET)
+    tl.debug_barrier()
+    comb = (my + OFF_COMB).to(tl.pointer_type(DT))
+    for b in range(pid, tl.cdiv(T, BLOCK_T), nprog):
+        t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        for c0 in range(0, D, BLOCK_D):
+            cols = c0 + tl.arange(0, BLOCK_D)
+            cm = (cols < D)[None, :]
+            acc = tl.zeros([BLOCK_T, BLOCK_D], ACC)
+            for d in range(W):
+                sent = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1) >= 0
+                acc += tl.load(comb + (t64 * W + d)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
+                               other=0.0).to(ACC)
+            tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(DT), mask=tm[:, None] & cm)
+
+
+@triton.jit
+def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
+                           W: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+                           OFF_DGATE: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Waits until every rank d answered the ``rows_to[d]`` token rows it got, then copies
+    DGATE[:S] (S = T*K gate gradients, in ``out``'s dtype ACC) out."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    my = tl.load(peers_ptr + RANK)
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for d in range(W):
+        _wait_geq((my + OFF_ARRIVE + (2 * W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d),
+                  err_ptr, OP_GATE_GRAD, d, TIMEOUT_NS, INTERPRET)
+    tl.debug_barrier()
+    src = (my + OFF_DGATE).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    for b in range(pid, tl.cdiv(S, BLOCK), nprog):
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        m = i < S
+        tl.store(out_ptr + i, tl.load(src + i, mask=m, other=0.0), mask=m)
