@@ -8,17 +8,22 @@ Capability detection answers two questions without touching a GPU unless one is 
 * ``tlx_available()`` -- can the real TLX compiler (``fbtriton``) be imported? Stock Triton has no
   ``triton.language.extra.tlx``; fbtriton installs the ``triton`` module with it.
 * ``gpu_arch()`` -- which generation is present: ``"sm_90"`` (Hopper), ``"sm_100"`` (Blackwell),
-  ``"gfx94x"`` (AMD MI300), ``"other"`` (a GPU none of our kernels target) or ``"none"``.
+  ``"gfx94x"`` (AMD CDNA3/CDNA4: gfx940-942 MI300, gfx950 MI350), ``"other"`` (a GPU none of our
+  kernels target) or ``"none"``.
 
 Both can be forced for tests and debugging with environment variables:
 ``TLX_DIST_FORCE_ARCH=sm_90|sm_100|gfx94x|other|none`` and ``TLX_DIST_FORCE_TLX=0|1``, or in-process
-with :func:`override`.
+with :func:`override`. Backend choice reads them at every call (tlx_dist/grouped_gemm/backends.py),
+so a forced generation selects that generation's kernels; tests/test_capability.py checks the choice
+of every grouped-GEMM op on each generation this way, on a CPU.
+
+The probes run once per process; they are memoized in a plain dict (not ``functools.lru_cache``) so
+that torch.compile, which traces backend choice, reads the memo instead of re-tracing the probe.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 from typing import Iterator
@@ -28,14 +33,24 @@ __all__ = ["ARCHS", "tlx_available", "triton_available", "gpu_arch", "override",
 ARCHS = ("sm_90", "sm_100", "gfx94x", "other", "none")
 
 _overrides: dict[str, object] = {}
+_probed: dict[str, object] = {}
 
 
-@functools.lru_cache(maxsize=None)
+def _memo(fn):
+    def probe():
+        if fn.__name__ not in _probed:
+            _probed[fn.__name__] = fn()
+        return _probed[fn.__name__]
+
+    return probe
+
+
+@_memo
 def _probe_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@_memo
 def _probe_tlx() -> bool:
     if not _probe_triton():
         return False
@@ -70,7 +85,7 @@ def tlx_available() -> bool:
     return _probe_tlx()
 
 
-@functools.lru_cache(maxsize=None)
+@_memo
 def _probe_arch() -> str:
     # Importing torch is cheap here (tlx_dist needs it anyway); torch.cuda.is_available() does not
     # create a context when no driver is present.

@@ -8,10 +8,13 @@ A backend provides two device functions with one contract (see ``reference.py`` 
 and ``supports(x_ND, w_EDF) -> str | None`` -- ``None`` when it can run these operands, else the
 reason it cannot (used in error messages when a backend is forced).
 
-Order of preference: ``tlx`` (TLX kernels, sm_90 / sm_100) -> ``torch`` (``torch._grouped_mm``,
-sm_90+ bf16) -> ``triton`` (stock-Triton kernel: AMD and older GPUs, where ``torch._grouped_mm``
-cannot run; slower than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends
-register themselves when their modules import; ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
+Order of preference: ``tlx`` (TLX kernels: sm_90 / sm_100 in ``tlx_backend.py``, gfx942 / gfx950 in
+``amd_backend.py``) -> ``torch`` (``torch._grouped_mm``, sm_90+ bf16, not on ROCm) -> ``triton``
+(stock-Triton kernel: AMD without TLX and older GPUs, where ``torch._grouped_mm`` cannot run; slower
+than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends register
+themselves when their modules import; a name may have one implementation per GPU generation
+(``Backend.archs``), and the one for ``tlx.gpu_arch()`` -- detected, or forced with
+``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
 ``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
 silent fallback.
 """
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+import tlx
 
 from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
 
@@ -41,19 +46,32 @@ class Backend:
     # Chosen automatically for CPU tensors? Kernel backends can run on CPU only interpreted
     # (TRITON_INTERPRET=1), which is for tests: they run there when pinned, never by default.
     auto_on_cpu: bool = False
+    # The GPU generations (``tlx.ARCHS``) this implementation is for; None: any (or none).
+    archs: Optional[tuple[str, ...]] = None
 
 
-_BACKENDS: dict[str, Backend] = {}
+_BACKENDS: dict[str, list[Backend]] = {}
 
 
 def register_backend(backend: Backend) -> None:
-    _BACKENDS[backend.name] = backend
+    """Adds an implementation, replacing one of the same name whose ``archs`` overlap."""
+    def overlap(a: Backend) -> bool:
+        return a.archs is None or backend.archs is None or bool(set(a.archs) & set(backend.archs))
+
+    _BACKENDS[backend.name] = [b for b in _BACKENDS.get(backend.name, []) if not overlap(b)] + [backend]
+
+
+def _current() -> list[Backend]:
+    """One implementation per name: the one for the current ``tlx.gpu_arch()``, by priority."""
+    arch = tlx.gpu_arch()
+    found = (next((b for b in impls if b.archs is None or arch in b.archs), None) for impls in _BACKENDS.values())
+    return sorted((b for b in found if b is not None), key=lambda b: b.priority)
 
 
 def _load_kernel_backends() -> None:
     # Imported lazily so that `import tlx_dist` never compiles or touches a GPU. Each module
     # registers its backend only when its compiler is importable.
-    for mod in ("tlx_backend", "triton_backend"):
+    for mod in ("tlx_backend", "amd_backend", "triton_backend"):
         try:
             __import__(f"{__package__}.{mod}")
         except ModuleNotFoundError as err:
@@ -73,14 +91,19 @@ def _ensure_loaded() -> None:
 
 def available_backends() -> list[str]:
     _ensure_loaded()
-    return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: b.priority)]
+    return [b.name for b in _current()]
 
 
 def get_backend(name: str) -> Backend:
     _ensure_loaded()
-    if name not in _BACKENDS:
-        raise ValueError(f"backend={name!r} is not one of {available_backends()}")
-    return _BACKENDS[name]
+    for b in _current():
+        if b.name == name:
+            return b
+    if name in _BACKENDS:
+        archs = sorted({a for b in _BACKENDS[name] for a in b.archs or ()})
+        raise ValueError(f"backend={name!r} has no implementation for gpu_arch()={tlx.gpu_arch()} "
+                         f"(it has them for {archs})")
+    raise ValueError(f"backend={name!r} is not one of {available_backends()}")
 
 
 def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[str] = None) -> Backend:
@@ -95,7 +118,7 @@ def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[st
         return b
     _ensure_loaded()
     on_cpu = x_ND.device.type == "cpu"
-    for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
+    for b in _current():
         if on_cpu and not b.auto_on_cpu:
             continue
         if b.supports(x_ND, w_EDF) is None:
@@ -112,9 +135,11 @@ def _torch_supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
     if x_ND.dtype not in (torch.bfloat16, torch.float32) or w_EDF.dtype != x_ND.dtype:
         return f"dtype {x_ND.dtype} (needs bfloat16, or float32 on CPU)"
     if x_ND.is_cuda:
-        if getattr(torch.version, "hip", None):
-            return "torch._grouped_mm is not used on ROCm (the portable Triton kernel is)"
-        if torch.cuda.get_device_capability(x_ND.device)[0] < 9 or x_ND.dtype != torch.bfloat16:
+        arch = tlx.gpu_arch()
+        if arch == "gfx94x" or getattr(torch.version, "hip", None):
+            return "torch._grouped_mm is not used on ROCm (the TLX or the portable Triton kernel is)"
+        old = arch not in ("sm_90", "sm_100") and torch.cuda.get_device_capability(x_ND.device)[0] < 9
+        if old or x_ND.dtype != torch.bfloat16:
             return "torch._grouped_mm on CUDA needs sm_90+ and bfloat16"
     elif x_ND.device.type != "cpu":
         return f"device {x_ND.device}"

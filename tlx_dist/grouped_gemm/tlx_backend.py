@@ -1,7 +1,7 @@
 """Host side of the TLX grouped GEMM (``tlx/hopper/grouped_gemm.py``, ``tlx/blackwell/grouped_gemm.py``).
 
-Registers ``Backend("tlx", priority=10)`` when ``tlx.tlx_available()`` and ``tlx.gpu_arch()`` is
-``sm_90`` or ``sm_100``. One kernel per architecture runs the three forms:
+Registers the sm_90 / sm_100 implementation of ``Backend("tlx", priority=10)`` when ``tlx.tlx_available()``
+(``amd_backend.py`` registers the gfx94x one). One kernel per architecture runs the three forms:
 
 * forward ``y_NF = x_ND @ w_EDF`` (weight N-contiguous),
 * dX ``dx_ND = dy_NF @ w_EDF^T`` via ``mm(dy, w.transpose(1, 2))`` (weight K-contiguous),
@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,8 +36,8 @@ import tlx
 
 from .backends import Backend, register_backend
 
-__all__ = ["GroupedGemmConfig", "CANDIDATES", "pick_config", "kernel_signature", "ENV_CONFIG", "ENV_AUTOTUNE",
-           "ENV_DW_SCHED"]
+__all__ = ["GroupedGemmConfig", "TileSpec", "CANDIDATES", "pick_config", "operand_reason", "kernel_signature",
+           "ENV_CONFIG", "ENV_AUTOTUNE", "ENV_DW_SCHED"]
 
 ENV_CONFIG = "TLX_DIST_GROUPED_MM_CONFIG"
 ENV_AUTOTUNE = "TLX_DIST_GROUPED_MM_AUTOTUNE"
@@ -93,6 +93,23 @@ CANDIDATES = {
 }
 _SMEM_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
 
+
+@dataclass(frozen=True)
+class TileSpec:
+    """What ``pick_config`` needs to know about one compile target (sm_90, sm_100, an AMD gfx)."""
+
+    key: object  # the target's part of the config cache key
+    candidates: tuple  # GroupedGemmConfig candidates timed under TLX_DIST_GROUPED_MM_AUTOTUNE=1
+    smem_limit: int  # bytes of shared memory (LDS) one CTA may use
+    smem_bytes: Callable[[GroupedGemmConfig], int]
+    default: Callable[[str, int, int, int, int], GroupedGemmConfig]  # (form, n_rows, E, K, NN) -> config
+
+
+def _nv_spec(cc: int) -> TileSpec:
+    return TileSpec(cc, CANDIDATES[cc], _SMEM_LIMIT[cc], lambda c: c.smem_bytes(cc),
+                    functools.partial(_default_config, cc))
+
+
 # --- checks -----------------------------------------------------------------------------------------
 
 
@@ -117,6 +134,12 @@ def _supports(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
         return "TLX (fbtriton) is not importable"
     if tlx.gpu_arch() not in _ARCH_CC:
         return f"gpu_arch()={tlx.gpu_arch()} (the TLX kernels target sm_90 and sm_100)"
+    return operand_reason(x_ND, w_EDF)
+
+
+def operand_reason(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
+    """Why the TLX kernels cannot take these operands (TMA on NVIDIA, 16-byte vector loads on AMD
+    need the same layouts), or None."""
     if x_ND.device.type != "cuda":
         return f"operands are on {x_ND.device}, not a CUDA GPU"
     if x_ND.dtype not in (torch.bfloat16, torch.float16) or w_EDF.dtype != x_ND.dtype:
@@ -161,26 +184,29 @@ def _default_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int) ->
     return GroupedGemmConfig(128, 256, 64, 3, group_m)
 
 
-def pick_config(cc: int, form: str, n_rows: int, E: int, K: int, NN: int, dtype: torch.dtype,
+def pick_config(cc, form: str, n_rows: int, E: int, K: int, NN: int, dtype: torch.dtype,
                 bench=None) -> GroupedGemmConfig:
     """The tile config for a call: pinned (env) > cached > timed (env, not capturing) > default.
-    The key holds scalars only; rows are bucketed to powers of two."""
+    ``cc``: 90 or 100, or the :class:`TileSpec` of another target. The key holds scalars only; rows
+    are bucketed to powers of two."""
+    spec = cc if isinstance(cc, TileSpec) else _nv_spec(cc)
     pinned = os.environ.get(ENV_CONFIG)
     if pinned:
         cfg = GroupedGemmConfig.parse(pinned)
-        if cfg.smem_bytes(cc) > _SMEM_LIMIT[cc]:
-            raise ValueError(f"{ENV_CONFIG}={pinned!r} needs {cfg.smem_bytes(cc)} bytes of shared memory")
+        if spec.smem_bytes(cfg) > spec.smem_limit:
+            raise ValueError(f"{ENV_CONFIG}={pinned!r} needs {spec.smem_bytes(cfg)} bytes of shared memory "
+                             f"(limit {spec.smem_limit} on {spec.key})")
         return cfg
-    key = (cc, form, E, K, NN, 1 << max(0, n_rows - 1).bit_length(), str(dtype))
+    key = (spec.key, form, E, K, NN, 1 << max(0, n_rows - 1).bit_length(), str(dtype))
     cfg = _CACHE.get(key)
     if cfg is not None:
         return cfg
-    cfg = _default_config(cc, form, n_rows, E, K, NN)
+    cfg = spec.default(form, n_rows, E, K, NN)
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if bench is not None and not capturing and os.environ.get(ENV_AUTOTUNE, "0") == "1":
         import triton
 
-        fits = [c for c in CANDIDATES[cc] if c.smem_bytes(cc) <= _SMEM_LIMIT[cc]]
+        fits = [c for c in spec.candidates if spec.smem_bytes(c) <= spec.smem_limit]
         times = {c: triton.testing.do_bench(lambda c=c: bench(c), warmup=5, rep=20) for c in fits}
         cfg = min(times, key=times.get)
     _CACHE[key] = cfg
@@ -349,5 +375,5 @@ def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[Grouped
     return _kernel(cc), sig, constexprs, {"num_warps": 4, "num_stages": 1}
 
 
-if tlx.tlx_available() and tlx.gpu_arch() in _ARCH_CC:
-    register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10))
+if tlx.tlx_available():  # the architecture is checked per call (supports), so overrides reach it
+    register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10, archs=tuple(_ARCH_CC)))
