@@ -8,9 +8,9 @@ Backends: ``tlx`` (Hopper TLX kernels), ``triton`` (portable Triton kernels), ``
 (PyTorch); :func:`fused_experts_ref` is the per-expert loop used as the test oracle.
 """
 
-from .api import check_fused_args, fused_experts, fused_experts_rows
+from .api import check_fused_args, fused_experts, fused_experts_rows, fused_tlx_supports
 from .backends import FusedBackend, get_fused_backend, select_fused_backend
 from .reference import fused_backward_ref, fused_experts_ref, fused_forward_ref
 
-__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_experts_ref", "fused_forward_ref",
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "fused_experts_ref", "fused_forward_ref",
            "fused_backward_ref", "FusedBackend", "get_fused_backend", "select_fused_backend"]

@@ -31,7 +31,7 @@ import torch
 from ..comm.layout import sort_slots
 from .backends import get_fused_backend, select_fused_backend
 
-__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args"]
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports"]
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -118,6 +118,15 @@ def _check_index(name: str, t, n: Optional[int], device) -> None:
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor) -> bool:
+    """True when the Hopper TLX fused kernels run these operands (what ``MoELayer(pipeline="auto")``
+    keys on). Never raises; reads no device values."""
+    try:
+        return get_fused_backend("tlx").supports(x_RD, w13_EDF2, w2_EFD) is None
+    except ValueError:  # not registered: no TLX, or not sm_90
+        return False
 
 
 # --- public functions --------------------------------------------------------------------------------

@@ -75,8 +75,8 @@ FORMS = {
     # gathered A + two B tiles per stage; 192 KB ring; fewer consumer registers leave the producer
     # room for its row pointers.
     "swiglu": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=216),
-    # A by TMA, 64x256 fp32 accumulator per consumer; 192 KB ring.
-    "scatter": FusedTileConfig(BN=256, BK=64, STAGES=4, LAG=0, REGS=232),
+    # A by TMA; 128 KB ring + 64 KB of layout-conversion scratch for the v4 fp32 atomics.
+    "scatter": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=0, REGS=232),
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns.
     "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=216),
     # one gathered operand; 144 KB ring + 64 KB TMA-store tile.
