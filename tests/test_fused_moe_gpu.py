@@ -69,8 +69,8 @@ def test_tlx_primitives_vs_fp64():
         out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
         dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
         dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
-        dw13 = p.wgrad_gather(x, src, dh, None, offs)
-        dw2 = p.wgrad_gather(ag, None, dout, dst, offs)
+        dw13 = p.wgrad_gather(x, src, dh, None, offs, p.wgrad_order(offs))
+        dw2 = p.wgrad_gather(ag, None, dout, dst, offs, p.wgrad_order(offs))
         outs[name] = dict(h=h, a=a, out=out, dh=dh, ag=ag, dgate=dgate, dx=dx, dw13=dw13, dw2=dw2)
     t = outs["tlx"]
     # fp64 definitions, each from the tlx kernel's own inputs (so errors do not compound).

@@ -9,11 +9,11 @@ A kernel backend provides four primitives (legend and index arrays: ``reference.
   ``w = w13^T``, ``scale = None``, ``dst = src``);
 * ``down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum) -> (dh_N2F, ag_NF, dgate_N)``
   dX of GEMM 2 reading ``dout`` rows by index, with the dSwiGLU and gate-gradient epilogue;
-* ``wgrad_gather(a, ia_N | None, b, ib_N | None, offsets_E) -> dw``  varlen-K dW with either operand
-  read by index;
+* ``wgrad_gather(a, ia_N | None, b, ib_N | None, offsets_E, order) -> dw``  varlen-K dW with either
+  operand read by index;
 
-plus ``tile_cum(offsets_E, n_rows)`` (the scheduler's prep, shared by the three ragged-M launches of
-a pass) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``. :func:`compose_forward` and
+plus ``tile_cum(offsets_E, n_rows)`` (the scheduler's prep, shared by the ragged-M launches of a
+pass), ``wgrad_order(offsets_E)`` (the dW tile order, shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``. :func:`compose_forward` and
 :func:`compose_backward` chain them; the ``reference`` backend computes the same two passes in
 PyTorch (``reference.py``). Backends: ``tlx`` (Hopper TLX kernels, ``tlx_backend.py``), ``triton``
 (the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``: any CUDA/ROCm GPU, and CPU under
@@ -108,8 +108,9 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0])
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
-    dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E)
-    dw2 = p.wgrad_gather(ag_NF, None, dout_TD, dst_N, offsets_E)
+    order = p.wgrad_order(offsets_E)
+    dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E, order)
+    dw2 = p.wgrad_gather(ag_NF, None, dout_TD, dst_N, offsets_E, order)
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
 
 
@@ -136,6 +137,10 @@ class _Portable:
         from ..grouped_gemm.triton_backend import prep_tile_cum
 
         return prep_tile_cum(offsets_E, n_rows, _Portable._bm(offsets_E.device)) if n_rows else None
+
+    @staticmethod
+    def wgrad_order(offsets_E):
+        return None  # one program per dW tile: no walk order
 
     @staticmethod
     def _bm(device) -> int:
@@ -191,7 +196,7 @@ class _Portable:
         return dh, ag, part.sum(1)
 
     @staticmethod
-    def wgrad_gather(a, ia_N, b, ib_N, offsets_E):
+    def wgrad_gather(a, ia_N, b, ib_N, offsets_E, order=None):
         from tlx.portable.fused_moe import _fused_wgrad_kernel
 
         E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]

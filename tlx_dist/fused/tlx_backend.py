@@ -176,6 +176,12 @@ class _Hopper:
         return prep_tile_cum(offsets_E, n_rows, 128) if n_rows else None
 
     @staticmethod
+    def wgrad_order(offsets_E):
+        from ..grouped_gemm.tlx_backend import _lpt_order
+
+        return _lpt_order(offsets_E)  # experts by row count, longest first (tlx/common/scheduler.py)
+
+    @staticmethod
     def _mm(form, epilogue, a, src, w_desc_args, offsets, tile_cum, n_rows, K, nn, f_off, b_kmajor,
             c, c2=None, dst=None, scale=None, h=None, part=None):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -239,12 +245,11 @@ class _Hopper:
         return dh, ag, part.sum(1)
 
     @staticmethod
-    def wgrad_gather(a, ia_N, b, ib_N, offsets_E):
+    def wgrad_gather(a, ia_N, b, ib_N, offsets_E, order=None):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         from tlx.hopper.fused_moe import _fused_wgrad_hopper_kernel
 
-        from ..grouped_gemm.tlx_backend import _lpt_order
         from ..grouped_gemm.triton_backend import ragged_descriptor
 
         E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]
@@ -258,7 +263,7 @@ class _Hopper:
         b_desc = None if ib_N is not None else ragged_descriptor(b, cfg.BK, cfg.BN)
         c_desc = TensorDescriptor(dw, [E, D, F], [D * F, F, 1], [1, cfg.BM // 2, cfg.BN])
         grid = _grid(a.device, E * -(-D // cfg.BM) * -(-F // cfg.BN))
-        order = _lpt_order(offsets_E)
+        order = _Hopper.wgrad_order(offsets_E) if order is None else order
         sched = torch.zeros(1, dtype=torch.int32, device=a.device)
         _fused_wgrad_hopper_kernel[(grid,)](
             a_desc, a if ia_N is not None else None, ia_N, b_desc, b if ib_N is not None else None, ib_N, c_desc,
@@ -324,8 +329,9 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg: Optional[
         sig[k] = "constexpr"
     names = fn.arg_names
     sig = {k: sig[k] for k in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
-             if sig[k].startswith("*") or (sig[k] == "i32" and k != "E")}
+    # D and F are multiples of 64, so are these (N_ROWS, E and the partials' stride are not).
+    div16 = {"K_DIM", "NN", "F_OFF", "M_DIM", "stride_an", "stride_bn", "stride_cn", "stride_c2n", "stride_hn"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k in div16}
     return fn, sig, constexprs, attrs, {"num_warps": 4, "num_stages": 1}
 
 
