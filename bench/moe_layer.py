@@ -156,8 +156,8 @@ def main() -> int:
         D, Fe, E, K = SHAPES[name]
         layer = build(name, "cuda")
         params = [p for p in layer.parameters()]
-        print(f"{name}: fused pipeline available = {layer._fused(torch.empty(1, D, device='cuda', dtype=torch.bfloat16))}",
-              flush=True)
+        probe = torch.empty(1, D, device="cuda", dtype=torch.bfloat16)
+        print(f"{name}: fused pipeline on its TLX kernels = {layer._fused(probe)}", flush=True)
         for T in tokens:
             torch.manual_seed(0)
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
@@ -191,7 +191,8 @@ def main() -> int:
                     row[f"{p}_vs_{q}_dw13_relerr"] = rel_err(results[p][1], results[q][1])
             del results
             rows.append(row)
-            cells = "  ".join(f"{p}={row.get(f'{p}_tflops', float('nan')):6.1f} TF/s {row.get(f'{p}_eager_ms', float('nan')):7.2f} ms"
+            nan = float("nan")
+            cells = "  ".join(f"{p}={row.get(f'{p}_tflops', nan):6.1f} TF/s {row.get(f'{p}_eager_ms', nan):7.2f} ms"
                               + (f" (graph {row[f'{p}_graph_ms']:.2f} ms)" if f"{p}_graph_ms" in row else "")
                               for p in providers)
             print(f"{name:17s} T={T:6d}  {cells}", flush=True)
@@ -204,7 +205,8 @@ def main() -> int:
     for r in rows:
         if r["T"] not in tflops_tokens:
             continue
-        print(f"| {r['shape']} | {r['T']} | " + " | ".join(f"{r.get(p + '_tflops', float('nan')):.1f}" for p in providers)
+        print(f"| {r['shape']} | {r['T']} | "
+              + " | ".join(f"{r.get(p + '_tflops', float('nan')):.1f}" for p in providers)
               + f" | {r.get('fused/separate', float('nan')):.2f} | {r.get('fused/torchtitan', float('nan')):.2f} |")
     print("\n| shape | T | " + " | ".join(f"{p} eager / graph ms" for p in providers) + " |")
     print("|" + "---|" * (2 + len(providers)))

@@ -166,7 +166,8 @@ def test_portable_kernels_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=540)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("ok ") == 3 + len(CASES) + 1, r.stdout
 
@@ -238,6 +239,18 @@ def test_custom_ops_opcheck():
     out, h = _fwd_op(*args)
     torch.library.opcheck(_bwd_op, (torch.randn_like(out), x.detach(), tok, tok, gate_N.detach(), w13.detach(),
                                     w2.detach(), offs, h.detach(), "reference"))
+
+
+def test_torch_compile_fullgraph():
+    """The whole functional path traces into one graph around the two custom ops (aot_eager: the
+    graph capture and the autograd registration are what is under test, not Inductor's codegen)."""
+    x, idx, gate, w13, w2, dout = _inputs(CASES[0])
+    fn = torch.compile(lambda *a: fused_experts(*a, backend="reference"), fullgraph=True, backend="aot_eager")
+    got = _run(fn, x, idx, gate, w13, w2, dout, torch.float64, torch.float64)
+    want = _run(lambda *a: fused_experts(*a, backend="reference"), x, idx, gate, w13, w2, dout, torch.float64,
+                torch.float64)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_moe_layer_pipelines_agree_and_auto_is_separate_on_cpu():

@@ -64,7 +64,7 @@ def test_tlx_primitives_vs_fp64():
 
     outs = {}
     for name, p in (("tlx", H), ("portable", P)):
-        tc = p.tile_cum(offs, N)
+        tc = p.tile_cum(offs, N, x)
         h, a = p.gate_up_swiglu(x, src, w13, offs, tc)
         out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
         dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)

@@ -98,8 +98,8 @@ def _fused_mm_kernel(
             dh_ptrs = c_ptr + n_idx[:, None] * stride_cn + cols[None, :]
             tl.store(dh_ptrs, _to_out(dhg, out_ty, NO_DOT), mask=ok)
             tl.store(dh_ptrs + F_OFF, _to_out(dhu, out_ty, NO_DOT), mask=ok)
-            tl.store(c2_ptr + n_idx[:, None] * stride_c2n + cols[None, :], _to_out(a_val * gate[:, None], out_ty, NO_DOT),
-                     mask=ok)
+            ag = _to_out(a_val * gate[:, None], out_ty, NO_DOT)
+            tl.store(c2_ptr + n_idx[:, None] * stride_c2n + cols[None, :], ag, mask=ok)
 
 
 @triton.jit

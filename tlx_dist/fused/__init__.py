@@ -12,5 +12,6 @@ from .api import check_fused_args, fused_experts, fused_experts_rows, fused_tlx_
 from .backends import FusedBackend, get_fused_backend, select_fused_backend
 from .reference import fused_backward_ref, fused_experts_ref, fused_forward_ref
 
-__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "fused_experts_ref", "fused_forward_ref",
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "fused_experts_ref",
+           "fused_forward_ref",
            "fused_backward_ref", "FusedBackend", "get_fused_backend", "select_fused_backend"]

@@ -12,12 +12,13 @@ A kernel backend provides four primitives (legend and index arrays: ``reference.
 * ``wgrad_gather(a, ia_N | None, b, ib_N | None, offsets_E, order) -> dw``  varlen-K dW with either
   operand read by index;
 
-plus ``tile_cum(offsets_E, n_rows)`` (the scheduler's prep, shared by the ragged-M launches of a
-pass), ``wgrad_order(offsets_E)`` (the dW tile order, shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``. :func:`compose_forward` and
-:func:`compose_backward` chain them; the ``reference`` backend computes the same two passes in
-PyTorch (``reference.py``). Backends: ``tlx`` (Hopper TLX kernels, ``tlx_backend.py``), ``triton``
-(the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``: any CUDA/ROCm GPU, and CPU under
-``TRITON_INTERPRET=1`` when pinned), ``reference``.
+plus ``tile_cum(offsets_E, n_rows, x)`` (the scheduler's prep, for the tile height ``x``'s dtype
+gets; shared by the ragged-M launches of a pass), ``wgrad_order(offsets_E)`` (the dW tile order,
+shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``.
+:func:`compose_forward` and :func:`compose_backward` chain them; the ``reference`` backend computes
+the same two passes in PyTorch (``reference.py``). Backends: ``tlx`` (Hopper TLX kernels,
+``tlx_backend.py``), ``triton`` (the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``:
+any CUDA/ROCm GPU, and CPU under ``TRITON_INTERPRET=1`` when pinned), ``reference``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: tor
 
 def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst):
     """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``."""
-    tile_cum = p.tile_cum(offsets_E, src_N.shape[0])
+    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
     h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
@@ -105,7 +106,7 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
 
 def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F):
     """``(dx_RD, dgate_N, dw13_EDF2, dw2_EFD)`` from a primitives module ``p``."""
-    tile_cum = p.tile_cum(offsets_E, src_N.shape[0])
+    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E)
@@ -133,18 +134,14 @@ class _Portable:
         return dict(IEEE=x.dtype == torch.float32, NO_DOT=interpret_mode())
 
     @staticmethod
-    def tile_cum(offsets_E, n_rows):
+    def tile_cum(offsets_E, n_rows, x):
         from ..grouped_gemm.triton_backend import prep_tile_cum
 
-        return prep_tile_cum(offsets_E, n_rows, _Portable._bm(offsets_E.device)) if n_rows else None
+        return prep_tile_cum(offsets_E, n_rows, _Portable._blocks(x)[0]) if n_rows else None
 
     @staticmethod
     def wgrad_order(offsets_E):
         return None  # one program per dW tile: no walk order
-
-    @staticmethod
-    def _bm(device) -> int:
-        return 32 if device.type == "cpu" else 128  # as triton_backend._blocks
 
     @staticmethod
     def _mm(a, src, w_EKN, offsets, tile_cum, nn, f_off, epilogue, c, c2=None, dst=None, scale=None, h=None,

@@ -77,8 +77,9 @@ FORMS = {
     "swiglu": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=216),
     # A by TMA; 128 KB ring + 64 KB of layout-conversion scratch for the v4 fp32 atomics.
     "scatter": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=0, REGS=232),
-    # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns.
-    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=216),
+    # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
+    # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
+    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216),
     # one gathered operand; 144 KB ring + 64 KB TMA-store tile.
     "wgrad": FusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, REGS=224),
 }
@@ -106,7 +107,8 @@ def _env_overrides(text: str) -> dict:
             kw[k] = int(v)
         cfg = dataclasses.replace(FORMS[form], **kw)
         if cfg.smem_bytes(form) > _SMEM_LIMIT:
-            raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of shared memory")
+            raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
+                             "shared memory")
         out[form] = cfg
     return out
 
@@ -170,7 +172,7 @@ class _Hopper:
     """Launchers of tlx/hopper/fused_moe.py."""
 
     @staticmethod
-    def tile_cum(offsets_E, n_rows):
+    def tile_cum(offsets_E, n_rows, x=None):
         from ..grouped_gemm.triton_backend import prep_tile_cum
 
         return prep_tile_cum(offsets_E, n_rows, 128) if n_rows else None
@@ -195,7 +197,9 @@ class _Hopper:
         E = shape[0]
         block = [1, cfg.BN, cfg.BK] if b_kmajor else [1, cfg.BK, cfg.BN]
         b_desc = TensorDescriptor(w, shape, strides, block)
-        a_desc = None if src is not None else TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.BM // 2, cfg.BK])
+        a_desc = None
+        if src is None:  # A read in place: TMA
+            a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.BM // 2, cfg.BK])
         grid = _grid(a.device, max_m_tiles(n_rows, E, cfg.BM) * -(-nn // cfg.BN))
         _fused_mm_hopper_kernel[(grid,)](
             a_desc, a if src is not None else None, src, b_desc, offsets, tile_cum,
