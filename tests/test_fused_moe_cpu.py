@@ -224,6 +224,25 @@ def test_backend_choice_on_cpu():
         select_fused_backend(x, w13, w2, "tlx")  # registered only where TLX runs on sm_90
 
 
+def test_tile_config_errors_name_the_field():
+    from tlx_dist.fused.tlx_backend import FusedTileConfig, _env_overrides
+
+    # LAG = STAGES - 1 would deadlock the gather pipeline (tlx/hopper/fused_moe.py explains why).
+    with pytest.raises(ValueError, match=r"FusedTileConfig.LAG=3 must be in \[0, STAGES - 2 = 2\]"):
+        FusedTileConfig(STAGES=4, LAG=3)
+    with pytest.raises(ValueError, match=r"FusedTileConfig.BN=48 must be a power of two"):
+        FusedTileConfig(BN=48)
+    with pytest.raises(ValueError, match=r"FusedTileConfig.REGS=230 must be a multiple of 8"):
+        FusedTileConfig(REGS=230)
+    with pytest.raises(ValueError, match=r"unknown form 'gemm'"):
+        _env_overrides("gemm:BN=64")
+    with pytest.raises(ValueError, match=r"unknown field 'BX'"):
+        _env_overrides("swiglu:BX=64")
+    with pytest.raises(ValueError, match=r"bytes of shared memory"):
+        _env_overrides("swiglu:STAGES=8")
+    assert _env_overrides("swiglu:STAGES=3,LAG=1; wgrad:BK=64,STAGES=3,LAG=1")["wgrad"].BK == 64
+
+
 def test_custom_ops_opcheck():
     from tlx_dist.fused.api import _bwd_op, _fwd_op
 

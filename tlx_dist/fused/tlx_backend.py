@@ -10,7 +10,8 @@ Operand rules (else ``supports()`` gives the reason and the automatic choice fal
 portable kernels): bf16/fp16, D and F multiples of 64 (the gathered K loop has no column tail),
 contiguous x / w13 / w2, 16-byte aligned bases.
 
-``TLX_DIST_FUSED_CONFIG="swiglu:BN=128,STAGES=4;wgrad:BK=32"`` overrides fields of a form's config.
+``TLX_DIST_FUSED_CONFIG="swiglu:BN=128,STAGES=4;wgrad:BK=32"`` overrides fields of a form's config
+(read when a form first runs at a given width).
 """
 
 from __future__ import annotations
@@ -117,16 +118,16 @@ _CACHE: dict[tuple, FusedTileConfig] = {}
 
 
 def fused_config(form: str, nn: int) -> FusedTileConfig:
-    """Config of ``form`` for an output ``nn`` columns wide: env override > cached > default
-    (GROUP_M = 8 once the output has >= 16 column tiles, as the landed kernel does for Mixtral)."""
-    over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""))
-    if form in over:
-        return over[form]
+    """Config of ``form`` for an output ``nn`` columns wide: the env override, else the default
+    (GROUP_M = 8 once the output has >= 16 column tiles, as the landed kernel does for Mixtral).
+    Resolved once per (form, nn) and cached: the launch path does one dict lookup (reading the
+    environment costs more than that)."""
     key = (form, nn)
     cfg = _CACHE.get(key)
     if cfg is None:
-        cfg = FORMS[form]
-        if form != "wgrad" and -(-nn // cfg.BN) >= 16:
+        over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""))
+        cfg = over.get(form, FORMS[form])
+        if form not in over and form != "wgrad" and -(-nn // cfg.BN) >= 16:
             cfg = dataclasses.replace(cfg, GROUP_M=8)
         _CACHE[key] = cfg
     return cfg
