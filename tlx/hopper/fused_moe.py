@@ -214,7 +214,8 @@ def _mm_consume(t, it, a_buf, b_buf, full, afull, empty, tile_cum_ptr, offsets_p
     return it
 
 
-@triton.jit
+# Row and expert counts vary from call to call: no recompiles for their divisibility.
+@triton.jit(do_not_specialize=["N_ROWS", "E", "stride_pn"])
 def _fused_mm_hopper_kernel(
     a_desc, a_ptr, src_ptr, b_desc, offsets_ptr, tile_cum_ptr,
     c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
@@ -363,7 +364,7 @@ def _wgrad_consume(t, it, c_desc, a_buf, b_buf, c_buf, full, afull, empty, offse
     return it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS", "E"])
 def _fused_wgrad_hopper_kernel(
     a_desc, a_ptr, ia_ptr, b_desc, b_ptr, ib_ptr, c_desc, offsets_ptr, order_ptr, sched_ptr,
     N_ROWS, E, M_DIM, NN, stride_an, stride_bn,

@@ -32,7 +32,7 @@ SCATTER = tl.constexpr(2)
 DSWIGLU = tl.constexpr(3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS", "E", "stride_pn"])
 def _fused_mm_kernel(
     a_ptr, src_ptr, w_ptr, offsets_ptr, tile_cum_ptr,
     c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
@@ -102,7 +102,7 @@ def _fused_mm_kernel(
             tl.store(c2_ptr + n_idx[:, None] * stride_c2n + cols[None, :], ag, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS", "E"])
 def _fused_wgrad_kernel(
     a_ptr, ia_ptr, b_ptr, ib_ptr, dw_ptr, offsets_ptr,
     N_ROWS, E, D, F,
