@@ -139,6 +139,8 @@ def rel_err(a, b) -> float:
 def main() -> int:
     import triton
 
+    from tlx_dist.fused import select_fused_backend
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="4096,16384")
@@ -162,7 +164,8 @@ def main() -> int:
             torch.manual_seed(0)
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
             g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-            row = {"shape": name, "T": T, "D": D, "F": Fe, "E": E, "K": K}
+            row = {"shape": name, "T": T, "D": D, "F": Fe, "E": E, "K": K,
+                   "fused_backend": select_fused_backend(x, layer.w13, layer.w2).name}
             flops = 18.0 * T * K * D * Fe
             results = {}
             for p in providers:
