@@ -8,7 +8,7 @@ import torch
 
 from _util import clone_layer, make_cfg, reference_of
 from tlx_dist import MoELayer
-from tlx_dist.testing import assert_close_to_ref
+from tlx_dist.testing import assert_close_ksum_bf16, assert_close_to_ref
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -61,4 +61,6 @@ def test_layer_forward_survives_cuda_graph_capture():
                                 generator=torch.Generator("cuda").manual_seed(seed))
             x_static.copy_(x_new)
             g.replay()
-            torch.testing.assert_close(y_static, layer(x_new), rtol=0, atol=0)
+            # Within one bf16 ulp, not bitwise: on sm_90 the default (fused) pipeline sums over k with
+            # fp32 atomics, whose order may differ between runs.
+            assert_close_ksum_bf16(layer(x_new), y_static)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from .config import MoEConfig
+from .fused import fused_experts, fused_tlx_supports
 from .grouped_gemm import grouped_mm
 from .router import Router, RoutingStats
 
@@ -73,6 +74,10 @@ class MoELayer(nn.Module):
         dispatcher: ``"auto" | "local" | "all_to_all"`` or a :class:`Dispatcher` instance.
         gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
         device: where parameters are created.
+        pipeline: ``"fused"`` (one rank: :func:`tlx_dist.fused.fused_experts`, gather-on-load GEMMs with
+            SwiGLU and gate-scatter epilogues), ``"separate"`` (dispatch -> grouped GEMMs -> combine)
+            or ``"auto"``: fused where its TLX kernels run (sm_90, one EP rank, local dispatcher, no
+            pinned GEMM backend, supported shapes), separate elsewhere.
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
@@ -81,8 +86,10 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None,
                  dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None):
+                 device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto"):
         super().__init__()
+        if pipeline not in ("auto", "fused", "separate"):
+            raise ValueError(f"pipeline={pipeline!r} must be 'auto', 'fused' or 'separate'")
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
         world = dist.get_world_size(ep_group) if ep_group is not None else 1
@@ -93,6 +100,9 @@ class MoELayer(nn.Module):
         self.ep_size, self.ep_rank = world, rank
         self.num_local_experts = cfg.num_experts // world
         self.gemm_backend = gemm_backend
+        if pipeline == "fused" and world != 1:
+            raise ValueError(f"pipeline='fused' runs on one EP rank for now, got an EP group of {world}")
+        self.pipeline = pipeline
         # Router ids are in range by construction: skip the (host-syncing) id validation.
         self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False)
         self.dispatcher.validate = False  # also for a Dispatcher instance passed in
@@ -169,6 +179,11 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, self.cfg.dim)
         route = self.router(x_TD)
         self.last_stats = route.stats
+        if self._fused(x_TD):
+            out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2)
+            if self.shared_w13 is not None:
+                out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
+            return out_TD.view(x.shape)
 
         recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
         h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend)
@@ -178,6 +193,12 @@ class MoELayer(nn.Module):
         if self.shared_w13 is not None:
             out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
         return out_TD.view(x.shape)
+
+    def _fused(self, x_TD: torch.Tensor) -> bool:
+        if self.pipeline != "auto":
+            return self.pipeline == "fused"
+        return (self.ep_size == 1 and isinstance(self.dispatcher, LocalDispatcher) and self.gemm_backend is None
+                and fused_tlx_supports(x_TD, self.w13, self.w2))
 
     def extra_repr(self) -> str:
         c = self.cfg

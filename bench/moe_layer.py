@@ -1,0 +1,236 @@
+"""MoE layer benchmark: the fused pipeline, the separate pipeline and a torchtitan-style layer, in one
+process, on one GPU.
+
+Providers (all share one router and one set of expert weights; no shared experts):
+  fused       MoELayer(pipeline="fused"): gather-on-load gate/up GEMM + SwiGLU epilogue, down GEMM with
+              the gate-scale/scatter-add epilogue, fused backward (tlx_dist.fused).
+  separate    MoELayer(pipeline="separate"): LocalDispatcher permute -> grouped_mm -> SwiGLU ->
+              grouped_mm -> combine -> gate-weighted k-sum.
+  torchtitan  router -> argsort -> gather -> torch._grouped_mm x2 with SwiGLU -> gate scale -> index_add.
+Each step is forward + backward (dx and every parameter gradient). fwd+bwd TFLOP/s = 18*T*K*D*F /
+median step time (eager, one sync per step). Latency: median eager and CUDA-graph-replayed step time
+at the --latency-tokens sizes. Ratios are taken in the same process. The JSON keeps every number;
+fused/separate and fused/torchtitan relative errors of the output and of dw13 on the benchmarked
+operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproducible).
+
+    python bench/moe_layer.py [--shapes olmoe,...] [--tokens 4096,16384] [--latency-tokens 1024,4096]
+                              [--providers fused,separate,torchtitan] [--reps 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (D, F, E, K)
+    "olmoe": (2048, 1024, 64, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+    "mixtral": (4096, 14336, 8, 2),
+    "deepseek-v3-rank": (7168, 2048, 32, 8),
+}
+PROVIDERS = ("fused", "separate", "torchtitan")
+
+
+def torchtitan_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
+    """The anchor: sort slots by expert, gather rows, two torch._grouped_mm with SwiGLU between,
+    scale by the gate, index_add back (what torchtitan's MoE does on one rank)."""
+    T, K = idx_TK.shape
+    Fe = w2_EFD.shape[1]
+    flat = idx_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13_EDF2.shape[0], dtype=torch.int64, device=x_TD.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tok = order // K
+    h = torch._grouped_mm(x_TD[tok], w13_EDF2, offs=offs)
+    y = torch._grouped_mm(F.silu(h[:, :Fe]) * h[:, Fe:], w2_EFD, offs=offs)
+    y = y * gate_TK.reshape(-1)[order].to(y.dtype).unsqueeze(1)
+    return torch.zeros_like(x_TD).index_add(0, tok, y)
+
+
+def build(name: str, device: str):
+    from tlx_dist import MoEConfig, MoELayer
+
+    D, Fe, E, K = SHAPES[name]
+    cfg = MoEConfig(dim=D, moe_inter_dim=Fe, num_experts=E, top_k=K, dtype="bfloat16", aux_loss_coef=0.0,
+                    z_loss_coef=0.0, init_std=D ** -0.5)
+    # Weights drawn on the GPU (the layer's per-expert CPU init takes seconds at these sizes).
+    with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
+        layer = MoELayer(cfg, device=device, pipeline="fused")
+    with torch.no_grad():
+        layer.router.weight.normal_(std=D ** -0.5)
+        layer.w13.normal_(std=D ** -0.5)
+        layer.w2.normal_(std=Fe ** -0.5)
+    return layer
+
+
+def provider_fn(layer, provider: str):
+    if provider in ("fused", "separate"):
+        def fn(x):
+            layer.pipeline = provider
+            return layer(x)
+    else:
+        def fn(x):
+            r = layer.router(x)
+            return torchtitan_experts(x, r.idx_TK, r.gate_TK, layer.w13, layer.w2)
+    return fn
+
+
+def eager_ms(fn, x, g, params, reps: int) -> float:
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        fn(x).backward(g)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn, x, g, params, reps: int) -> float:
+    def step():
+        return torch.autograd.grad(fn(x), [x] + params, g)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def main() -> int:
+    import triton
+
+    from tlx_dist.fused import select_fused_backend
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--latency-tokens", default="1024,4096")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default="bench_moe_layer.json")
+    args = ap.parse_args()
+    providers = args.providers.split(",")
+    tokens = sorted({int(t) for t in args.tokens.split(",")} | {int(t) for t in args.latency_tokens.split(",")})
+    lat_tokens = {int(t) for t in args.latency_tokens.split(",")}
+    tflops_tokens = {int(t) for t in args.tokens.split(",")}
+    rows = []
+    for name in args.shapes.split(","):
+        D, Fe, E, K = SHAPES[name]
+        layer = build(name, "cuda")
+        params = [p for p in layer.parameters()]
+        probe = torch.empty(1, D, device="cuda", dtype=torch.bfloat16)
+        print(f"{name}: fused pipeline on its TLX kernels = {layer._fused(probe)}", flush=True)
+        for T in tokens:
+            torch.manual_seed(0)
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+            g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "T": T, "D": D, "F": Fe, "E": E, "K": K,
+                   "fused_backend": select_fused_backend(x, layer.w13, layer.w2).name}
+            flops = 18.0 * T * K * D * Fe
+            results = {}
+            for p in providers:
+                fn = provider_fn(layer, p)
+                try:
+                    t0 = time.time()
+                    out = fn(x)
+                    dw13 = torch.autograd.grad(out, [layer.w13], g)[0]
+                    results[p] = (out.detach(), dw13)
+                    ms = eager_ms(fn, x, g, params, args.reps)
+                    row[f"{p}_eager_ms"] = ms
+                    row[f"{p}_tflops"] = flops / ms * 1e-9
+                    if T in lat_tokens:
+                        row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps)
+                    row[f"{p}_first_s"] = time.time() - t0
+                except Exception as err:  # keep the other providers' numbers
+                    row[f"{p}_error"] = f"{type(err).__name__}: {err}"[:500]
+                    print(f"  {p} failed: {row[f'{p}_error']}", flush=True)
+            for p in providers:
+                for q in providers:
+                    if p != q and f"{p}_tflops" in row and f"{q}_tflops" in row:
+                        row[f"{p}/{q}"] = row[f"{p}_tflops"] / row[f"{q}_tflops"]
+            for p, q in (("fused", "separate"), ("fused", "torchtitan")):
+                if p in results and q in results:
+                    row[f"{p}_vs_{q}_out_relerr"] = rel_err(results[p][0], results[q][0])
+                    row[f"{p}_vs_{q}_dw13_relerr"] = rel_err(results[p][1], results[q][1])
+            del results
+            rows.append(row)
+            nan = float("nan")
+            cells = "  ".join(f"{p}={row.get(f'{p}_tflops', nan):6.1f} TF/s {row.get(f'{p}_eager_ms', nan):7.2f} ms"
+                              + (f" (graph {row[f'{p}_graph_ms']:.2f} ms)" if f"{p}_graph_ms" in row else "")
+                              for p in providers)
+            print(f"{name:17s} T={T:6d}  {cells}", flush=True)
+            del x, g
+        del layer, params
+        torch.cuda.empty_cache()
+
+    print("\n| shape | T | " + " | ".join(f"{p} TFLOP/s" for p in providers) + " | fused/separate | fused/torchtitan |")
+    print("|" + "---|" * (4 + len(providers)))
+    for r in rows:
+        if r["T"] not in tflops_tokens:
+            continue
+        print(f"| {r['shape']} | {r['T']} | "
+              + " | ".join(f"{r.get(p + '_tflops', float('nan')):.1f}" for p in providers)
+              + f" | {r.get('fused/separate', float('nan')):.2f} | {r.get('fused/torchtitan', float('nan')):.2f} |")
+    print("\n| shape | T | " + " | ".join(f"{p} eager / graph ms" for p in providers) + " |")
+    print("|" + "---|" * (2 + len(providers)))
+    for r in rows:
+        if r["T"] in lat_tokens:
+            print(f"| {r['shape']} | {r['T']} | " + " | ".join(
+                f"{r.get(p + '_eager_ms', float('nan')):.2f} / {r.get(p + '_graph_ms', float('nan')):.2f}"
+                for p in providers) + " |")
+    summary = {}
+    for T in sorted(tflops_tokens):
+        for q in ("separate", "torchtitan"):
+            v = [r[f"fused/{q}"] for r in rows if r["T"] == T and f"fused/{q}" in r]
+            if v:
+                summary[f"fused/{q} median at T={T}"] = statistics.median(v)
+    for k, v in summary.items():
+        print(f"{k}: {v:.3f}")
+    with open(args.json, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "rows": rows, "summary": summary}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

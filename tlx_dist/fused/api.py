@@ -1,0 +1,211 @@
+"""Functional fused expert pipeline with autograd, registered as torch custom ops.
+
+Legend: T tokens, K top-k, E experts, D hidden, F expert intermediate; R source rows, N expert-major
+rows, T_out destination rows (one rank: R = T_out = T, N = T*K).
+
+    out_TD = fused_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD)
+           = sum_k gate[t, k] * SwiGLU-expert_{idx[t, k]}(x[t])
+
+One rank: the (token, k) slots are sorted by expert on the device (no host sync); row n of expert
+order reads ``x[src[n]]`` in the gate/up GEMM (gather-on-load, no permuted copy) and its down-GEMM
+row, scaled by ``gate[n]``, is added into ``out[dst[n]]`` in that GEMM's epilogue (src = dst = the
+slot's token). :func:`fused_experts_rows` takes the row-index form directly -- ``src_N`` into any
+row source (a receive buffer under expert parallelism), ``dst_N`` into any destination -- and is
+what the EP pipeline builds on.
+
+Ops: ``tlx_dist::fused_experts_fwd(x, src, dst, gate, w13, w2, offsets, num_dst, backend) ->
+(out, h)`` and ``tlx_dist::fused_experts_bwd(...) -> (dx, dgate, dw13, dw2)``, each with a fake
+implementation; the forward keeps ``h = x[src] @ w13`` (bf16, N x 2F) for the backward rather than
+recomputing it (a third of the forward FLOPs); ``a = SwiGLU(h)`` is recomputed from ``h`` in the
+backward epilogue. The output and dx are k-sums of fp32 atomic adds: bitwise run-to-run
+reproducible only up to fp32 summation order (far below the final bf16 rounding); the separate
+pipeline (``MoELayer(pipeline="separate")``) is the deterministic alternative.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backends import get_fused_backend, select_fused_backend
+
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports"]
+
+
+# --- custom ops ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tlx_dist::fused_experts_fwd", mutates_args=())
+def _fwd_op(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
+            w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_fused_backend(backend).forward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
+
+
+@_fwd_op.register_fake
+def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend):
+    return x_RD.new_empty(num_dst, x_RD.shape[1]), x_RD.new_empty(src_N.shape[0], w13_EDF2.shape[2])
+
+
+@torch.library.custom_op("tlx_dist::fused_experts_bwd", mutates_args=())
+def _bwd_op(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
+            gate_N: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
+            h_N2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return get_fused_backend(backend).backward(dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD,
+                                               offsets_E, h_N2F)
+
+
+@_bwd_op.register_fake
+def _(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, backend):
+    return torch.empty_like(x_RD), torch.empty_like(gate_N), torch.empty_like(w13_EDF2), torch.empty_like(w2_EFD)
+
+
+def _setup_context(ctx, inputs, output):
+    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend = inputs
+    ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1])
+    ctx.backend = backend
+
+
+def _backward(ctx, dout_TD, _dh):
+    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
+    dx, dgate, dw13, dw2 = _bwd_op(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F,
+                                   ctx.backend)
+    return dx, None, None, dgate, dw13, dw2, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+
+def _tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_fused_args(x_RD, w13_EDF2, w2_EFD) -> None:
+    """Shapes, dtypes and devices of the activations and weights; TypeError / ValueError naming the
+    argument."""
+    for name, t in (("x", x_RD), ("w13_EDF2", w13_EDF2), ("w2_EFD", w2_EFD)):
+        _tensor(name, t)
+    if x_RD.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, D], got shape {tuple(x_RD.shape)}")
+    if w13_EDF2.dim() != 3 or w13_EDF2.shape[2] % 2:
+        raise ValueError(f"w13_EDF2 must be [E, D, 2F], got shape {tuple(w13_EDF2.shape)}")
+    E, D, F2 = w13_EDF2.shape
+    if tuple(w2_EFD.shape) != (E, F2 // 2, D):
+        raise ValueError(f"w2_EFD must be [E={E}, F={F2 // 2}, D={D}] to match w13_EDF2, got {tuple(w2_EFD.shape)}")
+    if x_RD.shape[1] != D:
+        raise ValueError(f"x has D={x_RD.shape[1]} columns but w13_EDF2 expects D={D}")
+    if not x_RD.is_floating_point():
+        raise TypeError(f"x must be a floating tensor, got {x_RD.dtype}")
+    for name, t in (("w13_EDF2", w13_EDF2), ("w2_EFD", w2_EFD)):
+        if t.dtype != x_RD.dtype:
+            raise TypeError(f"{name}.dtype={t.dtype} differs from x.dtype={x_RD.dtype}")
+        if t.device != x_RD.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x_RD.device}")
+
+
+def _check_index(name: str, t, n: Optional[int], device) -> None:
+    _tensor(name, t)
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        raise ValueError(f"{name} must be 1-D{'' if n is None else f' with {n} entries'}, got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor) -> bool:
+    """True when the Hopper TLX fused kernels run these operands (what ``MoELayer(pipeline="auto")``
+    keys on). Never raises; reads no device values."""
+    try:
+        return get_fused_backend("tlx").supports(x_RD, w13_EDF2, w2_EFD) is None
+    except ValueError:  # not registered: no TLX, or not sm_90
+        return False
+
+
+# --- public functions --------------------------------------------------------------------------------
+
+
+def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
+                       w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
+                       *, backend: Optional[str] = None) -> torch.Tensor:
+    """The fused experts in row-index form, differentiable in ``x_RD``, ``gate_N``, ``w13``, ``w2``.
+
+    ``out[dst[n]] += gate[n] * (SwiGLU(x[src[n]] @ w13[e]) @ w2[e])`` for every row n of expert e
+    (rows ``[offsets[e-1], offsets[e])``); rows past ``offsets_E[-1]`` are padding (their indices
+    are never read).
+
+    Args:
+        x_RD: ``[R, D]`` row source (bf16 / fp16 / fp32 / fp64).
+        src_N, dst_N: ``[N]`` int32/int64 source and destination row of each expert-major row,
+            in ``[0, R)`` and ``[0, num_dst)`` (not validated on the device: the caller's routing
+            guarantees it).
+        gate_N: ``[N]`` float gate weight of each row (fp32 from the router).
+        w13_EDF2: ``[E, D, 2F]`` gate | up; w2_EFD: ``[E, F, D]``.
+        offsets_E: ``[E]`` int32/int64 cumulative end rows, ``offsets_E[-1] <= N``.
+        num_dst: rows of the output.
+        backend: ``"tlx" | "triton" | "reference"`` to pin one; default automatic.
+    Returns:
+        ``[num_dst, D]`` in ``x_RD.dtype``.
+    """
+    check_fused_args(x_RD, w13_EDF2, w2_EFD)
+    N = src_N.shape[0] if isinstance(src_N, torch.Tensor) else None
+    for name, t in (("src_N", src_N), ("dst_N", dst_N)):
+        _check_index(name, t, N, x_RD.device)
+    _check_index("offsets_E", offsets_E, w13_EDF2.shape[0], x_RD.device)
+    _tensor("gate_N", gate_N)
+    if gate_N.shape != (N,) or not gate_N.is_floating_point() or gate_N.device != x_RD.device:
+        raise ValueError(f"gate_N must be a float [N={N}] tensor on {x_RD.device}, got {gate_N.dtype} "
+                         f"{tuple(gate_N.shape)} on {gate_N.device}")
+    if not isinstance(num_dst, int) or isinstance(num_dst, bool) or num_dst < 0:
+        raise ValueError(f"num_dst={num_dst!r} must be a non-negative int")
+    b = select_fused_backend(x_RD, w13_EDF2, w2_EFD, backend)
+    out, _h = _fwd_op(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), num_dst, b.name)
+    return out
+
+
+def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, w13_EDF2: torch.Tensor,
+                  w2_EFD: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """One rank's routed experts, fused: ``out[t] = sum_k gate[t, k] * expert_{idx[t, k]}(x[t])``
+    with ``expert_e(x) = (silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:])) @ w2[e]``.
+
+    Args:
+        x_TD: ``[T, D]`` tokens (bf16 on the GPU; any float dtype on the reference backend).
+        idx_TK: ``[T, K]`` int32/int64 expert ids in ``[0, E)`` (the router's; not validated on
+            the device).
+        gate_TK: ``[T, K]`` float gate weights (fp32 from the router).
+        w13_EDF2: ``[E, D, 2F]``; w2_EFD: ``[E, F, D]``.
+        backend: ``"tlx"`` (Hopper TLX kernels), ``"triton"`` (portable Triton kernels),
+            ``"reference"`` (PyTorch) to pin one; default automatic.
+    Returns:
+        ``[T, D]`` in ``x_TD.dtype``; differentiable in x, gate, w13 and w2. No host sync on the
+        kernel backends: CUDA-graph capturable.
+    """
+    check_fused_args(x_TD, w13_EDF2, w2_EFD)
+    _tensor("idx_TK", idx_TK)
+    _tensor("gate_TK", gate_TK)
+    if idx_TK.dim() != 2 or idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"idx_TK must be [T={x_TD.shape[0]}, K], got shape {tuple(idx_TK.shape)}")
+    if idx_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"idx_TK must be int32 or int64, got {idx_TK.dtype}")
+    if gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
+        raise ValueError(f"gate_TK must be a float tensor of shape {tuple(idx_TK.shape)}, got {gate_TK.dtype} "
+                         f"{tuple(gate_TK.shape)}")
+    for name, t in (("idx_TK", idx_TK), ("gate_TK", gate_TK)):
+        if t.device != x_TD.device:
+            raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
+    T, K = idx_TK.shape
+    E = w13_EDF2.shape[0]
+    # Slots sorted by expert (stable: token order within an expert); each expert's end row is the
+    # number of sorted ids <= e. A handful of small kernels, no host sync.
+    expert_S, order_S = torch.sort(idx_TK.reshape(-1), stable=True)
+    offsets_E = torch.searchsorted(expert_S, torch.arange(E, device=idx_TK.device, dtype=expert_S.dtype),
+                                   right=True, out_int32=True)
+    tok_N = torch.div(order_S, K, rounding_mode="floor").to(torch.int32)
+    gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
+    return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)

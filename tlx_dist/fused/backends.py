@@ -1,0 +1,231 @@
+"""Backends of the fused expert pipeline and the one composition they share.
+
+A kernel backend provides four primitives (legend and index arrays: ``reference.py``):
+
+* ``gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum) -> (h_N2F, a_NF)``
+  gather-on-load GEMM 1 with the SwiGLU epilogue;
+* ``down_scatter(a_NF, w_EFD, offsets_E, dst_N, scale_N | None, num_dst, tile_cum) -> out_f32``
+  GEMM 2 whose epilogue adds ``scale[n] * row`` into ``out[dst[n]]`` (also dX of GEMM 1 with
+  ``w = w13^T``, ``scale = None``, ``dst = src``);
+* ``down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum) -> (dh_N2F, ag_NF, dgate_N)``
+  dX of GEMM 2 reading ``dout`` rows by index, with the dSwiGLU and gate-gradient epilogue;
+* ``wgrad_gather(a, ia_N | None, b, ib_N | None, offsets_E, order) -> dw``  varlen-K dW with either
+  operand read by index;
+
+plus ``tile_cum(offsets_E, n_rows, x)`` (the scheduler's prep, for the tile height ``x``'s dtype
+gets; shared by the ragged-M launches of a pass), ``wgrad_order(offsets_E)`` (the dW tile order,
+shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``.
+:func:`compose_forward` and :func:`compose_backward` chain them; the ``reference`` backend computes
+the same two passes in PyTorch (``reference.py``). Backends: ``tlx`` (Hopper TLX kernels,
+``tlx_backend.py``), ``triton`` (the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``:
+any CUDA/ROCm GPU, and CPU under ``TRITON_INTERPRET=1`` when pinned), ``reference``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from tlx import triton_available
+
+from .reference import fused_backward_ref, fused_forward_ref
+
+__all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
+           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND"]
+
+ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
+
+
+@dataclass(frozen=True)
+class FusedBackend:
+    name: str
+    forward: Callable    # (x_RD, src_N, dst_N, gate_N, w13, w2, offsets_E, num_dst) -> (out, h_N2F)
+    backward: Callable   # (dout, x_RD, src_N, dst_N, gate_N, w13, w2, offsets_E, h_N2F) -> (dx, dgate, dw13, dw2)
+    supports: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Optional[str]]
+    priority: int        # lower is preferred
+    auto_on_cpu: bool = False
+
+
+_BACKENDS: dict[str, FusedBackend] = {}
+
+
+def register_fused_backend(b: FusedBackend) -> None:
+    _BACKENDS[b.name] = b
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import tlx_backend  # noqa: F401  (registers "tlx" where TLX runs on sm_90)
+
+
+def get_fused_backend(name: str) -> FusedBackend:
+    _ensure_loaded()
+    if name not in _BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor,
+                         backend: Optional[str] = None) -> FusedBackend:
+    """The pinned backend (argument, then ``TLX_DIST_FUSED_BACKEND``) -- an error if it cannot run
+    these operands -- or the first in preference order that can."""
+    name = backend or os.environ.get(ENV_FUSED_BACKEND) or None
+    if name is not None:
+        b = get_fused_backend(name)
+        why = b.supports(x_RD, w13_EDF2, w2_EFD)
+        if why is not None:
+            raise ValueError(f"fused backend={name!r} cannot run these operands: {why}")
+        return b
+    _ensure_loaded()
+    for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
+        if x_RD.device.type == "cpu" and not b.auto_on_cpu:
+            continue
+        if b.supports(x_RD, w13_EDF2, w2_EFD) is None:
+            return b
+    raise AssertionError("the reference backend supports every input")  # pragma: no cover
+
+
+# --- the composition shared by the kernel backends ---------------------------------------------------
+
+
+def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst):
+    """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``."""
+    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
+    h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
+    out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
+    return out.to(x_RD.dtype), h_N2F
+
+
+def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F):
+    """``(dx_RD, dgate_N, dw13_EDF2, dw2_EFD)`` from a primitives module ``p``."""
+    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
+    dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
+    dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
+    order = p.wgrad_order(offsets_E)
+    dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E, order)
+    dw2 = p.wgrad_gather(ag_NF, None, dout_TD, dst_N, offsets_E, order)
+    return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
+
+
+# --- the portable stock-Triton backend ---------------------------------------------------------------
+
+
+class _Portable:
+    """Launchers of tlx/portable/fused_moe.py (one program per possible tile; masks for every tail)."""
+
+    @staticmethod
+    def _blocks(x: torch.Tensor):
+        from ..grouped_gemm.triton_backend import _blocks
+
+        return _blocks(x)
+
+    @staticmethod
+    def _flags(x: torch.Tensor) -> dict:
+        from ..grouped_gemm.triton_backend import interpret_mode
+
+        return dict(IEEE=x.dtype == torch.float32, NO_DOT=interpret_mode())
+
+    @staticmethod
+    def tile_cum(offsets_E, n_rows, x):
+        from ..grouped_gemm.triton_backend import prep_tile_cum
+
+        return prep_tile_cum(offsets_E, n_rows, _Portable._blocks(x)[0]) if n_rows else None
+
+    @staticmethod
+    def wgrad_order(offsets_E):
+        return None  # one program per dW tile: no walk order
+
+    @staticmethod
+    def _mm(a, src, w_EKN, offsets, tile_cum, nn, f_off, epilogue, c, c2=None, dst=None, scale=None, h=None,
+            part=None):
+        from tlx.portable.fused_moe import _fused_mm_kernel
+
+        from ..grouped_gemm.triton_backend import max_m_tiles, search_steps
+
+        N = src.shape[0] if src is not None else a.shape[0]  # expert-major rows
+        E, K = w_EKN.shape[0], w_EKN.shape[1]
+        BM, BN, BK, warps, stages = _Portable._blocks(a)
+        grid = (max_m_tiles(N, E, BM) * -(-nn // BN),)
+        _fused_mm_kernel[grid](
+            a, src, w_EKN, offsets, tile_cum, c, c2, dst, scale, h, part, N, E, K, nn, f_off,
+            a.stride(0), a.stride(1), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), c.stride(0),
+            c2.stride(0) if c2 is not None else 0, h.stride(0) if h is not None else 0,
+            part.stride(0) if part is not None else 0,
+            EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, BM=BM, BN=BN, BK=BK,
+            SEARCH_STEPS=search_steps(E), **_Portable._flags(a), num_warps=warps, num_stages=stages)
+
+    @staticmethod
+    def gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
+        N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+        h = x_RD.new_empty(N, F2)
+        a = x_RD.new_empty(N, F2 // 2)
+        if N:
+            _Portable._mm(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, F2 // 2, F2 // 2, 1, h, c2=a)
+        return h, a
+
+    @staticmethod
+    def down_scatter(a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum):
+        acc = torch.promote_types(a_NF.dtype, torch.float32)
+        out = torch.zeros(num_dst, w_EFD.shape[2], dtype=acc, device=a_NF.device)
+        if a_NF.shape[0]:
+            _Portable._mm(a_NF, None, w_EFD, offsets_E, tile_cum, w_EFD.shape[2], 0, 2, out, dst=dst_N, scale=scale_N)
+        return out
+
+    @staticmethod
+    def down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum):
+        N, F = h_N2F.shape[0], w2_EFD.shape[1]
+        dh = h_N2F.new_empty(N, 2 * F)
+        ag = h_N2F.new_empty(N, F)
+        BN = _Portable._blocks(h_N2F)[1]
+        part = torch.zeros(N, max(1, -(-F // BN)), dtype=torch.promote_types(h_N2F.dtype, torch.float32),
+                           device=h_N2F.device)
+        if N:
+            _Portable._mm(dout_TD, dst_N, w2_EFD.transpose(1, 2), offsets_E, tile_cum, F, F, 3, dh, c2=ag,
+                          scale=gate_N, h=h_N2F, part=part)
+        return dh, ag, part.sum(1)
+
+    @staticmethod
+    def wgrad_gather(a, ia_N, b, ib_N, offsets_E, order=None):
+        from tlx.portable.fused_moe import _fused_wgrad_kernel
+
+        E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]
+        N = (ia_N if ia_N is not None else a).shape[0]
+        dw = a.new_empty(E, D, F)
+        if dw.numel() == 0:
+            return dw
+        BM, BN, BK, warps, stages = _Portable._blocks(a)
+        grid = (E * -(-D // BM) * -(-F // BN),)
+        _fused_wgrad_kernel[grid](
+            a, ia_N, b, ib_N, dw, offsets_E, N, E, D, F, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            dw.stride(0), dw.stride(1), dw.stride(2), A_GATHER=ia_N is not None, B_GATHER=ib_N is not None,
+            BM=BM, BN=BN, BK=BK, **_Portable._flags(a), num_warps=warps, num_stages=stages)
+        return dw
+
+
+def _portable_supports(x_RD, w13_EDF2, w2_EFD) -> Optional[str]:
+    if not triton_available():
+        return "triton is not importable"
+    if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {x_RD.dtype} (needs bfloat16, float16 or float32)"
+    if x_RD.device.type == "cpu":
+        from ..grouped_gemm.triton_backend import interpret_mode
+
+        return None if interpret_mode() else "CPU tensors (set TRITON_INTERPRET=1 to run the kernels interpreted)"
+    if x_RD.device.type != "cuda":
+        return f"device {x_RD.device}"
+    return None
+
+
+register_fused_backend(FusedBackend(
+    "triton", lambda *a: compose_forward(_Portable, *a), lambda *a: compose_backward(_Portable, *a),
+    _portable_supports, priority=20))
+register_fused_backend(FusedBackend("reference", fused_forward_ref, fused_backward_ref, lambda x, w13, w2: None,
+                                    priority=100, auto_on_cpu=True))
