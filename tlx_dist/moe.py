@@ -37,15 +37,19 @@ __all__ = ["MoELayer", "make_dispatcher"]
 
 
 def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
-                    group: Optional[dist.ProcessGroup] = None, validate: bool = True) -> Dispatcher:
+                    group: Optional[dist.ProcessGroup] = None, validate: bool = True,
+                    capacity: Optional[Union[str, float, int]] = None) -> Dispatcher:
     """``"auto"`` (local for one rank, all-to-all otherwise), ``"local"``, ``"all_to_all"``, ``"symm"``
-    (symmetric memory; buffers sized on the first dispatch -- pass a :class:`SymmDispatcher` built
-    with ``buffers=`` or ``max_tokens=`` to size them explicitly)."""
+    (the deduplicated symmetric-memory exchange; its buffers come from :func:`tlx_dist.comm.ep_buffers`,
+    shared by every layer of the group, sized on the first dispatch). ``capacity`` (symm only):
+    expanded rows per rank, ``"exact"`` (default) | ``"worst"`` | float factor | int rows."""
     if isinstance(kind, Dispatcher):
         return kind
     world = dist.get_world_size(group) if group is not None else 1
     if kind == "auto":
         kind = "local" if world == 1 else "all_to_all"
+    if capacity is not None and kind != "symm":
+        raise ValueError(f"capacity={capacity!r} applies to dispatcher='symm' only (got dispatcher={kind!r})")
     if kind == "local":
         if world != 1:
             raise ValueError(f"dispatcher='local' needs an EP group of one rank, got {world}")
@@ -56,7 +60,8 @@ def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
         return AllToAllDispatcher(num_experts, group, validate=validate)
     if kind == "symm":
         from .comm.symm import SymmDispatcher
-        return SymmDispatcher(num_experts, group, validate=validate)
+        return SymmDispatcher(num_experts, group, validate=validate,
+                              capacity="exact" if capacity is None else capacity)
     raise ValueError(f"dispatcher={kind!r} is not one of 'auto', 'local', 'all_to_all', 'symm' or a Dispatcher")
 
 
@@ -71,7 +76,9 @@ class MoELayer(nn.Module):
     Args:
         cfg: the layer's :class:`MoEConfig`.
         ep_group: expert-parallel process group; ``None`` = one rank holding every expert.
-        dispatcher: ``"auto" | "local" | "all_to_all"`` or a :class:`Dispatcher` instance.
+        dispatcher: ``"auto" | "local" | "all_to_all" | "symm"`` or a :class:`Dispatcher` instance.
+        capacity: with ``dispatcher="symm"``: expanded rows per rank, ``"exact"`` (default, one host
+            sync per dispatch) | ``"worst"`` | float factor of ``T_max*K`` | int (static, graph-capturable).
         gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
         device: where parameters are created.
         pipeline: ``"fused"`` (one rank: :func:`tlx_dist.fused.fused_experts`, gather-on-load GEMMs with
@@ -86,7 +93,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None,
                  dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto"):
+                 device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto",
+                 capacity: Optional[Union[str, float, int]] = None):
         super().__init__()
         if pipeline not in ("auto", "fused", "separate"):
             raise ValueError(f"pipeline={pipeline!r} must be 'auto', 'fused' or 'separate'")
@@ -104,7 +112,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"pipeline='fused' runs on one EP rank for now, got an EP group of {world}")
         self.pipeline = pipeline
         # Router ids are in range by construction: skip the (host-syncing) id validation.
-        self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False)
+        self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False, capacity=capacity)
         self.dispatcher.validate = False  # also for a Dispatcher instance passed in
         if self.dispatcher.world_size != world or self.dispatcher.num_experts != cfg.num_experts:
             raise ValueError(
@@ -181,18 +189,19 @@ class MoELayer(nn.Module):
         self.last_stats = route.stats
         if self._fused(x_TD):
             out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2)
-            if self.shared_w13 is not None:
-                out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
-            return out_TD.view(x.shape)
+        else:
+            out_TD = self._separate(x_TD, route)
+        if self.shared_w13 is not None:
+            out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
+        return out_TD.view(x.shape)
 
+    def _separate(self, x_TD: torch.Tensor, route) -> torch.Tensor:
+        """dispatch -> grouped GEMMs with SwiGLU -> gate-weighted combine."""
         recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
         h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend)
         y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
         # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.
-        out_TD = self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x.dtype)
-        if self.shared_w13 is not None:
-            out_TD = out_TD + swiglu(x_TD @ self.shared_w13) @ self.shared_w2
-        return out_TD.view(x.shape)
+        return self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x_TD.dtype)
 
     def _fused(self, x_TD: torch.Tensor) -> bool:
         if self.pipeline != "auto":
