@@ -41,10 +41,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # the device clock for bounded waits (CUDA); the interpreter counts polls instead
+try:  # device clocks for bounded waits; the interpreter counts polls instead
     from triton.language.extra.cuda import globaltimer as _globaltimer
-except ImportError:  # pragma: no cover - builds without the CUDA extras
-    _globaltimer = None
+    from triton.language.extra.hip import memrealtime as _memrealtime
+except ImportError:  # pragma: no cover - builds without the CUDA/HIP extras
+    _globaltimer = _memrealtime = None
+
+# CLOCK constexpr of the waiting kernels: what "time" a bounded wait reads.
+CLOCK_POLLS = 0       # Triton interpreter: a poll counts as 1 us
+CLOCK_GLOBALTIMER = 1  # NVIDIA %globaltimer, ns
+CLOCK_MEMREALTIME = 2  # AMD s_memrealtime, a 100 MHz constant clock: 10 ns a tick
 
 OP_BARRIER = tl.constexpr(1)
 OP_TOKENS = tl.constexpr(2)
@@ -53,23 +59,31 @@ OP_GATE_GRAD = tl.constexpr(4)
 
 
 @triton.jit
-def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
+def _now_ns(CLOCK: tl.constexpr):
+    if CLOCK == 1:
+        return _globaltimer()
+    else:
+        return _memrealtime() * 10
+
+
+@triton.jit
+def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
     """Polls ``*flag_ptr >= target`` (acquire, system scope). Gives up after TIMEOUT_NS, or at once
     when an earlier wait of this rank already failed, recording ``OP << 16 | peer`` in ``*err_ptr``."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
     waited = tl.zeros([], tl.int64)
-    if INTERPRET:
+    if CLOCK == 0:
         t0 = tl.zeros([], tl.int64)
     else:
-        t0 = _globaltimer()
+        t0 = _now_ns(CLOCK).to(tl.int64)
     while (v < target) & (err == 0) & (waited < TIMEOUT_NS):
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
-        if INTERPRET:
+        if CLOCK == 0:
             waited += 1000  # a poll counts as 1 us
         else:
-            waited = _globaltimer() - t0
+            waited = _now_ns(CLOCK).to(tl.int64) - t0
     if v < target:  # one failed wait is reported (the largest code if several fail at once)
         tl.atomic_max(err_ptr, tl.full([], OP * 65536, tl.int64) + peer, sem="relaxed", scope="sys")
 
@@ -105,14 +119,14 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
 def _barrier_wait_kernel(peers_ptr, counts_WC_ptr, RANK,
                          W: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
                          OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
-                         HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
+                         HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
     """Waits FLAGS[s] >= epoch for every s; [copies COUNTS -> counts_WC [W, NC]]."""
     my = tl.load(peers_ptr + RANK)
     epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
     for s in range(W):
         _wait_geq((my + OFF_FLAGS + s * 8).to(tl.pointer_type(tl.int64)), epoch, err_ptr,
-                  OP_BARRIER, s, TIMEOUT_NS, INTERPRET)
+                  OP_BARRIER, s, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     if HAS_COUNTS:
         ci = tl.arange(0, BLOCK_C)
@@ -191,7 +205,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    OFF_META: tl.constexpr, OFF_GATES: tl.constexpr, OFF_RECV: tl.constexpr,
                    OFF_DGATE: tl.constexpr,
                    FROM_META: tl.constexpr, GATE_GRAD: tl.constexpr, ACC: tl.constexpr,
-                   TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr,
+                   TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
@@ -206,7 +220,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
     for src in range(W):
         _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src), err_ptr,
-                  OP_TOKENS, src, TIMEOUT_NS, INTERPRET)
+                  OP_TOKENS, src, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     recv = (my + OFF_RECV).to(tl.pointer_type(DT))
     meta = (my + OFF_META).to(tl.pointer_type(tl.int32))
@@ -303,7 +317,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
 def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                         W: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                         OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                        INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        CLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Waits for ``rows_to[d]`` rows back from every rank d, then ``out[t] = sum_d COMB[t, d]``
     over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -313,7 +327,7 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
     for d in range(W):
         _wait_geq((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d), err_ptr,
-                  OP_COMBINE, d, TIMEOUT_NS, INTERPRET)
+                  OP_COMBINE, d, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     comb = (my + OFF_COMB).to(tl.pointer_type(DT))
     for b in range(pid, tl.cdiv(T, BLOCK_T), nprog):
@@ -334,7 +348,7 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
 @triton.jit
 def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
                            W: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
-                           OFF_DGATE: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr,
+                           OFF_DGATE: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
                            BLOCK: tl.constexpr):
     """Waits until every rank d answered the ``rows_to[d]`` token rows it got, then copies
     DGATE[:S] (S = T*K gate gradients, in ``out``'s dtype ACC) out."""
@@ -344,7 +358,7 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
     for d in range(W):
         _wait_geq((my + OFF_ARRIVE + (2 * W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d),
-                  err_ptr, OP_GATE_GRAD, d, TIMEOUT_NS, INTERPRET)
+                  err_ptr, OP_GATE_GRAD, d, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     src = (my + OFF_DGATE).to(tl.pointer_type(out_ptr.dtype.element_ty))
     for b in range(pid, tl.cdiv(S, BLOCK), nprog):

@@ -113,6 +113,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _clock() -> int:
+    """CLOCK constexpr of the waiting kernels (``tlx/comm/exchange.py``): poll count in the
+    interpreter, %globaltimer on NVIDIA, s_memrealtime on AMD."""
+    if _interpreting():
+        return 0
+    return 2 if torch.version.hip else 1
+
+
 def _kernels(device: torch.device):
     """``tlx/comm/exchange.py`` (imported on first use). Triton fixes compiled vs interpreted when
     the kernels are decorated, from ``TRITON_INTERPRET``: CPU tensors need it set, CUDA ones unset."""
@@ -146,7 +154,7 @@ def _common(bufs: SymmBuffers) -> dict:
     import triton.language as tl
     L = bufs.layout
     return dict(W=L.world_size, OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive, TIMEOUT_NS=bufs.timeout_ns,
-                INTERPRET=_interpreting(), ACC=tl.float64 if L.dtype == torch.float64 else tl.float32)
+                CLOCK=_clock(), ACC=tl.float64 if L.dtype == torch.float64 else tl.float32)
 
 
 def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
@@ -164,7 +172,7 @@ def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
         counts_WC = torch.empty(W, NC, dtype=torch.int64, device=bufs.device) if has else bufs.peers
         k._barrier_wait_kernel[(1,)](bufs.peers, counts_WC, bufs.rank, W=W, NC=NC, BLOCK_C=bc,
                                      OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts,
-                                     HAS_COUNTS=has, TIMEOUT_NS=bufs.timeout_ns, INTERPRET=_interpreting())
+                                     HAS_COUNTS=has, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock())
         return counts_WC if has else None
     return wait
 
@@ -312,7 +320,7 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     g_gate = torch.empty(S, dtype=_acc_dtype(L.dtype), device=bufs.device)
     k._gate_grad_recv_kernel[_grid(-(-S // 1024), bufs.device)](
         g_gate, h.rows_to_W, bufs.peers, bufs.rank, S, W=L.world_size, OFF_STATE=L.off_state,
-        OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, INTERPRET=_interpreting(),
+        OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(),
         BLOCK=1024)
     return g_y, g_gate.view(h.num_tokens, h.top_k)
 
