@@ -220,8 +220,8 @@ def test_single_rank_dispatcher_autograd_matches_local():
     lrecv, lh = LocalDispatcher(E).dispatch(x2, idx, gate2)
     assert recv.shape[0] == 16 * min(K, E) == h.num_recv_rows
     assert torch.equal(recv[: T * K], lrecv)
-    assert torch.equal(h.offsets_e, lh.offsets_e) and torch.equal(h.order_S, lh.order_S)
-    assert torch.equal(h.inverse_S, lh.inverse_S) and torch.equal(h.recv_counts_e, lh.recv_counts_e)
+    assert torch.equal(h.offsets_e, lh.offsets_e) and torch.equal(h.recv_counts_e, lh.recv_counts_e)
+    assert torch.equal(h.tokens_per_expert_E, lh.tokens_per_expert_E)
     w = torch.randn(D, D, dtype=torch.float64)
     y = sd.combine_weighted(recv @ w, h, gate)
     ly = LocalDispatcher(E).combine_weighted(lrecv @ w, lh, gate2)

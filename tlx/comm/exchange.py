@@ -116,11 +116,17 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
 
 
 @triton.jit
-def _barrier_wait_kernel(peers_ptr, counts_WC_ptr, RANK,
-                         W: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
+def _barrier_wait_kernel(peers_ptr, lay_ptr, offs_ptr, RANK,
+                         W: tl.constexpr, WP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                         E_LOCAL: tl.constexpr, NC: tl.constexpr,
                          OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
                          HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
-    """Waits FLAGS[s] >= epoch for every s; [copies COUNTS -> counts_WC [W, NC]]."""
+    """Waits FLAGS[s] >= epoch for every s. With counts (dispatch), turns the published count
+    matrix C[s, g] (slots of source s for expert g) into this rank's layout:
+        lay[0:E]          start[g] = first expanded row of (this source, expert g) on g's rank
+                          = sum_{g' < g, same rank} sum_s C[s, g'] + sum_{s < RANK} C[s, g]
+        lay[E:E+e]        rows per local expert;  offs[0:e] (int32) their cumulative ends
+        lay[E+e:E+e+W]    token rows this rank receives from each source."""
     my = tl.load(peers_ptr + RANK)
     epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
@@ -129,12 +135,21 @@ def _barrier_wait_kernel(peers_ptr, counts_WC_ptr, RANK,
                   OP_BARRIER, s, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     if HAS_COUNTS:
-        ci = tl.arange(0, BLOCK_C)
-        cm = ci < NC
-        for s in range(W):
-            c = tl.load((my + OFF_COUNTS + ((epoch % 2) * W + s) * (NC * 8)).to(tl.pointer_type(tl.int64)) + ci,
-                        mask=cm, other=0)
-            tl.store(counts_WC_ptr + s * NC + ci, c, mask=cm)
+        si = tl.arange(0, WP)
+        ei = tl.arange(0, EP)
+        cm = (si < W)[:, None] & (ei < E)[None, :]
+        rows = (my + OFF_COUNTS + ((epoch % 2) * W + si) * (NC * 8)).to(tl.pointer_type(tl.int64))
+        C = tl.load(rows[:, None] + ei[None, :], mask=cm, other=0)
+        tot = tl.sum(C, axis=0)
+        src_prefix = tl.sum(tl.where((si < RANK)[:, None], C, 0), axis=0)
+        seg = ei // E_LOCAL
+        before = (seg[None, :] == seg[:, None]) & (ei[None, :] < ei[:, None])
+        seg_excl = tl.sum(tl.where(before, tot[None, :], 0), axis=1)
+        tl.store(lay_ptr + ei, seg_excl + src_prefix, mask=ei < E)
+        mine = (seg == RANK) & (ei < E)
+        tl.store(lay_ptr + E + ei - RANK * E_LOCAL, tot, mask=mine)
+        tl.store(offs_ptr + ei - RANK * E_LOCAL, (seg_excl + tot).to(tl.int32), mask=mine)
+        tl.store(lay_ptr + E + E_LOCAL + si, tl.load(rows + E + RANK, mask=si < W, other=0), mask=si < W)
 
 
 @triton.jit
@@ -151,15 +166,15 @@ def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr):
 
 
 @triton.jit
-def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, dest_ptr, pos_ptr, gate_ptr, peers_ptr, RANK,
+def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_ptr, gate_ptr, peers_ptr, RANK,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                        D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
+                        E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
                         OFF_ARRIVE: tl.constexpr, OFF_META: tl.constexpr, OFF_GATES: tl.constexpr,
                         OFF_RECV: tl.constexpr, WITH_META: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_D: tl.constexpr):
     """Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
-    >= 0``; with WITH_META also its metadata row (``pos[t, k]`` where ``dest[t, k] == d`` else -1,
-    then t) and ``gate[t, :]``. Then one release add per destination of the rows sent."""
+    >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
+    slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -187,8 +202,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, dest_ptr, pos_ptr, gat
             if WITH_META:
                 mk = m[:, None] & km[None, :]
                 tk = t[:, None] * K + kk[None, :]
-                dk = tl.load(dest_ptr + tk, mask=mk, other=-1)
-                pk = tl.where(dk == d, tl.load(pos_ptr + tk, mask=mk, other=-1), -1)
+                gk = tl.load(idx_ptr + tk, mask=mk, other=0).to(tl.int32)
+                here = mk & (gk // E_LOCAL == d)
+                pk = tl.where(here, (tl.load(start_ptr + gk, mask=here, other=0)
+                                     + tl.load(q_ptr + tk, mask=here, other=0)).to(tl.int32), -1)
                 meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
                 tl.store(meta[:, None] + kk[None, :], pk, mask=mk)
                 tl.store(meta + K, t, mask=m)
@@ -365,3 +382,72 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
         i = b * BLOCK + tl.arange(0, BLOCK)
         m = i < S
         tl.store(out_ptr + i, tl.load(src + i, mask=m, other=0.0), mask=m)
+
+
+# ---------------------------------------------------------------- routing layout (source side)
+#
+# Replaces the sort-based layout: two kernels around one torch.cumsum over blocks.
+#   _route_hist_kernel:  per block of BLOCK_T tokens, slots per expert and tokens per destination
+#                        rank -> hist[b, :E], hist[b, E:E+W]
+#   (torch.cumsum over b -> incl)
+#   _route_rank_kernel:  q[t, k] = rank of slot (t, k) among this rank's slots of its expert, in
+#                        slot order; send_row[t, d] = rank of token t among this rank's tokens
+#                        sent to d (-1: none); dest[t, k] = owning rank; the last block writes the
+#                        count vector [counts_E | rows_to_W] the barrier publishes.
+# After the barrier, _barrier_wait_kernel turns every rank's count vector into this rank's
+# start_E (first expanded row of (this source, expert g) on g's rank) and its offsets_e.
+
+
+@triton.jit
+def _route_tile(idx_ptr, b, T, K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, KP)
+    m = (t < T)[:, None] & (kk < K)[None, :]
+    g = tl.load(idx_ptr + t[:, None] * K + kk[None, :], mask=m, other=E).to(tl.int32)  # E: no slot
+    return t, kk, m, g
+
+
+@triton.jit
+def _route_hist_kernel(idx_ptr, hist_ptr, T,
+                       K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                       W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
+    ei = tl.arange(0, EP)
+    flat = tl.reshape(g, [BLOCK_T * KP])
+    per_e = tl.sum((flat[:, None] == ei[None, :]).to(tl.int32), axis=0)
+    tl.store(hist_ptr + b * NC + ei, per_e, mask=ei < E)
+    dest = g // E_LOCAL
+    for d in range(W):
+        sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
+        tl.store(hist_ptr + b * NC + E + d, tl.sum(sent))
+
+
+@triton.jit
+def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_ptr, counts_ptr, T, NB,
+                       K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                       W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
+    ei = tl.arange(0, EP)
+    row = incl_ptr + b * NC
+    excl_E = tl.load(row + ei, mask=ei < E, other=0) - tl.load(hist_ptr + b * NC + ei, mask=ei < E, other=0)
+    flat = tl.reshape(g, [BLOCK_T * KP])
+    onehot = (flat[:, None] == ei[None, :]).to(tl.int32)
+    within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1       # earlier slots, same expert
+    q = within + tl.sum(onehot * excl_E[None, :].to(tl.int32), axis=1)
+    sl = tl.reshape(t[:, None] * K + kk[None, :], [BLOCK_T * KP])
+    ok = tl.reshape(m, [BLOCK_T * KP])
+    tl.store(q_ptr + sl, q, mask=ok)
+    dest = g // E_LOCAL
+    tl.store(dest_ptr + t[:, None] * K + kk[None, :], dest, mask=m)
+    tm = t < T
+    for d in range(W):
+        sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
+        base = tl.load(row + E + d) - tl.load(hist_ptr + b * NC + E + d)
+        r = tl.where(sent > 0, base.to(tl.int32) + tl.cumsum(sent, axis=0) - 1, -1)
+        tl.store(send_row_ptr + t * W + d, r, mask=tm)
+    if b == NB - 1:
+        ci = tl.arange(0, NCP)
+        tl.store(counts_ptr + ci, tl.load(row + ci, mask=ci < NC, other=0), mask=ci < NC)

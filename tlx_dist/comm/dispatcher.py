@@ -35,8 +35,9 @@ class DispatchHandle:
     offsets_e: ``[e]`` int32 cumulative end rows of the local experts (the grouped GEMM's offsets).
     recv_counts_e: ``[e]`` int64 rows received per local expert.
     tokens_per_expert_E: ``[E]`` int64 slots this rank sent to each global expert.
-    order_S: ``[S]`` slot ids in send order (sorted by global expert, stable).
-    inverse_S: ``[S]`` position of each slot in ``order_S``.
+    order_S: ``[S]`` slot ids in send order (sorted by global expert, stable); None where a backend
+        ranks slots without sorting them (SymmDispatcher).
+    inverse_S: ``[S]`` position of each slot in ``order_S`` (None likewise).
     """
 
     num_tokens: int
@@ -45,8 +46,8 @@ class DispatchHandle:
     offsets_e: torch.Tensor
     recv_counts_e: torch.Tensor
     tokens_per_expert_E: torch.Tensor
-    order_S: torch.Tensor
-    inverse_S: torch.Tensor
+    order_S: Optional[torch.Tensor]
+    inverse_S: Optional[torch.Tensor]
 
 
 def check_dispatch_args(x_TD: torch.Tensor, idx_TK: torch.Tensor, num_experts: int, validate_ids: bool) -> None:

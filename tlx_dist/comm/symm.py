@@ -44,8 +44,7 @@ from typing import Generator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation
-from .layout import dest_rows, layout_from_counts, sort_slots
+from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args
 from .symm_buffers import SymmBuffers
 
 __all__ = ["SymmDispatcher", "SymmHandle", "ep_buffers", "expanded_rows", "dispatch_steps", "combine_steps",
@@ -66,6 +65,7 @@ class SymmHandle(DispatchHandle):
     src_map_N: ``[N]`` int32 ``n*K + k`` of each expanded row (the gather index of a fused GEMM;
         undefined past ``offsets_e[-1]``).
     gate_TK: the gates given to dispatch (combine must get the same tensor).
+    ``order_S`` / ``inverse_S`` are None: no slot sort happens (the layout kernels rank slots in place).
     """
 
     send_row_TW: torch.Tensor
@@ -158,26 +158,56 @@ def _common(bufs: SymmBuffers) -> dict:
 
 
 def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
-    """Phase 1 of every op; returns the wait launcher (phase 2)."""
+    """Phase 1 of every op; returns the wait launcher (phase 2). With ``counts_C`` (dispatch) the
+    wait returns this rank's layout: ``lay`` int64 ``[start_E | recv_counts_e | rows_from_W]``
+    and ``offsets_e`` int32 (see ``_barrier_wait_kernel``)."""
     L, k = bufs.layout, _kernels(bufs.device)
-    W, NC = L.world_size, L.num_counts
-    bc = _next_pow2(NC)
+    W, E, NC = L.world_size, L.num_experts, L.num_counts
+    e = E // W
     has = counts_C is not None
     k._barrier_signal_kernel[(1,)](bufs.peers, counts_C if has else bufs.peers, bufs.rank, W=W,
-                                   WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=bc, OFF_STATE=L.off_state,
+                                   WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=_next_pow2(NC), OFF_STATE=L.off_state,
                                    OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
                                    HAS_COUNTS=has)
 
-    def wait() -> Optional[torch.Tensor]:
-        counts_WC = torch.empty(W, NC, dtype=torch.int64, device=bufs.device) if has else bufs.peers
-        k._barrier_wait_kernel[(1,)](bufs.peers, counts_WC, bufs.rank, W=W, NC=NC, BLOCK_C=bc,
-                                     OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts,
-                                     HAS_COUNTS=has, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock())
-        return counts_WC if has else None
+    def wait():
+        lay = torch.empty(E + e + W, dtype=torch.int64, device=bufs.device) if has else bufs.peers
+        offs = torch.empty(e, dtype=torch.int32, device=bufs.device) if has else bufs.peers
+        k._barrier_wait_kernel[(1,)](bufs.peers, lay, offs, bufs.rank, W=W, WP=_next_pow2(W), E=E,
+                                     EP=_next_pow2(E), E_LOCAL=e, NC=NC, OFF_STATE=L.off_state,
+                                     OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts, HAS_COUNTS=has,
+                                     TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock())
+        return (lay, offs) if has else None
     return wait
 
 
-def _send_tokens(bufs, x_TD, send_row_TW, dest_TK, pos_TK, gate_TK, with_meta: bool):
+def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
+    """Source-side layout in two kernels around one cumsum (``tlx/comm/exchange.py``): returns
+    ``q_TK`` (rank of each slot among this rank's slots of its expert), ``send_row_TW``,
+    ``counts_C`` = ``[slots per expert | token rows per rank]`` (int64)."""
+    L, k = bufs.layout, _kernels(bufs.device)
+    T, K = idx_TK.shape
+    W, E, NC = L.world_size, L.num_experts, L.num_counts
+    dev = idx_TK.device
+    EP, KP = _next_pow2(E), _next_pow2(K)
+    bt = max(1, min(64, 16384 // (EP * KP)))  # the [BLOCK_T*K, E] one-hot tile stays ~16K elements
+    bt = 1 << (bt.bit_length() - 1)
+    nb = max(1, -(-T // bt))
+    idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
+    hist = torch.empty(nb, NC, dtype=torch.int32, device=dev)
+    meta = dict(K=K, KP=KP, E=E, EP=EP, W=W, E_LOCAL=E // W, NC=NC, BLOCK_T=bt)
+    k._route_hist_kernel[(nb,)](idx, hist, T, **meta)
+    incl = torch.cumsum(hist, 0)
+    q_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+    dest_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+    send_row_TW = torch.empty(T, W, dtype=torch.int32, device=dev)
+    counts_C = torch.zeros(NC, dtype=torch.int64, device=dev)  # T = 0: nothing sent
+    k._route_rank_kernel[(nb,)](idx, hist, incl, q_TK, dest_TK, send_row_TW, counts_C, T, nb,
+                                NCP=_next_pow2(NC), **meta)
+    return q_TK, send_row_TW, counts_C
+
+
+def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, start_E, gate_TK, with_meta: bool):
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -185,9 +215,10 @@ def _send_tokens(bufs, x_TD, send_row_TW, dest_TK, pos_TK, gate_TK, with_meta: b
     bt, bd = _tiles(D)
     dummy = send_row_TW
     k._send_tokens_kernel[_grid(-(-T // bt), bufs.device)](
-        x_TD, x_TD.stride(0), T, send_row_TW, dest_TK if with_meta else dummy, pos_TK if with_meta else dummy,
-        gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
-        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=D, T_MAX=L.max_tokens,
+        x_TD, x_TD.stride(0), T, send_row_TW, idx_TK if with_meta else dummy, q_TK if with_meta else dummy,
+        start_E if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
+        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
+        E_LOCAL=L.num_experts // L.world_size, D=D, T_MAX=L.max_tokens,
         META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
 
@@ -233,26 +264,20 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     _check_bufs(bufs, x_TD, K, L.num_experts)
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
-    slots = sort_slots(idx_TK, E)
-    dest_TK = torch.div(idx_TK.long(), e, rounding_mode="floor")
-    mask_TW = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)
-    send_row_TW = torch.where(mask_TW, torch.cumsum(mask_TW, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
-    rows_to_W = mask_TW.sum(0)
-    wait = _barrier(bufs, torch.cat([slots.counts_E, rows_to_W]))
+    idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
+    q_TK, send_row_TW, counts_C = _route(bufs, idx)
+    wait = _barrier(bufs, counts_C)
     yield
-    counts_WC = wait()
-    layout = layout_from_counts(counts_WC[:, :E])
-    rows_from_W = counts_WC[:, E + r].contiguous()
-    inverse_S = inverse_permutation(slots.order_S)
-    pos_TK = dest_rows(layout, r, slots, idx_TK)[inverse_S].view(T, K).to(torch.int32)
+    lay, offsets_e = wait()
+    start_E, recv_counts_e, rows_from_W = lay[:E], lay[E:E + e], lay[E + e:]
     # Gates travel in the activation dtype: the owner forms gate * y as the reference does.
     gate_DT = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
                else gate_TK.detach().to(L.dtype).contiguous())
-    _send_tokens(bufs, x_TD, send_row_TW, dest_TK.to(torch.int32), pos_TK, gate_DT, with_meta=True)
+    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, start_E, gate_DT, with_meta=True)
     yield
     n = expanded_rows(capacity, bufs)
     if n is None:
-        n = int(layout.offsets_We[r, -1])  # capacity="exact": the one host sync of this op
+        n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
     x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
     src_map = torch.empty(n, dtype=torch.int32, device=dev)
     R = L.recv_rows
@@ -262,9 +287,9 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
-        offsets_e=layout.offsets_We[r].clamp(max=n).to(torch.int32),
-        recv_counts_e=layout.recv_counts_We[r], tokens_per_expert_E=slots.counts_E,
-        order_S=slots.order_S, inverse_S=inverse_S, send_row_TW=send_row_TW, rows_to_W=rows_to_W,
+        offsets_e=offsets_e if capacity == "exact" else offsets_e.clamp(max=n),
+        recv_counts_e=recv_counts_e, tokens_per_expert_E=counts_C[:E],
+        order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs)
     return x_exp, handle
@@ -308,7 +333,7 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     wait = _barrier(bufs, None)
     yield
     wait()
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, with_meta=False)
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
     yield
     n = h.num_recv_rows
     g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
