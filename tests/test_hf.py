@@ -334,3 +334,35 @@ def test_errors_name_the_problem():
         HFMoELayer.from_hf_block(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="model is itself a block"):
         patch_moe(make_block("olmoe"))
+
+
+# --- expert parallelism (gloo, 2 ranks) ---------------------------------------------------------
+
+def _ep_rank(rank: int, world: int, arch: str):
+    import torch.distributed as dist
+    model = patch_moe(tiny_model(arch), ep_group=dist.group.WORLD)
+    layer = next(m for m in model.modules() if isinstance(m, HFMoELayer))
+    ids = _batch(10 + rank)
+    logits = model(input_ids=ids, output_router_logits=True).logits.detach()
+    exported = hf_state_dict(model)  # collective: gathers the experts of every rank
+    unpatch_moe(model)               # collective too
+    return dict(ids=ids, logits=logits, exported=exported, local=layer.num_local_experts,
+                unpatched=model(input_ids=ids).logits.detach())
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2_moe"])
+def test_expert_parallel_patch_export_unpatch(arch):
+    """Each of 2 ranks keeps half the experts and routes its own batch through the all-to-all
+    dispatcher: same logits as the original model; export and unpatch gather all experts back."""
+    from _dist import run_world
+    results = run_world(_ep_rank, 2, arch)
+    hf = tiny_model(arch)
+    sd = hf.state_dict()
+    E = next(m for m in hf.modules() if type(m) is block_class(arch)).gate.weight.shape[0]
+    for r in results:
+        assert r["local"] == E // 2
+        both_ways(r["logits"], hf(input_ids=r["ids"]).logits, fp64_copy(hf)(input_ids=r["ids"]).logits, "EP logits")
+        assert set(r["exported"]) == set(sd)
+        for k, v in sd.items():
+            assert torch.equal(r["exported"][k], v), k
+        torch.testing.assert_close(r["unpatched"], hf(input_ids=r["ids"]).logits, rtol=0, atol=0)
