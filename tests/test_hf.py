@@ -75,9 +75,11 @@ def randomize(module: torch.nn.Module, router_std: float = 0.5) -> None:
             b.normal_(0.0, 0.1)
 
 
-def make_block(arch: str, **kw) -> torch.nn.Module:
+def make_block(arch: str, experts_implementation: str = "eager", **kw) -> torch.nn.Module:
+    """One random block; ``experts_implementation`` as transformers names it ("eager": the loop,
+    "grouped_mm": what a model gets by default on a recent torch)."""
     torch.manual_seed(0)
-    block = block_class(arch)(tiny_config(arch, **kw))
+    block = block_class(arch)(tiny_config(arch, experts_implementation=experts_implementation, **kw))
     randomize(block)
     return block
 
@@ -87,19 +89,22 @@ def make_block(arch: str, **kw) -> torch.nn.Module:
 def ref64_block(layer: HFMoELayer, p: dict, x_TD: torch.Tensor):
     """The project's fp64 per-token loop on the block's own (HF-layout, fp64 leaf) tensors, under
     the routing semantics ``layer.cfg`` says the block has; plus Qwen2-MoE's gated shared expert.
-    Returns ``(out_TD, logits_TE)``."""
+    Returns ``(out_TD, logits_TE, idx_TK)``."""
     cfg = dataclasses.replace(layer.cfg, dtype="float64", router_dtype=None)
     shared_w13 = shared_w2 = None
     if "shared_experts.gate_proj.weight" in p:
         shared_w13 = torch.cat([p["shared_experts.gate_proj.weight"].T, p["shared_experts.up_proj.weight"].T], 1)
         shared_w2 = p["shared_experts.down_proj.weight"].T
     bias = p["gate.e_score_correction_bias"].detach() if "gate.e_score_correction_bias" in p else None
-    out, _, _, _ = moe_reference(x_TD, p["gate.weight"], p["experts.gate_up_proj"].transpose(1, 2),
-                                 p["experts.down_proj"].transpose(1, 2), cfg, shared_w13, shared_w2, bias)
+    # Per-expert lists, not [E, ...] tensors: the loop indexes one expert per (token, k), and indexing
+    # a tensor would build a full [E, D, 2F] gradient for each of those in the backward.
+    w13 = list(p["experts.gate_up_proj"].transpose(1, 2).unbind(0))
+    w2 = list(p["experts.down_proj"].transpose(1, 2).unbind(0))
+    out, idx, _, _ = moe_reference(x_TD, p["gate.weight"], w13, w2, cfg, shared_w13, shared_w2, bias)
     if "shared_expert_gate.weight" in p:
         h = F.silu(x_TD @ p["shared_expert.gate_proj.weight"].T) * (x_TD @ p["shared_expert.up_proj.weight"].T)
         out = out + torch.sigmoid(x_TD @ p["shared_expert_gate.weight"].T) * (h @ p["shared_expert.down_proj.weight"].T)
-    return out, x_TD @ p["gate.weight"].T
+    return out, x_TD @ p["gate.weight"].T, idx
 
 
 def our_grads_hf_layout(layer: HFMoELayer) -> dict:
@@ -118,9 +123,9 @@ def our_grads_hf_layout(layer: HFMoELayer) -> dict:
     return g
 
 
-def both_ways(ours, hf, ref64, name):
-    assert_close_to_ref(ours, ref64, hf, name=f"{name} (ours vs hf error)")
-    assert_close_to_ref(hf, ref64, ours, name=f"{name} (hf vs our error)")
+def both_ways(ours, hf, ref64, name, dtype=None):
+    assert_close_to_ref(ours, ref64, hf, dtype=dtype, name=f"{name} (ours vs hf error)")
+    assert_close_to_ref(hf, ref64, ours, dtype=dtype, name=f"{name} (hf vs our error)")
 
 
 # (id, arch, config overrides, (B, S), why)
@@ -129,6 +134,8 @@ BLOCK_CASES = [
     ("olmoe", "olmoe", {}, (2, 13), "softmax top-2 without renormalisation (norm_topk_prob=False)"),
     ("qwen2_moe", "qwen2_moe", {}, (2, 13), "sigmoid-gated shared expert kept beside the routed experts"),
     ("qwen3_moe", "qwen3_moe", {}, (2, 13), "norm_topk_prob=True"),
+    ("qwen3_moe_grouped_mm", "qwen3_moe", dict(experts_implementation="grouped_mm"), (2, 13),
+     "the original block on transformers' grouped_mm experts, what a model gets by default"),
     ("deepseek_v3", "deepseek_v3", {}, (2, 13),
      "sigmoid, correction bias, 2 of 4 groups by top-2 sum, routed_scaling_factor 2.5, 2 shared experts"),
     ("deepseek_v3_one_group", "deepseek_v3", dict(topk_group=1), (2, 13),
@@ -154,7 +161,7 @@ def test_block_outputs_logits_and_grads_match_hf(case):
     p64 = {k: v.detach().double().requires_grad_(v.dtype.is_floating_point and k != "gate.e_score_correction_bias")
            for k, v in hf.state_dict().items()}
     xr = x64.reshape(-1, D).clone().requires_grad_(True)
-    ref, ref_logits = ref64_block(ours, p64, xr)
+    ref, ref_logits, _ = ref64_block(ours, p64, xr)
     (ref * g64.reshape(-1, D)).sum().backward()
 
     xh = x64.float().requires_grad_(True)
