@@ -4,8 +4,9 @@ to tlx_dist (``HFMoELayer.from_hf_block``), forward + backward on one GPU, in on
 Block: Qwen3-30B-A3B's MoE shape (D=2048, F=768, E=128, K=8, norm_topk_prob) in bf16, one sequence
 of T tokens ([1, T, D]). Anchors ("hf:<impl>"): transformers' own block with each requested experts
 implementation (``grouped_mm``: torch._grouped_mm, what a model gets by default on a recent torch;
-``eager``: its per-expert loop). Ours ("tlx_dist:<backend>"): the patched block with the grouped-GEMM
-backend pinned (``tlx``: the TLX kernels; ``torch``: torch._grouped_mm under our dispatch).
+``eager``: its per-expert loop). Ours ("tlx_dist:<variant>"): the patched block, ``auto`` as a user
+gets it (the fused TLX pipeline where it runs, the path taken is printed), or the separate pipeline
+with the grouped-GEMM backend pinned (``tlx``: the TLX kernels; ``torch``: torch._grouped_mm).
 Fwd+bwd = output and the gradients of x and every parameter (``torch.autograd.grad``, nothing
 accumulated between repeats). Medians of triton.testing.do_bench, the providers interleaved over
 ``--rounds`` rounds and the median of the rounds' medians reported; ratios are taken against the
@@ -13,7 +14,7 @@ first anchor in the same process (> 1: faster than it). TFLOP/s counts the exper
 fwd 6·T·K·D·F, fwd+bwd 18·T·K·D·F. Also printed: peak memory of one fwd+bwd and the max relative
 difference of each provider's output from the first anchor's (a sanity check, not a test).
 
-    python bench/hf_block.py [--tokens 4096,16384] [--hf-impls grouped_mm,eager] [--backends tlx,torch]
+    python bench/hf_block.py [--tokens 4096,16384] [--hf-impls grouped_mm,eager] [--ours auto,tlx,torch]
                              [--json bench_hf_block.json] [--rounds 3] [--rep 100]
 """
 
@@ -53,7 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--hf-impls", default="grouped_mm,eager")
-    ap.add_argument("--backends", default="tlx,torch")
+    ap.add_argument("--ours", default="auto,tlx,torch")
     ap.add_argument("--json", default="bench_hf_block.json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="ms per do_bench measurement")
@@ -65,8 +66,9 @@ def main() -> int:
     impls = [i for i in args.hf_impls.split(",") if i]
     models = {f"hf:{i}": make_block(i) for i in impls}
     base = models[f"hf:{impls[0]}"]
-    for b in (b for b in args.backends.split(",") if b):
-        models[f"tlx_dist:{b}"] = HFMoELayer.from_hf_block(copy.deepcopy(base), gemm_backend=b)
+    for v in (v for v in args.ours.split(",") if v):
+        kw = dict(pipeline="auto") if v == "auto" else dict(gemm_backend=v, pipeline="separate")
+        models[f"tlx_dist:{v}"] = HFMoELayer.from_hf_block(copy.deepcopy(base), **kw)
     names = list(models)
     anchor = names[0]
     dev_name = torch.cuda.get_device_name()
@@ -88,6 +90,9 @@ def main() -> int:
             return torch.autograd.grad(out, [xg] + [p for p in m.parameters() if p.requires_grad], dy)
 
         ref_out = fwd(models[anchor]).float()
+        for n, m in models.items():
+            if isinstance(m, HFMoELayer):
+                print(f"T={T} {n}: {'fused' if m._fused(x.view(T, D)) else 'separate'} pipeline")
         res = {n: {"fwd": [], "fwd_bwd": []} for n in names}
         extra = {}
         for n in names:  # warm-up (compiles kernels), memory and sanity check outside the timing

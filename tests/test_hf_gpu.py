@@ -36,12 +36,18 @@ def _to_bf16_gpu(block: torch.nn.Module) -> torch.nn.Module:
     return block
 
 
+# How the patched layer runs its experts: the separate pipeline on the TLX grouped GEMMs, and the
+# automatic choice (the fused TLX pipeline on sm_90 where it supports the shapes).
+LAYER_KW = {"separate_tlx": dict(gemm_backend="tlx", pipeline="separate"), "auto": dict(pipeline="auto")}
+
+
+@pytest.mark.parametrize("layer_kw", list(LAYER_KW))
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_bf16_tlx_block_vs_hf_block(case):
+def test_bf16_tlx_block_vs_hf_block(case, layer_kw):
     _, arch, kw, _why = case
     hf = _to_bf16_gpu(make_block(arch, experts_implementation="grouped_mm", **kw))
-    ours = HFMoELayer.from_hf_block(copy.deepcopy(hf), gemm_backend="tlx")
-    assert ours.gemm_backend == "tlx" and ours.w13.dtype == torch.bfloat16
+    ours = HFMoELayer.from_hf_block(copy.deepcopy(hf), **LAYER_KW[layer_kw])
+    assert ours.w13.dtype == torch.bfloat16
     D = ours.cfg.dim
     torch.manual_seed(1)
     B, S = 2, 64

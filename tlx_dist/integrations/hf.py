@@ -173,9 +173,9 @@ class HFMoELayer(MoELayer):
     def __init__(self, cfg: MoEConfig, arch: _Arch, hf_layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  hf_config: Any = None, ep_group: Optional[dist.ProcessGroup] = None,
                  dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
-                 device: Optional[Union[str, torch.device]] = None):
+                 device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto"):
         object.__setattr__(self, "_skip_init", True)  # the weights come from the block: no init work
-        super().__init__(cfg, ep_group, dispatcher, gemm_backend, device)
+        super().__init__(cfg, ep_group, dispatcher, gemm_backend, device, pipeline)
         self._skip_init = False
         self.arch = arch
         self.hf_layout = dict(hf_layout)  # key -> (shape, dtype) of the original block's state dict
@@ -191,10 +191,10 @@ class HFMoELayer(MoELayer):
     @classmethod
     def from_hf_block(cls, block: nn.Module, hf_config: Any = None, ep_group: Optional[dist.ProcessGroup] = None,
                       dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
-                      name: str = "block") -> "HFMoELayer":
+                      pipeline: str = "auto", name: str = "block") -> "HFMoELayer":
         """Converts one transformers sparse-MoE ``block`` (the block is not modified). ``hf_config``
         is the model config the block was built from (needed only to rebuild it); with
-        ``ep_group`` this rank keeps its ``E/W`` experts."""
+        ``ep_group`` this rank keeps its ``E/W`` experts; the other options are :class:`MoELayer`'s."""
         arch = supported_blocks().get(type(block))
         if arch is None:
             raise TypeError(f"{name}: {type(block).__name__} is not a supported sparse-MoE block "
@@ -208,7 +208,7 @@ class HFMoELayer(MoELayer):
         cfg = _moe_config(block, arch, what)
         layout = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
         device = block.gate.weight.device
-        layer = cls(cfg, arch, layout, hf_config, ep_group, dispatcher, gemm_backend, device="meta")
+        layer = cls(cfg, arch, layout, hf_config, ep_group, dispatcher, gemm_backend, device="meta", pipeline=pipeline)
         layer.to_empty(device=device)
         lo, hi = layer.expert_range
         gate = block.gate
@@ -337,10 +337,12 @@ def _install_recorder_hook(module: nn.Module, index: int) -> None:
 
 
 def patch_moe(model: nn.Module, *, ep_group: Optional[dist.ProcessGroup] = None,
-              dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None) -> nn.Module:
+              dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
+              pipeline: str = "auto") -> nn.Module:
     """Replaces, in place, every supported sparse-MoE block of ``model`` with an :class:`HFMoELayer`
     holding its weights, and returns ``model``. Options go to :class:`MoELayer` (``ep_group``:
-    expert parallelism, each rank keeps ``E/W`` experts; ``dispatcher``; ``gemm_backend``).
+    expert parallelism, each rank keeps ``E/W`` experts; ``dispatcher``; ``gemm_backend``;
+    ``pipeline``: fused or separate experts).
 
     Parameters are new objects: build the optimizer after patching. Raises ``ValueError`` when the
     model holds no supported block, naming what it does hold."""
@@ -357,7 +359,7 @@ def patch_moe(model: nn.Module, *, ep_group: Optional[dist.ProcessGroup] = None,
     for name, block in targets:
         owner = _owner(model, name)
         hf_config = owner.config if owner is not None else getattr(block, "config", None)
-        layer = HFMoELayer.from_hf_block(block, hf_config, ep_group, dispatcher, gemm_backend, name=name)
+        layer = HFMoELayer.from_hf_block(block, hf_config, ep_group, dispatcher, gemm_backend, pipeline, name=name)
         _replace(model, name, layer)
         # The recorder hooks modules by class, once, lazily; this one it cannot know: hook it now.
         _install_recorder_hook(layer.router_logits, 0)
