@@ -6,6 +6,7 @@ Errors name the field, e.g. ``moe.num_experts=12 is not divisible by expert_para
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -37,7 +38,15 @@ class MoEConfig:
         load_balance_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
             scores for *selection only*; updated by :meth:`MoELayer.update_bias`.
         bias_update_rate: step of the bias update (gamma).
+        n_group: group-limited routing (DeepSeek-V3's ``n_group``): the E experts form ``n_group``
+            contiguous groups of E/n_group; 1 = no groups.
+        topk_group: each token may pick experts only from its ``topk_group`` best groups, a group's
+            score being the sum of its top-2 selection scores (scores + bias; the top-1 score for
+            groups of one expert). ``None`` = all groups (no limit). With experts laid out
+            contiguously over ranks or nodes and ``n_group`` = that count, a token reaches at most
+            ``topk_group`` of them.
         dtype: parameter and activation dtype of the experts (router logits are always fp32).
+        router_dtype: dtype of the router weight; ``None`` = ``dtype`` (DeepSeek-V3 keeps it fp32).
         init_std: std of the normal init of router and expert weights.
         check_finite: raise ``ValueError`` on NaN/inf in the input. Off by default because it
             synchronises with the host; with it off, a non-finite token stays confined to its own
@@ -57,7 +66,10 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     load_balance_bias: bool = False
     bias_update_rate: float = 1e-3
+    n_group: int = 1
+    topk_group: Optional[int] = None
     dtype: str = "float32"
+    router_dtype: Optional[str] = None
     init_std: float = 0.02
     check_finite: bool = False
 
@@ -69,18 +81,30 @@ class MoEConfig:
         def bad(field: str, msg: str) -> ValueError:
             return ValueError(f"{prefix}.{field}={getattr(self, field)!r} {msg}")
 
-        for f in ("dim", "moe_inter_dim", "num_experts", "top_k"):
+        def integer(v) -> bool:  # bools are ints to Python, never to a config
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for f in ("dim", "moe_inter_dim", "num_experts", "top_k", "n_group"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not integer(v) or v < 1:
                 raise bad(f, "must be a positive integer")
         if self.top_k > self.num_experts:
             raise bad("top_k", f"exceeds num_experts={self.num_experts}")
         if self.score_func not in ("softmax", "sigmoid"):
             raise bad("score_func", "must be 'softmax' or 'sigmoid'")
-        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+        if not integer(self.num_shared_experts) or self.num_shared_experts < 0:
             raise bad("num_shared_experts", "must be a non-negative integer")
-        if self.shared_inter_dim is not None and (not isinstance(self.shared_inter_dim, int) or self.shared_inter_dim < 1):
+        if self.shared_inter_dim is not None and (not integer(self.shared_inter_dim) or self.shared_inter_dim < 1):
             raise bad("shared_inter_dim", "must be a positive integer or None")
+        if self.num_experts % self.n_group:
+            raise bad("n_group", f"does not divide num_experts={self.num_experts}")
+        if self.topk_group is not None:
+            if not integer(self.topk_group) or not 1 <= self.topk_group <= self.n_group:
+                raise bad("topk_group", f"must be an integer in [1, n_group={self.n_group}] or None")
+            reachable = self.topk_group * (self.num_experts // self.n_group)
+            if self.top_k > reachable:
+                raise bad("top_k", f"exceeds the {reachable} experts of topk_group={self.topk_group} groups "
+                                   f"of {self.num_experts // self.n_group}")
         for f in ("route_norm", "load_balance_bias", "check_finite"):
             # Strictly bool: a string such as 'False' from a config override is truthy.
             if type(getattr(self, f)) is not bool:
@@ -89,6 +113,11 @@ class MoEConfig:
         def number(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
+        for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "route_scale", "init_std"):
+            v = getattr(self, f)
+            # inf is a number but never a sensible scale or coefficient: the layer would output inf/NaN.
+            if number(v) and not math.isfinite(v):
+                raise bad(f, "must be finite")
         for f in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             v = getattr(self, f)
             if not number(v) or v < 0:
@@ -99,7 +128,9 @@ class MoEConfig:
                 raise bad(f, "must be a positive number")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {sorted(DTYPES)}")
-        if not isinstance(expert_parallel, int) or expert_parallel < 1:
+        if self.router_dtype is not None and self.router_dtype not in DTYPES:
+            raise bad("router_dtype", f"must be None or one of {sorted(DTYPES)}")
+        if not integer(expert_parallel) or expert_parallel < 1:
             raise ValueError(f"expert_parallel={expert_parallel!r} must be a positive integer")
         if self.num_experts % expert_parallel:
             raise bad("num_experts", f"is not divisible by expert_parallel={expert_parallel}")
@@ -108,6 +139,15 @@ class MoEConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def router_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.router_dtype or self.dtype]
+
+    @property
+    def group_limited(self) -> bool:
+        """True when routing is restricted to the top ``topk_group`` of ``n_group`` groups."""
+        return self.n_group > 1 and self.topk_group is not None and self.topk_group < self.n_group
 
     @property
     def shared_dim(self) -> int:

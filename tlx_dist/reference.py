@@ -22,25 +22,32 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
                   expert_bias_E: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out_TD, idx_TK, aux_loss, z_loss)`` computed token by token in ``x_TD.dtype``.
 
-    Takes the *global* expert weights (all E experts), whatever the layer's EP degree.
+    Takes the *global* expert weights (all E experts), whatever the layer's EP degree. Routing as
+    :class:`tlx_dist.Router` documents it, including group-limited selection (``cfg.n_group``,
+    ``cfg.topk_group``); tokens with non-finite logits are left out of the losses (NaN policy).
     """
     T, D = x_TD.shape
     E, K, Fe = cfg.num_experts, cfg.top_k, cfg.moe_inter_dim
     outs, idxs, probs, lses = [], [], [], []
-    counts = [0] * E
+    counts = [0] * E           # every token's slots (what the layer reports as tokens_per_expert)
+    finite_counts = [0] * E    # slots of tokens with finite logits (what the aux loss sees)
     for t in range(T):
         x = x_TD[t]
-        logits = router_w_ED @ x
+        logits = router_w_ED.to(x.dtype) @ x
         scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         select = scores.detach() + (expert_bias_E.to(scores.dtype) if cfg.load_balance_bias and expert_bias_E is not None else 0)
+        if cfg.group_limited:
+            select = _restrict_to_best_groups(select, cfg.n_group, cfg.topk_group)
         chosen = torch.topk(select, K).indices.tolist()
         gates = scores[chosen]
         if cfg.route_norm:
             gates = gates / (gates.sum() + 1e-20)
         gates = gates * cfg.route_scale
         out = torch.zeros_like(x)
+        finite = bool(torch.isfinite(logits).all())
         for k, ex in enumerate(chosen):
             counts[ex] += 1
+            finite_counts[ex] += finite
             h = x @ w13_EDF2[ex]
             out = out + gates[k] * ((F.silu(h[:Fe]) * h[Fe:]) @ w2_EFD[ex])
         if shared_w13 is not None:
@@ -49,16 +56,33 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
             out = out + (F.silu(hs[:half]) * hs[half:]) @ shared_w2
         outs.append(out)
         idxs.append(chosen)
-        probs.append(scores if cfg.score_func == "softmax" else scores / (scores.sum() + 1e-20))
-        lses.append(torch.logsumexp(logits, 0))
+        if finite:  # NaN policy: the losses skip tokens whose logits are not all finite
+            probs.append(scores if cfg.score_func == "softmax" else scores / (scores.sum() + 1e-20))
+            lses.append(torch.logsumexp(logits, 0))
     out_TD = torch.stack(outs) if T else x_TD * 0  # [0, D], still in the graph
     idx_TK = torch.tensor(idxs, dtype=torch.int64).view(T, K)
     zero = x_TD.new_zeros(())
     aux, z = zero, zero
-    if cfg.aux_loss_coef > 0 and T:
+    n = len(probs)
+    if cfg.aux_loss_coef > 0 and n:
         P = torch.stack(probs).mean(0)
-        f = torch.tensor(counts, dtype=x_TD.dtype) / (T * K)
+        f = torch.tensor(finite_counts, dtype=x_TD.dtype) / (n * K)
         aux = cfg.aux_loss_coef * E * (f * P).sum()
-    if cfg.z_loss_coef > 0 and T:
+    if cfg.z_loss_coef > 0 and n:
         z = cfg.z_loss_coef * torch.stack(lses).square().mean()
     return out_TD, idx_TK, aux, z
+
+
+def _restrict_to_best_groups(select_E: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """One token's selection scores with every expert outside its ``topk_group`` best groups set to
+    -inf; a group scores the sum of its two best experts (its one expert for groups of one)."""
+    size = select_E.shape[0] // n_group
+    group_scores = []
+    for g in range(n_group):
+        members = sorted(select_E[g * size:(g + 1) * size].tolist(), reverse=True)
+        group_scores.append(sum(members[:2]))
+    best = sorted(range(n_group), key=lambda g: group_scores[g], reverse=True)[:topk_group]
+    out = torch.full_like(select_E, float("-inf"))
+    for g in best:
+        out[g * size:(g + 1) * size] = select_E[g * size:(g + 1) * size]
+    return out
