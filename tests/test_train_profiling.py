@@ -19,7 +19,10 @@ BWD = "autograd::engine::evaluate_function: {}"
     # Expert GEMMs: the TLX kernel under the custom op, torch's grouped GEMM and its CUTLASS kernel,
     # the weight-gradient op in the backward.
     ("_grouped_gemm_hopper_kernel", ["tlx_dist::grouped_mm", STEP], "expert GEMMs"),
-    ("void cutlass::device_kernel<...grouped...>", ["aten::_grouped_mm", "tlx_dist::grouped_mm", STEP], "expert GEMMs"),
+    # torch._grouped_mm's CUTLASS kernel says "Gemm" but not "grouped": the op decides.
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::"
+     "GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int>>>>>",
+     ["aten::_grouped_mm", "tlx_dist::grouped_mm", STEP], "expert GEMMs"),
     ("_grouped_gemm_hopper_kernel", ["tlx_dist::grouped_mm_wgrad", BWD.format("GroupedMmBackward"), STEP],
      "expert GEMMs"),
     # Exchange: ops inside the dispatch scope (a plain gather must not count as elementwise there),
@@ -28,6 +31,18 @@ BWD = "autograd::engine::evaluate_function: {}"
     ("void at::native::indexSelectLargeIndex<float>", ["aten::index_select", BWD.format("_PermuteRowsBackward"), STEP],
      "exchange"),
     ("ncclDevKernel_SendRecv(ncclDevComm*)", ["nccl:all_to_all", "c10d::alltoall_base_", "moe.combine", STEP], "exchange"),
+    ("ncclDevKernel_SendRecv(ncclDevComm*)", ["nccl:all_to_all", "c10d::alltoall_base_",
+                                              BWD.format("_AllToAllRowsBackward"), STEP], "exchange"),
+    # The dispatcher's count all-gather is part of the exchange when inside its scope.
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", ["nccl:all_gather", "c10d::_allgather_base_", "moe.dispatch",
+                                                      STEP], "exchange"),
+    ("Memcpy DtoH (Device -> Pageable)", ["aten::copy_", "aten::to", "moe.dispatch", STEP], "exchange"),
+    # Activation checkpointing recomputes an MoE layer inside the backward node that first needs
+    # it (here the combine's): its expert and router GEMMs stay GEMMs, not exchange.
+    ("_grouped_gemm_hopper_kernel", ["tlx_dist::grouped_mm", "CheckpointFunction", BWD.format("_PermuteRowsBackward"),
+                                     STEP], "expert GEMMs"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", ["aten::mm", "aten::matmul", "aten::linear",
+                                          BWD.format("_PermuteRowsBackward"), STEP], "other GEMMs"),
     ("_dispatch_send_kernel", ["moe.dispatch", STEP], "exchange"),
     # Attention: flash / cuDNN SDPA forward and backward.
     ("void pytorch_flash::flash_fwd_kernel<...>", ["aten::_flash_attention_forward",
@@ -59,6 +74,8 @@ BWD = "autograd::engine::evaluate_function: {}"
                                                                             "FSDP::all_gather_copy_in", STEP],
      "communication"),
     ("gloo:all_reduce", [STEP], "communication"),
+    # An NCCL kernel no op claims.
+    ("ncclDevKernel_Broadcast_RING_LL(ncclDevComm*)", [], "communication"),
     # Other: device memcpy / memset.
     ("Memcpy HtoD (Pageable -> Device)", ["aten::copy_", "aten::to", STEP], "other"),
     ("Memset (Device)", ["aten::zero_", STEP], "other"),

@@ -8,12 +8,12 @@ the names of the ops around it (innermost first):
   ``autograd::engine::evaluate_function: MmBackward0`` inside ``ProfilerStep#4``);
 - on CPU, a unit is an op with its self CPU time; its names are its own and its ancestors'.
 
-Categories (the first rule that matches wins, in this order):
+Categories:
 
-    exchange         token dispatch / combine: the ``moe.dispatch`` / ``moe.combine`` scopes this
-                     module opens around each dispatcher call, their autograd backward nodes
-                     (``_PermuteRows``, ``_ReplicateRows``, ``_AllToAllRows``), all_to_all, and the
-                     symmetric-memory dispatch/combine kernels
+    exchange         token dispatch / combine: everything inside the ``moe.dispatch`` /
+                     ``moe.combine`` scopes this module opens around each dispatcher call, their
+                     autograd backward nodes (``_PermuteRows``, ``_ReplicateRows``,
+                     ``_AllToAllRows``), all_to_all, the symmetric-memory dispatch/combine kernels
     communication    NCCL / gloo collectives, FSDP2's all-gather / reduce-scatter and their copies
     optimizer        ``Optimizer.step``, ``zero_grad``, gradient clipping, router-bias update
     expert GEMMs     grouped GEMMs: ``tlx_dist::grouped_mm*``, ``aten::_grouped_mm``, grouped kernels
@@ -22,6 +22,14 @@ Categories (the first rule that matches wins, in this order):
     elementwise/casts  everything else that computes: casts and copies, pointwise ops, norms,
                      reductions, indexing, softmax/top-k, fused Triton kernels from torch.compile
     other            memcpy / memset on the device, host-side waits
+
+Rules, in order. (1) Inside a dispatcher scope: exchange (it holds no GEMM). (2) The innermost
+name that says what the time is decides: the kernel, then the op that launched it, then -- if
+neither is a GEMM, a memcpy or a memset -- the enclosing ops outward. At one name the order is
+exchange, communication, optimizer, expert GEMMs, attention. Innermost first matters for
+recomputation: with activation checkpointing a whole MoE layer is recomputed inside the backward
+node that first needs it (often the combine's), and its GEMMs must stay GEMMs. (3) An NCCL
+kernel no op claims is communication; anything else is elementwise/casts.
 """
 
 from __future__ import annotations
@@ -38,39 +46,50 @@ __all__ = ["CATEGORIES", "categorize", "step_profile", "format_profile", "annota
 CATEGORIES = ("expert GEMMs", "exchange", "attention", "other GEMMs", "elementwise/casts",
               "optimizer", "communication", "other")
 
-_EXCHANGE = re.compile(r"moe\.dispatch|moe\.combine|PermuteRows|ReplicateRows|AllToAllRows|all_to_all"
-                       r"|alltoall|_dispatch_\w*kernel|_combine_\w*kernel|barrier_(signal|wait)_kernel", re.I)
-_COMM = re.compile(r"^nccl|nccl:|c10d::|record_param_comms|FSDP::|all_gather|allgather|reduce_scatter"
-                   r"|reducescatter|all_reduce|allreduce|c10d_functional|gloo:", re.I)
-_OPTIM = re.compile(r"Optimizer\.step|Optimizer\.zero_grad|zero_grad|train\.clip_grad_norm|"
-                    r"train\.router_bias|_fused_adamw|_fused_adam|adamw", re.I)
-_EXPERT = re.compile(r"grouped_mm|grouped_gemm|grouped_wgrad|groupedgemm|GroupedMm", re.I)
-_ATTN = re.compile(r"scaled_dot_product|flash_attention|flash_fwd|flash_bwd|fmha|efficient_attention"
-                   r"|cudnn_attention|sdpa|_attn_fwd|_attn_bwd", re.I)
+_SCOPE = re.compile(r"^moe\.(dispatch|combine)$")
+_RULES = [  # (category, pattern), in priority order at one name
+    ("exchange", re.compile(r"PermuteRows|ReplicateRows|AllToAllRows|all_to_all|alltoall"
+                            r"|_dispatch_\w*kernel|_combine_\w*kernel|barrier_(signal|wait)_kernel", re.I)),
+    ("communication", re.compile(r"^nccl:|c10d::|record_param_comms|FSDP::|all_gather|allgather|reduce_scatter"
+                                 r"|reducescatter|all_reduce|allreduce|c10d_functional|^gloo:", re.I)),
+    ("optimizer", re.compile(r"Optimizer\.step|Optimizer\.zero_grad|train\.clip_grad_norm|train\.router_bias"
+                             r"|_fused_adamw?_|FusedAdam", re.I)),
+    ("expert GEMMs", re.compile(r"grouped_mm|grouped_gemm|grouped_wgrad|GroupedMm", re.I)),
+    ("attention", re.compile(r"scaled_dot_product|flash_attention|flash_fwd|flash_bwd|fmha|efficient_attention"
+                             r"|cudnn_attention|sdpa|_attn_fwd|_attn_bwd", re.I)),
+]
 _GEMM_OP = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_scaled_mm|addmv|mv)$")
 _GEMM_KERNEL = re.compile(r"gemm|gemv|xmma|cutlass|nvjet|cublas|wgmma|_mm_kernel|matmul", re.I)
 _OTHER = re.compile(r"^Memcpy|^Memset|cudaDeviceSynchronize|cudaStreamSynchronize|cudaMemcpy", re.I)
 
 
+def _semantic(name: str) -> Optional[str]:
+    for cat, pat in _RULES:
+        if pat.search(name):
+            return cat
+    return None
+
+
 def categorize(name: str, stack: Sequence[str] = ()) -> str:
     """Category (one of :data:`CATEGORIES`) of a unit of time named ``name`` (a kernel or an op)
     inside the ops ``stack`` (innermost first). See the module docstring for the rules."""
-    names = [name, *stack]
-    if any(_EXCHANGE.search(n) for n in names):
+    if any(_SCOPE.match(n) for n in stack) or _SCOPE.match(name):
         return "exchange"
-    if any(_COMM.search(n) for n in names):
-        return "communication"
-    if any(_OPTIM.search(n) for n in names):
-        return "optimizer"
-    if any(_EXPERT.search(n) for n in names):
-        return "expert GEMMs"
-    if any(_ATTN.search(n) for n in names):
-        return "attention"
+    inner = [name, *stack[:1]]           # the kernel (or CPU op) and the op that launched it
+    for n in inner:
+        cat = _semantic(n)
+        if cat:
+            return cat
     if _OTHER.search(name):
         return "other"
-    # A GEMM: the kernel says so, or the innermost op is a matmul (CPU, or an unnamed kernel).
-    if _GEMM_KERNEL.search(name) or _GEMM_OP.match(name) or (stack and _GEMM_OP.match(stack[0])):
+    if _GEMM_KERNEL.search(name) or any(_GEMM_OP.match(n) for n in inner):
         return "other GEMMs"
+    for n in stack[1:]:
+        cat = _semantic(n)
+        if cat:
+            return cat
+    if name.lower().startswith("nccl"):
+        return "communication"
     return "elementwise/casts"
 
 
