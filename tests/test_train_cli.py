@@ -75,9 +75,11 @@ def test_eta_uses_the_measured_step_time(capsys):
     assert eta_seconds(0.5, 10, 100) == 45.0 and eta_seconds(0.5, 100, 100) == 0.0
     cfg = load_config(DEBUG, ["metrics.out_dir=''"])
     log = MetricLogger(cfg, 0, 100)
-    log.log(10, {"loss": 3.0, "aux_loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s_per_gpu": 1.0,
-                 "mfu": None, "peak_mem_gib": 0.1, "peak_mem_kind": "rss", "load_imbalance": 1.0,
-                 "step_time_s": 0.5})
+    rec = {"loss": 3.0, "aux_loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s_per_gpu": 1.0, "mfu": None,
+           "peak_mem_gib": 0.1, "peak_mem_kind": "rss", "load_imbalance": 1.0, "step_time_s": 60.0}
+    log.log(1, rec)          # step 1 includes start-up (compilation): no ETA from it
+    assert "eta ?:??:??" in capsys.readouterr().out
+    log.log(10, {**rec, "step_time_s": 0.5})
     assert "eta 0:00:45" in capsys.readouterr().out
 
 

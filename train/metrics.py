@@ -109,6 +109,7 @@ class MetricLogger:
     def __init__(self, cfg: Config, rank: int, total_steps: int, resume_step: Optional[int] = None):
         self.active = rank == 0
         self.total = total_steps
+        self.first_step = (resume_step or 0) + 1
         self.progress = cfg.metrics.progress
         self.jsonl = self.tb = None
         if not self.active or not cfg.metrics.out_dir:
@@ -138,10 +139,12 @@ class MetricLogger:
         if not self.active:
             return
         done = step / self.total
-        eta = eta_seconds(rec["step_time_s"], step, self.total)
+        # The first step of a run also pays for start-up (compilation, allocator warm-up, kernel
+        # autotuning): its time says nothing about the steps to come, so no ETA from it.
+        eta = "?:??:??" if step == self.first_step else _fmt_time(eta_seconds(rec["step_time_s"], step, self.total))
         mfu = rec.get("mfu")
         line = (f"step {step:>{len(str(self.total))}}/{self.total}"
-                + (f" [{'#' * int(20 * done):<20}] {100 * done:3.0f}% eta {_fmt_time(eta)}" if self.progress else "")
+                + (f" [{'#' * int(20 * done):<20}] {100 * done:3.0f}% eta {eta}" if self.progress else "")
                 + f" | loss {rec['loss']:.4f} aux {rec['aux_loss']:.2e} gnorm {rec['grad_norm']:.3f}"
                 f" lr {rec['lr']:.2e} | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
                 f" mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"

@@ -90,7 +90,7 @@ def _resume(cfg: Config, step: int, model, optimizer, scheduler, loader, pd) -> 
     path = f"{cfg.checkpoint.dir}/step_{step}"
     try:
         return load_checkpoint(cfg.checkpoint.dir, step, model, optimizer, scheduler, loader, pd)
-    except ValueError as e:  # layout / shape mismatches: say what differs, not where DCP noticed
+    except (ValueError, OSError) as e:  # mismatches, missing files: what differs, not where DCP noticed
         raise UsageError(f"cannot resume from {path}: {e}") from None
 
 
