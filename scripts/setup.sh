@@ -9,15 +9,29 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+say() { echo "setup: $*" >&2; }
+SECONDS=0
 
-"$PY" -c "import torch" 2>/dev/null || pipq "torch==2.13.0"
+say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+if tv=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+  say "torch $tv already installed (kept)"
+else
+  say "installing torch==2.13.0 (a large download: this can take a few minutes) ..."
+  pipq "torch==2.13.0"
+  say "torch installed (${SECONDS}s)"
+fi
 extras="test,train,hf"
 if [[ "${TLX_DIST_NO_TLX:-0}" != "1" ]]; then
   if "$PY" -m pip show -q triton >/dev/null 2>&1; then
-    echo "setup: replacing stock triton with fbtriton (TLX provides the triton module)" >&2
+    say "replacing stock triton with fbtriton (TLX provides the triton module)"
     "$PY" -m pip uninstall -y -q triton
   fi
   extras="$extras,tlx"
+else
+  say "TLX_DIST_NO_TLX=1: skipping fbtriton"
 fi
+say "installing tlx_dist in editable mode with extras [$extras] (pip: about a minute on a fresh machine) ..."
 pipq -e ".[$extras]"
+say "pip done (${SECONDS}s); checking the install ..."
 "$PY" -c "import tlx, tlx_dist; print('setup: tlx_dist', tlx_dist.__version__, '|', tlx.describe())"
+say "done (${SECONDS}s)"

@@ -16,11 +16,35 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.to
 DEBUG = [c for c in CONFIGS if c.name == "debug_cpu.toml"][0]
 
 
+def test_recipe_set():
+    assert {c.stem for c in CONFIGS} >= {"debug_cpu", "h200_1gpu", "h200_2gpu_ep2", "h200_8gpu_ep8",
+                                         "b200_multinode", "mi300x_multinode"}
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_recipes_load_and_validate(path):
+    """Every recipe loads and validates on CPU; its launch line (torchrun in the header comment)
+    gives a world the mesh accepts; GPU recipes compile the dense parts, the CPU one does not."""
+    import re
     cfg = load_config(path)
     assert cfg.model.moe.dim == cfg.model.dim
     assert cfg.model.moe.num_experts % cfg.parallel.ep == 0
+    text = path.read_text()
+    nproc = re.search(r"--nproc-per-node=(\d+)", text)
+    nnodes = re.search(r"--nnodes=(\d+)", text)
+    world = (int(nproc.group(1)) if nproc else 1) * (int(nnodes.group(1)) if nnodes else 1)
+    assert world % cfg.parallel.ep == 0, f"{path.name}: launched on {world} ranks, parallel.ep={cfg.parallel.ep}"
+    dp = cfg.parallel.dp or world // cfg.parallel.ep
+    assert dp * cfg.parallel.ep == world
+    assert cfg.train.compile == (path.stem != "debug_cpu")
+    assert param_counts(cfg.model).active < param_counts(cfg.model).total
+
+
+def test_ep2_recipe_is_the_one_gpu_model_at_ep2():
+    one = load_config([c for c in CONFIGS if c.stem == "h200_1gpu"][0])
+    two = load_config([c for c in CONFIGS if c.stem == "h200_2gpu_ep2"][0])
+    assert two.model == one.model and two.parallel.ep == 2
+    assert (two.data.batch_size, two.data.seq_len) == (8, 4096) == (one.data.batch_size, one.data.seq_len)
 
 
 @pytest.mark.parametrize("override, message", [

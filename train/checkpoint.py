@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .parallelize import ParallelDims, expert_param_names
+from .resume_check import check_resume_compatible
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_step"]
 
@@ -81,6 +82,7 @@ def load_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_sd, optim_sd = _rename(model_sd, optim_sd, m)
     state = {"model": model_sd, "optim": optim_sd}
+    check_resume_compatible(path, state)  # a mismatch is one clear line, not DCP's traceback
     dcp.load(state, checkpoint_id=path)
     back = {v: k for k, v in m.items()}
     model_sd, optim_sd = _rename(state["model"], state["optim"], back)

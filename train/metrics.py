@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +25,7 @@ import torch
 from .config import Config, ModelConfig
 
 __all__ = ["ParamCounts", "param_counts", "flops_per_token", "PEAK_BF16_TFLOPS", "peak_flops",
-           "MetricLogger", "peak_memory_gib"]
+           "MetricLogger", "peak_memory_gib", "eta_seconds"]
 
 # Dense bf16 tensor-core peak, TFLOP/s (vendor datasheets, no sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0}
@@ -79,6 +78,20 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def eta_seconds(step_time_s: float, step: int, total_steps: int) -> float:
+    """Time left: the measured time per step of the last log interval times the steps left."""
+    return step_time_s * max(total_steps - step, 0)
+
+
+def _records_up_to(path: str, step: int) -> list[str]:
+    """The JSONL lines of ``path`` whose ``step`` is at most ``step`` (none if there is no file)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    return [line for line in lines if json.loads(line).get("step", 0) <= step]
+
+
 def _fmt_time(s: float) -> str:
     s = int(max(s, 0))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
@@ -86,27 +99,37 @@ def _fmt_time(s: float) -> str:
 
 class MetricLogger:
     """Rank 0 writes; other ranks are silent. Console line per log step with a progress bar,
-    ``metrics.jsonl`` (one JSON object per log step) and TensorBoard scalars under ``out_dir/tb``."""
+    ``metrics.jsonl`` (one JSON object per log step) and TensorBoard scalars under ``out_dir/tb``.
 
-    def __init__(self, cfg: Config, rank: int, total_steps: int, append: bool = False):
+    ``resume_step``: the run continues from a checkpoint at that step, so the log is continued
+    too -- after dropping the records of steps past it (the job that died had logged them; this
+    run logs them again), so that every step appears once. TensorBoard purges them likewise.
+    """
+
+    def __init__(self, cfg: Config, rank: int, total_steps: int, resume_step: Optional[int] = None):
         self.active = rank == 0
         self.total = total_steps
+        self.first_step = (resume_step or 0) + 1
         self.progress = cfg.metrics.progress
-        self.t0 = time.perf_counter()
-        self.start_step: Optional[int] = None
         self.jsonl = self.tb = None
         if not self.active or not cfg.metrics.out_dir:
             return
         os.makedirs(cfg.metrics.out_dir, exist_ok=True)
-        # A resumed run continues its log; a fresh run starts a new one (no mixed curves in plots).
-        self.jsonl = open(os.path.join(cfg.metrics.out_dir, "metrics.jsonl"), "a" if append else "w")
+        path = os.path.join(cfg.metrics.out_dir, "metrics.jsonl")
+        # A fresh run starts a new log (no mixed curves in plots); a resumed run continues its own.
+        kept = _records_up_to(path, resume_step) if resume_step is not None else []
+        self.jsonl = open(path, "w")
+        for line in kept:
+            self.jsonl.write(line + "\n")
+        self.jsonl.flush()
         if cfg.metrics.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 self.print("tensorboard is not installed: TensorBoard logging skipped (pip install tensorboard)")
             else:
-                self.tb = SummaryWriter(os.path.join(cfg.metrics.out_dir, "tb"))
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(os.path.join(cfg.metrics.out_dir, "tb"), purge_step=purge)
 
     def print(self, *a) -> None:
         if self.active:
@@ -115,14 +138,13 @@ class MetricLogger:
     def log(self, step: int, rec: dict) -> None:
         if not self.active:
             return
-        if self.start_step is None:
-            self.start_step = step - 1
         done = step / self.total
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(step - self.start_step, 1) * (self.total - step)
+        # The first step of a run also pays for start-up (compilation, allocator warm-up, kernel
+        # autotuning): its time says nothing about the steps to come, so no ETA from it.
+        eta = "?:??:??" if step == self.first_step else _fmt_time(eta_seconds(rec["step_time_s"], step, self.total))
         mfu = rec.get("mfu")
         line = (f"step {step:>{len(str(self.total))}}/{self.total}"
-                + (f" [{'#' * int(20 * done):<20}] {100 * done:3.0f}% eta {_fmt_time(eta)}" if self.progress else "")
+                + (f" [{'#' * int(20 * done):<20}] {100 * done:3.0f}% eta {eta}" if self.progress else "")
                 + f" | loss {rec['loss']:.4f} aux {rec['aux_loss']:.2e} gnorm {rec['grad_norm']:.3f}"
                 f" lr {rec['lr']:.2e} | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
                 f" mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"

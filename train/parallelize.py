@@ -15,13 +15,28 @@ parameters per module, so the whole MoE layer is sharded over the dp mesh and th
 finished by an all-reduce over ep after backward (``finish_grads``). (If ``MoELayer`` kept its
 experts in a submodule, the router and shared experts could join the W-rank FSDP group instead.)
 
+One-rank meshes are not sharded: FSDP2 on one rank only adds copies (a cast of every parameter in
+each forward and backward, staging copies of every gradient). When dp = 1 the MoE layers stay out
+of FSDP (``ignored_params``), and when W = 1 nothing is FSDP-wrapped. Those parameters keep fp32
+masters in the module; on GPU (bf16) their bf16 compute copies persist between steps
+(``train.mixed_precision.LocalMixedPrecision``): one cast of the weights after each optimizer step
+and one of the gradients, nothing else.
+
 Gradient scale: each rank's loss is the mean over its own tokens; the objective is the mean over
 the W ranks. FSDP2 divides by its mesh size. An expert's local gradient already sums the
 contributions of all ep ranks (they arrive through the all-to-all backward), so expert gradients
 are additionally divided by ep; the router / shared gradients are summed over ep then divided by ep.
 
 Mixed precision (GPU): FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` --
-fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction.
+fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction. Forward inputs are
+not cast (``cast_forward_inputs=False``): the residual stream is bf16 already, and the RoPE tables
+stay fp32 (FSDP2 would round them to bf16 at every block).
+
+Per step, after backward: ``finish_grads`` (EP reductions), ``clip_grad_norm_`` (fp32 per-tensor
+norms with ``_foreach_norm``, one all-reduce; with the fused AdamW the clip factor is handed to
+the optimizer kernel as its ``grad_scale`` instead of a separate pass over the gradients), the
+optimizer, then ``update_router_biases`` (aux-loss-free balancing for every layer from one
+all-reduced ``[L, E]`` count tensor).
 """
 
 from __future__ import annotations
@@ -37,11 +52,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .config import Config
+from .config import Config, UsageError
+from .mixed_precision import LocalMixedPrecision
 from .model import Transformer
 
 __all__ = ["ParallelDims", "build_mesh", "build_model", "finish_grads", "clip_grad_norm_",
-           "build_optimizer", "local_tensor", "expert_param_names"]
+           "build_optimizer", "local_tensor", "expert_param_names", "update_router_biases"]
 
 
 @dataclass(frozen=True)
@@ -75,10 +91,11 @@ def build_mesh(cfg: Config, device_type: str) -> ParallelDims:
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = cfg.parallel.ep
     if world % ep:
-        raise ValueError(f"parallel.ep={ep} does not divide the world size {world}")
+        raise UsageError(f"parallel.ep={ep} does not divide the world size {world} "
+                         f"(launch {ep} processes per expert-parallel group with torchrun)")
     dp = cfg.parallel.dp or world // ep
     if dp * ep != world:
-        raise ValueError(f"parallel.dp={dp} * parallel.ep={ep} = {dp * ep} differs from the world size {world}")
+        raise UsageError(f"parallel.dp={dp} * parallel.ep={ep} = {dp * ep} differs from the world size {world}")
     mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
     world_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     return ParallelDims(world, dp, ep, rank, device_type, world_mesh, mesh)
@@ -95,19 +112,34 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool) -> Transformer:
     """Build the single-device model with the ep group handed to its MoE layers (each keeps only
-    its ``E/ep`` experts), initialise it (same weights for every ep), then apply FSDP2."""
+    its ``E/ep`` experts), initialise it (same weights for every ep), set compile and activation
+    checkpointing from ``cfg.train``, then apply FSDP2 on the meshes with more than one rank
+    (module docstring) and local mixed precision to the rest."""
     ep_group = pd.ep_group if pd.ep > 1 else None
     model = Transformer(cfg.model, ep_group=ep_group, gemm_backend=cfg.train.gemm_backend or None,
                         device=device, seed=cfg.train.seed)
+    model.set_activation_checkpoint(cfg.train.activation_checkpoint)
+    model.set_compile(cfg.train.compile)
     # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the
     # backward hook. Block adds it out of place (h + ffn(h)), so the warning does not apply here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoELayer\) returned a view")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for block in model.layers:
-        if block.moe is not None:
-            fully_shard(block.moe, mesh=pd.mesh["dp"], mp_policy=mp)
-        fully_shard(block, mesh=pd.world_mesh, mp_policy=mp)
-    fully_shard(model, mesh=pd.world_mesh, mp_policy=mp)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+          if bf16 else MixedPrecisionPolicy())
+    local: list[nn.Parameter] = []   # parameters outside FSDP (their mesh has one rank)
+    if pd.world == 1:
+        local = list(model.parameters())
+    else:
+        for block in model.layers:
+            ignored = None
+            if block.moe is not None:
+                if pd.dp > 1:
+                    fully_shard(block.moe, mesh=pd.mesh["dp"], mp_policy=mp)
+                else:
+                    ignored = set(block.moe.parameters())
+                    local += list(ignored)
+            fully_shard(block, mesh=pd.world_mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(model, mesh=pd.world_mesh, mp_policy=mp)
+    model._local_mp = LocalMixedPrecision(model, local, torch.bfloat16) if bf16 and local else None
     return model
 
 
@@ -126,7 +158,10 @@ def _moe_params(model: Transformer):
 
 @torch.no_grad()
 def finish_grads(model: Transformer, pd: ParallelDims) -> None:
-    """After ``loss.backward()``: complete the reductions FSDP2 cannot express (module docstring)."""
+    """After ``loss.backward()``: put the fp32 masters of local mixed precision back in the model,
+    and complete the reductions FSDP2 cannot express (module docstring)."""
+    if getattr(model, "_local_mp", None) is not None:
+        model._local_mp.uninstall()
     if pd.ep == 1:
         return
     rep, exp = _moe_params(model)
@@ -144,31 +179,46 @@ def finish_grads(model: Transformer, pd: ParallelDims) -> None:
             i += g.numel()
 
 
+def _fused(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    return optimizer is not None and bool(optimizer.defaults.get("fused"))
+
+
 @torch.no_grad()
-def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
     """Global L2 norm of all gradients over every rank, each element counted once; scales the
-    gradients in place when it exceeds ``max_norm`` (0 = measure only). Returns the norm (fp32).
+    gradients by ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0`` (0 = measure only).
+    Returns the norm (fp32, 0-dim, on the device; no host sync).
+
+    Norms are fp32 per tensor (``torch._foreach_norm``: one multi-tensor kernel, no fp64 copies),
+    their squares summed in fp32 and all-reduced once. With a fused optimizer (``fused=True``) the
+    scaling is not a pass of its own: ``optimizer.grad_scale = 1 / factor`` makes the fused AdamW
+    kernel divide each gradient as it reads it (the hook ``GradScaler`` uses); the next
+    ``optimizer.step()`` must follow.
 
     Local shards: W-rank FSDP params are disjoint across all ranks; MoE-layer params are disjoint
     across dp, and across ep the experts are disjoint while the router / shared experts are
     replicated (so their square sums are divided by ep before the all-rank sum)."""
     rep, _ = _moe_params(model)
     rep_ids = {id(p) for p in rep}
-    sq = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
-    grads = []
+    grads, rep_grads = [], []
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        g = local_tensor(p.grad)
-        grads.append(g)
-        s = g.double().square().sum()
-        sq += s / pd.ep if id(p) in rep_ids else s
+        if p.grad is not None:
+            (rep_grads if id(p) in rep_ids else grads).append(local_tensor(p.grad))
+    device = next(model.parameters()).device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        sq = sq + torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+    if rep_grads:
+        sq = sq + torch.stack(torch._foreach_norm(rep_grads, 2.0)).float().square().sum() / pd.ep
     if pd.world > 1:
         dist.all_reduce(sq, group=pd.world_group)
-    norm = sq.sqrt().float()
-    if max_norm > 0:
+    norm = sq.sqrt()
+    if _fused(optimizer):
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 else None
+    elif max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(grads + rep_grads, coef)
     return norm
 
 
@@ -184,6 +234,21 @@ def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = Non
     param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
                     for (_, decay), ps in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
+
+
+@torch.no_grad()
+def update_router_biases(model: Transformer, counts_LE: torch.Tensor) -> None:
+    """Aux-loss-free balancing step of every MoE layer from ``counts_LE`` (int64 ``[L, E]``: tokens
+    each layer routed to each expert since the last update, *already summed over all ranks* -- the
+    caller all-reduces the stacked counts once per step instead of one all-reduce per layer).
+
+    Uses ``Router.update_bias`` unchanged: the summed counts are written into each router's
+    ``tokens_since_update`` and the update runs with no group (so it does not reduce again). This
+    also replaces the router's own running count, which activation checkpointing would otherwise
+    double (the recomputed forward counts its tokens a second time)."""
+    for i, m in enumerate(model.moe_layers()):
+        m.router.tokens_since_update.copy_(counts_LE[i])
+        m.update_bias(None)
 
 
 def lr_lambda(cfg: Config):

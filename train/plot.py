@@ -1,11 +1,12 @@
-"""Plots from a run's ``metrics.jsonl``: loss, MFU, and per-expert load.
+"""Plots from a run's ``metrics.jsonl``: loss, throughput, and per-expert load.
 
     python -m train.plot runs/debug_cpu/metrics.jsonl [--out runs/debug_cpu]
 
-Writes ``loss.png`` (loss and aux loss per log step), ``mfu.png`` (MFU, or tokens/s per GPU where
-MFU is n/a, e.g. on CPU) and ``expert_load.png`` (heat map of each MoE layer's share of tokens per
-expert over the last log interval, with max/mean over time beside it). matplotlib is imported only
-here.
+Writes ``loss.png`` (cross-entropy and aux loss per log step), ``tokens_per_s.png`` (tokens/s per
+device), ``mfu.png`` (MFU, only where it is known: a bf16 run on a GPU with a known peak) and
+``expert_load.png`` (heat map of each MoE layer's share of tokens per expert over the last log
+interval, rows labelled by the layer's index in the model, with max/mean over time beside it).
+matplotlib is imported only here.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import argparse
 import json
 from pathlib import Path
 
+__all__ = ["plot"]
+
 
 def plot(jsonl: Path, out_dir: Path) -> list[Path]:
+    """Writes the plots of ``jsonl`` into ``out_dir``; returns their paths."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     recs = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
     if not recs:
@@ -28,50 +33,56 @@ def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     steps = [r["step"] for r in recs]
     paths = []
 
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [r["loss"] for r in recs], label="cross-entropy")
+    l1 = ax.plot(steps, [r["loss"] for r in recs], marker=".", label="cross-entropy (left)")
     ax.set_xlabel("step"), ax.set_ylabel("loss (nats/token)")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["aux_loss"] for r in recs], color="tab:orange", alpha=0.6, label="aux + z")
+    l2 = ax2.plot(steps, [r["aux_loss"] for r in recs], color="tab:orange", alpha=0.6, label="aux + z (right)")
     ax2.set_ylabel("aux loss")
-    fig.legend(loc="upper right")
-    fig.tight_layout()
-    paths.append(out_dir / "loss.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    # One legend above the plot area: it covers neither curve nor the right axis' labels.
+    ax.legend(l1 + l2, [h.get_label() for h in l1 + l2], loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              ncol=2, frameon=False)
+    save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    if all(r.get("mfu") is not None for r in recs):
-        ax.plot(steps, [100 * r["mfu"] for r in recs])
-        ax.set_ylabel("MFU (%)")
-    else:
-        ax.plot(steps, [r["tokens_per_s_per_gpu"] for r in recs])
-        ax.set_ylabel("tokens/s per device (MFU n/a)")
-    ax.set_xlabel("step")
-    fig.tight_layout()
-    paths.append(out_dir / "mfu.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    ax.plot(steps, [r["tokens_per_s_per_gpu"] for r in recs], marker=".")
+    ax.set_xlabel("step"), ax.set_ylabel("tokens/s per device")
+    ax.set_ylim(bottom=0)
+    save(fig, "tokens_per_s.png")
 
-    counts = recs[-1]["tokens_per_expert"]  # [layers][E]
+    if all(r.get("mfu") is not None for r in recs):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(steps, [100 * r["mfu"] for r in recs], marker=".")
+        ax.set_xlabel("step"), ax.set_ylabel("MFU (%)")
+        ax.set_ylim(bottom=0)
+        save(fig, "mfu.png")
+
+    counts = recs[-1]["tokens_per_expert"]  # [moe layers][E]
+    layer_ids = recs[-1].get("moe_layers") or list(range(len(counts)))
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
     if counts:
         share = [[c / max(sum(row), 1) for c in row] for row in counts]
-        im = a0.imshow(share, aspect="auto", cmap="viridis")
+        im = a0.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
         fig.colorbar(im, ax=a0, label="share of tokens")
-    a0.set_xlabel("expert"), a0.set_ylabel("MoE layer"), a0.set_title(f"expert load, step {steps[-1]}")
-    a1.plot(steps, [r["load_imbalance"] for r in recs])
+        a0.set_yticks(range(len(counts)), [str(i) for i in layer_ids])
+        a0.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a0.set_xlabel("expert"), a0.set_ylabel("model layer (MoE)")
+    a0.set_title(f"expert load, steps {steps[-2] + 1 if len(steps) > 1 else 1}-{steps[-1]}")
+    a1.plot(steps, [r["load_imbalance"] for r in recs], marker=".")
     a1.axhline(1.0, color="gray", lw=0.5)
     a1.set_xlabel("step"), a1.set_ylabel("max / mean tokens per expert")
-    fig.tight_layout()
-    paths.append(out_dir / "expert_load.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, "expert_load.png")
     return paths
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.splitlines()[0])
     ap.add_argument("jsonl")
     ap.add_argument("--out", default="", help="output folder (default: beside the JSONL)")
     a = ap.parse_args(argv)

@@ -6,13 +6,18 @@
 
 One step: next batch -> forward -> cross-entropy + MoE aux losses -> backward (FSDP2 reduce-
 scatters) -> finish EP reductions -> clip by the global norm -> AdamW -> LR schedule -> router bias
-update (aux-loss-free, counts summed over every rank). Every ``log_every`` steps rank 0 prints loss,
-grad norm, aux loss, tokens/s per GPU, MFU, peak memory and expert load (max/mean tokens per expert).
+update (aux-loss-free, counts summed over every rank in the step's one all-reduce). At step 1 and
+every ``log_every`` steps rank 0 prints loss, grad norm, aux loss, tokens/s per GPU, MFU, peak
+memory and expert load (max/mean tokens per expert).
+
+Errors in the recipe, an override, a path or a resume request (:class:`train.config.UsageError`)
+print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -24,10 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import latest_step, load_checkpoint, save_checkpoint
-from .config import Config, load_config
+from .config import Config, UsageError, load_config
 from .data import ByteLoader
 from .metrics import MetricLogger, flops_per_token, param_counts, peak_flops, peak_memory_gib
-from .parallelize import build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads, lr_lambda
+from .parallelize import (build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads, lr_lambda,
+                          update_router_biases)
+from .profiling import annotate_dispatchers, format_profile, step_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -60,20 +67,31 @@ def init_distributed() -> torch.device:
     return device
 
 
-def _profiler(steps: int, rank: int):
-    """A torch.profiler over ``steps`` steps after 3 warm-up steps (``--profile N``), or a no-op."""
+def _profiler(steps: int, rank: int, device: torch.device):
+    """A torch.profiler over ``steps`` steps after 3 warm-up steps (``--profile N``), or None.
+    Rank 0 prints the top ops by self time and the per-category step profile (train.profiling)."""
     if steps <= 0:
         return None
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    gpu = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
 
     def report(p):
         if rank == 0:
-            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            print(p.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60), flush=True)
+            key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+            print(p.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+            print(format_profile(step_profile(p.events(), steps, device=gpu), gpu), flush=True)
 
     return profile(activities=acts, schedule=schedule(wait=0, warmup=3, active=steps, repeat=1), on_trace_ready=report)
+
+
+def _resume(cfg: Config, step: int, model, optimizer, scheduler, loader, pd) -> int:
+    path = f"{cfg.checkpoint.dir}/step_{step}"
+    try:
+        return load_checkpoint(cfg.checkpoint.dir, step, model, optimizer, scheduler, loader, pd)
+    except (ValueError, OSError) as e:  # mismatches, missing files: what differs, not where DCP noticed
+        raise UsageError(f"cannot resume from {path}: {e}") from None
 
 
 def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[float]:
@@ -81,9 +99,9 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     per-step losses (cross-entropy averaged over all ranks) for the steps it ran."""
     pd = build_mesh(cfg, device.type)
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
-    ck = cfg.checkpoint
+    ck, steps = cfg.checkpoint, cfg.train.steps
     resume_step = latest_step(ck.dir) if ck.dir and ck.resume else None
-    log = MetricLogger(cfg, pd.rank, cfg.train.steps, append=resume_step is not None)
+    log = MetricLogger(cfg, pd.rank, steps, resume_step=resume_step)
     model = build_model(cfg, pd, device, bf16)
     optimizer = build_optimizer(model, cfg, fused=(device.type == "cuda") or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -91,8 +109,16 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
 
     start = 0
     if resume_step is not None:
-        start = load_checkpoint(ck.dir, resume_step, model, optimizer, scheduler, loader, pd)
+        start = _resume(cfg, resume_step, model, optimizer, scheduler, loader, pd)
         log.print(f"resumed from {ck.dir}/step_{resume_step} (samples_seen={loader.samples_seen})")
+        if start >= steps:
+            log.print(f"the checkpoint is at step {start}, at or past train.steps={steps}: nothing to train "
+                      f"(raise train.steps to continue, or set checkpoint.resume=false to start over)")
+            log.close()
+            return []
+    if profile_steps and start + 3 + profile_steps > steps:
+        raise UsageError(f"--profile {profile_steps} needs 3 warm-up + {profile_steps} steps after step {start}, "
+                         f"but train.steps={steps}")
 
     pc = param_counts(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -100,54 +126,66 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     log.print(f"world={pd.world} (dp={pd.dp} x ep={pd.ep}) device={device.type} dtype={'bf16' if bf16 else 'fp32'} "
               f"params total={pc.total / 1e6:.1f}M active={pc.active / 1e6:.1f}M flops/token={fpt / 1e9:.3f}G "
               f"peak={'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    log.print(f"compile={'on' if cfg.train.compile else 'off'} activation_checkpoint={cfg.train.activation_checkpoint}")
     moe_layers = model.moe_layers()
+    moe_ids = model.moe_layer_ids()
     if moe_layers:  # which grouped-GEMM kernel the experts run (decided per call; same shapes each step)
         from tlx_dist.grouped_gemm import select_backend
         D, Fe, dt = cfg.model.dim, cfg.model.moe.moe_inter_dim, torch.bfloat16 if bf16 else torch.float32
         x = torch.empty(8, D, dtype=dt, device=device)
         log.print(f"grouped GEMM backend: {select_backend(x, x.new_empty(1, D, 2 * Fe), cfg.train.gemm_backend or None).name}")
-    use_bias = cfg.model.moe.load_balance_bias
+    use_bias = cfg.model.moe.load_balance_bias and bool(moe_layers)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
     losses: list[float] = []
     pending: list[torch.Tensor] = []
+    # Tokens per expert since the last log step: summed over ranks every step when the router
+    # biases need them (use_bias), else summed locally and all-reduced at the log step.
     counts_LE = torch.zeros(len(moe_layers), cfg.model.moe.num_experts, dtype=torch.int64, device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_last, steps_since = time.perf_counter(), 0
 
-    prof = _profiler(profile_steps, pd.rank)
+    prof = _profiler(profile_steps, pd.rank, device)
+    annotate = contextlib.ExitStack()
     if prof is not None:
+        annotate.enter_context(annotate_dispatchers(moe_layers))
         prof.start()
     model.train()
-    for step in range(start + 1, cfg.train.steps + 1):
+    for step in range(start + 1, steps + 1):
         inputs, targets = loader.next_batch()
-        logits = model(inputs)
-        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        ce = model(inputs, targets)
         aux = model.aux_loss()
         (ce + aux).backward()
         finish_grads(model, pd)
-        gnorm = clip_grad_norm_(model, pd, cfg.train.grad_clip)
+        with torch.profiler.record_function("train.clip_grad_norm"):
+            gnorm = clip_grad_norm_(model, pd, cfg.train.grad_clip, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        for i, m in enumerate(moe_layers):
-            counts_LE[i] += m.last_stats.tokens_per_expert
-        if use_bias:
-            for m in moe_layers:
-                m.update_bias(pd.world_group)
         steps_since += 1
 
-        # Every step's loss is kept (exact-resume checks, golden files); one tiny all-reduce.
-        stats = torch.stack([ce.detach().float(), aux.detach().float().to(ce.device)])
-        dist.all_reduce(stats, group=pd.world_group)
-        stats /= pd.world
-        pending.append(stats)
+        # Every step's loss is kept (exact-resume checks, golden files). One small all-reduce per
+        # step carries the losses and, with aux-loss-free balancing, every layer's expert counts.
+        stats = torch.stack([ce.detach(), aux.detach().to(ce.device)]).double()
+        step_counts_LE = torch.stack([m.last_stats.tokens_per_expert for m in moe_layers]) if moe_layers else None
+        if use_bias:
+            stats = torch.cat([stats, step_counts_LE.flatten().double()])
+        if pd.world > 1:
+            dist.all_reduce(stats, group=pd.world_group)
+        if use_bias:
+            step_counts_LE = stats[2:].view_as(step_counts_LE).round().long()  # exact: sums < 2^53
+            with torch.profiler.record_function("train.router_bias"):
+                update_router_biases(model, step_counts_LE)
+        if moe_layers:
+            counts_LE += step_counts_LE
+        pending.append(stats[:2] / pd.world)
 
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        if step % cfg.train.log_every == 0 or step == steps or step == 1:
             losses += torch.stack(pending)[:, 0].tolist()  # one host sync per log step
             last_aux = float(pending[-1][1])
             pending.clear()
-            dist.all_reduce(counts_LE, group=pd.world_group)
+            if not use_bias and pd.world > 1:
+                dist.all_reduce(counts_LE, group=pd.world_group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t_last
@@ -160,7 +198,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
                 "lr": scheduler.get_last_lr()[0], "tokens_per_s_per_gpu": tps,
                 "mfu": None if peak is None else tps * fpt / peak,
                 "peak_mem_gib": mem, "peak_mem_kind": kind, "load_imbalance": imb,
-                "tokens_per_expert": counts_LE.tolist(), "step_time_s": dt / steps_since,
+                "tokens_per_expert": counts_LE.tolist(), "moe_layers": moe_ids, "step_time_s": dt / steps_since,
             })
             counts_LE.zero_()
             t_last, steps_since = time.perf_counter(), 0
@@ -169,6 +207,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
             prof.step()
             if step - start == 3 + profile_steps:
                 prof.stop()
+                annotate.close()
                 prof = None
         if ck.every and step % ck.every == 0:
             save_checkpoint(ck.dir, step, model, optimizer, scheduler, loader, pd)
@@ -180,27 +219,73 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     return losses
 
 
+def plot_run(out_dir: str) -> int:
+    """Writes the plots of ``out_dir/metrics.jsonl`` (``train.plot``); returns an exit status.
+    A missing matplotlib is reported as such (status 0: plots are optional); any other failure
+    is reported with its real cause (status 1)."""
+    if not out_dir:
+        print("--plot: metrics.out_dir is empty, so there is nothing to plot", flush=True)
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", flush=True)
+        return 0
+    from .plot import plot
+    jsonl = Path(out_dir) / "metrics.jsonl"
+    try:
+        paths = plot(jsonl, Path(out_dir))
+    except Exception as e:  # report the real cause, whatever it is, on one line
+        print(f"error: plotting {jsonl} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    print("plots: " + " ".join(str(p) for p in paths), flush=True)
+    return 0
+
+
+def _usage_error(e: Exception, rank: int = 0) -> int:
+    if rank == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m train.pretrain", description=__doc__.splitlines()[0],
+        epilog="many processes: torchrun --nproc-per-node=N -m train.pretrain --config ... "
+               "Errors in the recipe, an override, a path or a resume print one line and exit with status 2.")
     ap.add_argument("--config", required=True, help="recipe TOML, or 'auto'")
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted key, e.g. train.steps=20 (repeatable)")
     ap.add_argument("--losses-out", default="", help="write rank 0's per-step losses as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="profile N steps after 3 warm-up steps; rank 0 prints the top kernels by self time")
+                    help="profile N steps after 3 warm-up steps; rank 0 prints the top ops and a per-category "
+                         "step profile (expert GEMMs, exchange, attention, other GEMMs, elementwise/casts, "
+                         "optimizer, communication)")
+    ap.add_argument("--plot", action="store_true",
+                    help="after training, rank 0 writes loss / throughput / expert-load plots into metrics.out_dir")
     args = ap.parse_args(argv)
-    cfg = load_config(resolve_config_path(args.config), args.override)
+    if args.profile < 0:
+        ap.error(f"--profile {args.profile} must be >= 0")
+    try:
+        cfg = load_config(resolve_config_path(args.config), args.override)
+    except UsageError as e:
+        return _usage_error(e)
     device = init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    rank, rc = dist.get_rank(), 0
     try:
         losses = train(cfg, device, args.profile)
-        if args.losses_out and dist.get_rank() == 0:
+        if args.losses_out and rank == 0:
             import json
             Path(args.losses_out).write_text(json.dumps(losses))
+    except UsageError as e:
+        rc = _usage_error(e, rank)
     finally:
         shutdown_distributed()
-    return 0
+    if rc == 0 and args.plot and rank == 0:
+        rc = plot_run(cfg.metrics.out_dir)
+    return rc
 
 
 def shutdown_distributed() -> None:

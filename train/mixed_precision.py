@@ -1,0 +1,102 @@
+"""bf16 compute copies of fp32 parameters that no FSDP group manages, kept between steps.
+
+FSDP2 on a one-rank mesh still copies: every forward (and again every backward, after resharding)
+it casts each fp32 parameter to a fresh bf16 buffer, and every backward it casts the bf16 gradient
+to fp32 through a reduce-scatter staging buffer. When the data-parallel mesh of a module has one
+rank, ``train.parallelize`` leaves its parameters out of FSDP and hands them to
+:class:`LocalMixedPrecision`, which does the minimum:
+
+    master_P (fp32, in the module, owned by the optimizer and the checkpoint)
+    compute_P (bf16 copy, persistent)     refreshed from master only when master changed
+                                          (after optimizer.step, a checkpoint load: tracked with
+                                          the tensor version counter -- no flag to forget)
+    forward:   the root's pre-forward hook swaps compute_P into the modules (one cast per step
+               in total, none when nothing changed)
+    backward:  each compute_P gradient is added into master_P.grad in fp32 as soon as it is
+               accumulated, and freed (one cast per step, no staging copies)
+    after:     ``uninstall()`` (called by ``finish_grads``, and by state_dict / load_state_dict
+               pre-hooks) puts master_P back, so the optimizer, clipping and DCP see fp32.
+
+Numerically this is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on one
+rank: the same bf16 rounding of the weights, the same bf16 gradients cast to fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LocalMixedPrecision"]
+
+
+class LocalMixedPrecision:
+    """Manages ``params`` (parameters of ``model``, fp32) with ``dtype`` compute copies.
+
+    Installs hooks on ``model`` (forward pre/post, state_dict and load_state_dict pre-hooks) and a
+    post-accumulate-grad hook on every compute copy. ``installed`` says which copy the modules hold.
+    """
+
+    def __init__(self, model: nn.Module, params: Iterable[nn.Parameter], dtype: torch.dtype):
+        wanted = {id(p) for p in params}
+        self.dtype = dtype
+        self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        for mod in model.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if id(p) not in wanted:
+                    continue
+                if p.dtype == dtype:
+                    raise ValueError(f"parameter {name} of {type(mod).__name__} is already {dtype}; "
+                                     "LocalMixedPrecision expects higher-precision masters")
+                compute = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    compute.register_post_accumulate_grad_hook(self._grad_hook(p))
+                self.slots.append((mod, name, p, compute))
+                wanted.discard(id(p))
+        if wanted:
+            raise ValueError(f"{len(wanted)} parameter(s) passed to LocalMixedPrecision are not in the model")
+        self._versions = [-1] * len(self.slots)
+        self.installed = False
+        model.register_forward_pre_hook(lambda *_: self.install())
+        model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self.uninstall())
+        model.register_state_dict_pre_hook(lambda *_: self.uninstall())
+        model.register_load_state_dict_pre_hook(lambda *_: self.uninstall())
+
+    @staticmethod
+    def _grad_hook(master: nn.Parameter):
+        def hook(compute: nn.Parameter) -> None:
+            g = compute.grad
+            if master.grad is None:
+                master.grad = g.to(master.dtype)
+            else:
+                master.grad.add_(g)
+            compute.grad = None
+        return hook
+
+    @torch.no_grad()
+    def refresh(self) -> int:
+        """Copies every master changed since its last copy into its compute copy; returns how many."""
+        stale = [i for i, (_, _, m, _) in enumerate(self.slots) if m._version != self._versions[i]]
+        if stale:
+            torch._foreach_copy_([self.slots[i][3] for i in stale], [self.slots[i][2] for i in stale])
+            for i in stale:
+                self._versions[i] = self.slots[i][2]._version
+        return len(stale)
+
+    def install(self) -> None:
+        """Modules hold the (refreshed) compute copies. Idempotent."""
+        if self.installed:
+            return
+        self.refresh()
+        for mod, name, _, compute in self.slots:
+            mod._parameters[name] = compute
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Modules hold the fp32 masters again. Idempotent."""
+        if not self.installed:
+            return
+        for mod, name, master, _ in self.slots:
+            mod._parameters[name] = master
+        self.installed = False
