@@ -59,11 +59,30 @@ def test_ep2_recipe_is_the_one_gpu_model_at_ep2():
     (["model.moe.bogus=1"], "model.moe: unknown field(s) ['bogus']"),
     (["checkpoint.every=5"], "checkpoint.every=5 needs checkpoint.dir"),
     (["model.n_dense_layers=4"], "model.n_dense_layers=4 exceeds model.n_layers=3"),
+    (["parallel.dispatcher=nccl"], "parallel.dispatcher='nccl' must be 'auto', 'all_to_all' or 'symm'"),
+    (["parallel.dispatcher=all_to_all"], "parallel.dispatcher='all_to_all' needs parallel.ep > 1"),
+    (["parallel.capacity_factor=-1.0"], "parallel.capacity_factor=-1.0 must be 0 (exact) or a positive factor"),
+    (["parallel.capacity_factor=inf"], "parallel.capacity_factor=inf must be 0 (exact) or a positive factor"),
 ])
 def test_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError) as e:
         load_config(DEBUG, override)
     assert message in str(e.value)
+
+
+def test_dispatcher_choice_per_device():
+    """parallel.dispatcher="auto": the symmetric exchange on CUDA when ep > 1, the layer default
+    (local / all-to-all) on CPU; "symm" on CPU is a usage error naming the key."""
+    from types import SimpleNamespace
+
+    from train.config import UsageError
+    from train.parallelize import make_train_dispatcher
+
+    cfg = load_config(DEBUG, ["parallel.ep=2"])
+    pd = SimpleNamespace(ep=2, ep_group=None)
+    assert make_train_dispatcher(cfg, pd, torch.device("cpu")) == "auto"
+    with pytest.raises(UsageError, match="parallel.dispatcher='symm' needs CUDA GPUs"):
+        make_train_dispatcher(load_config(DEBUG, ["parallel.ep=2", "parallel.dispatcher=symm"]), pd, torch.device("cpu"))
 
 
 def test_overrides_are_typed():

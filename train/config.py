@@ -13,6 +13,7 @@ Errors in what the user asked for (recipe, override, file, resume) are :class:`U
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,18 @@ class ModelConfig:
 class ParallelConfig:
     """ep: expert-parallel degree (one DeviceMesh dimension); dp: data-parallel degree, 0 = world / ep.
     The mesh is (dp, ep); experts are sharded over ep and FSDP-sharded over dp, everything else
-    is FSDP-sharded over all dp*ep ranks."""
+    is FSDP-sharded over all dp*ep ranks.
+
+    dispatcher: the token exchange of the MoE layers: ``"auto"`` (the deduplicated symmetric-memory
+    exchange on CUDA when ep > 1, all-to-all on CPU; one rank: no exchange), ``"all_to_all"``
+    (NCCL/gloo ``all_to_all_single``) or ``"symm"`` (CUDA only). capacity_factor (symm): expanded
+    expert rows per rank as a factor of tokens*top_k; 0 = exact (one host read per layer per step),
+    > 0 = static (no host sync; overflow raises at the next log step, naming this key)."""
 
     ep: int = 1
     dp: int = 0
+    dispatcher: str = "auto"
+    capacity_factor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,12 @@ def _validate(cfg: Config) -> None:
     _positive("parallel", p, "dp", allow_zero=True)
     if m.moe.num_experts % p.ep:
         raise ValueError(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+    if p.dispatcher not in ("auto", "all_to_all", "symm"):
+        raise ValueError(f"parallel.dispatcher={p.dispatcher!r} must be 'auto', 'all_to_all' or 'symm'")
+    if p.dispatcher == "all_to_all" and p.ep == 1:
+        raise ValueError("parallel.dispatcher='all_to_all' needs parallel.ep > 1 (one rank exchanges nothing)")
+    if not (0 <= p.capacity_factor < math.inf):
+        raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
     _positive("data", d, "seq_len", "batch_size")
     if d.source not in ("pydoc", "file", "synthetic"):
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")

@@ -56,7 +56,7 @@ from .config import Config, UsageError
 from .mixed_precision import LocalMixedPrecision
 from .model import Transformer
 
-__all__ = ["ParallelDims", "build_mesh", "build_model", "finish_grads", "clip_grad_norm_",
+__all__ = ["ParallelDims", "build_mesh", "build_model", "make_train_dispatcher", "check_exchange", "finish_grads", "clip_grad_norm_",
            "build_optimizer", "local_tensor", "expert_param_names", "update_router_biases"]
 
 
@@ -110,6 +110,35 @@ def expert_param_names(model: nn.Module) -> set[str]:
     return names
 
 
+def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
+    """``parallel.dispatcher`` -> what the MoE layers get: ``"auto"`` = the deduplicated symmetric
+    exchange on CUDA when ep > 1 (one SymmDispatcher for every layer, its buffers sized for this
+    recipe's tokens per rank), the layer's own default otherwise (local / all-to-all)."""
+    p = cfg.parallel
+    kind = p.dispatcher
+    if kind == "auto":
+        kind = "symm" if (device.type == "cuda" and pd.ep > 1) else "auto"
+    if kind != "symm":
+        return kind
+    if device.type != "cuda":
+        raise UsageError("parallel.dispatcher='symm' needs CUDA GPUs (use 'all_to_all' or 'auto' on CPU)")
+    from tlx_dist.comm import SymmDispatcher
+    return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
+                          max_tokens=cfg.data.batch_size * cfg.data.seq_len,
+                          capacity=p.capacity_factor if p.capacity_factor > 0 else "exact")
+
+
+def check_exchange(model: Transformer) -> None:
+    """At a log step: raises if a symmetric exchange overflowed its capacity (naming the config key)
+    or a wait timed out (naming the op and the peer). One host sync per distinct buffer set."""
+    seen = set()
+    for m in model.moe_layers():
+        check = getattr(m.dispatcher, "check", None)
+        if check is not None and id(m.dispatcher) not in seen:
+            seen.add(id(m.dispatcher))
+            check(capacity_hint="parallel.capacity_factor")
+
+
 def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool) -> Transformer:
     """Build the single-device model with the ep group handed to its MoE layers (each keeps only
     its ``E/ep`` experts), initialise it (same weights for every ep), set compile and activation
@@ -117,7 +146,7 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
     (module docstring) and local mixed precision to the rest."""
     ep_group = pd.ep_group if pd.ep > 1 else None
     model = Transformer(cfg.model, ep_group=ep_group, gemm_backend=cfg.train.gemm_backend or None,
-                        device=device, seed=cfg.train.seed)
+                        device=device, seed=cfg.train.seed, dispatcher=make_train_dispatcher(cfg, pd, device))
     model.set_activation_checkpoint(cfg.train.activation_checkpoint)
     model.set_compile(cfg.train.compile)
     # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the

@@ -32,8 +32,8 @@ from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .config import Config, UsageError, load_config
 from .data import ByteLoader
 from .metrics import MetricLogger, flops_per_token, param_counts, peak_flops, peak_memory_gib
-from .parallelize import (build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads, lr_lambda,
-                          update_router_biases)
+from .parallelize import (build_mesh, build_model, build_optimizer, check_exchange, clip_grad_norm_, finish_grads,
+                          lr_lambda, update_router_biases)
 from .profiling import annotate_dispatchers, format_profile, step_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -133,7 +133,8 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
         from tlx_dist.grouped_gemm import select_backend
         D, Fe, dt = cfg.model.dim, cfg.model.moe.moe_inter_dim, torch.bfloat16 if bf16 else torch.float32
         x = torch.empty(8, D, dtype=dt, device=device)
-        log.print(f"grouped GEMM backend: {select_backend(x, x.new_empty(1, D, 2 * Fe), cfg.train.gemm_backend or None).name}")
+        log.print(f"grouped GEMM backend: {select_backend(x, x.new_empty(1, D, 2 * Fe), cfg.train.gemm_backend or None).name}"
+                  f" | MoE exchange: {moe_layers[0].dispatcher.name}, pipeline={moe_layers[0].pipeline}")
     use_bias = cfg.model.moe.load_balance_bias and bool(moe_layers)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
     losses: list[float] = []
@@ -182,6 +183,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
 
         if step % cfg.train.log_every == 0 or step == steps or step == 1:
             losses += torch.stack(pending)[:, 0].tolist()  # one host sync per log step
+            check_exchange(model)  # symmetric exchange: overflow / timed-out waits raise here, never silent
             last_aux = float(pending[-1][1])
             pending.clear()
             if not use_bias and pd.world > 1:
