@@ -7,11 +7,13 @@ rank, ``train.parallelize`` leaves its parameters out of FSDP and hands them to
 :class:`LocalMixedPrecision`, which does the minimum:
 
     master_P (fp32, in the module, owned by the optimizer and the checkpoint)
-    compute_P (bf16 copy, persistent)     refreshed from master only when master changed
-                                          (after optimizer.step, a checkpoint load: tracked with
-                                          the tensor version counter -- no flag to forget)
-    forward:   the root's pre-forward hook swaps compute_P into the modules (one cast per step
-               in total, none when nothing changed)
+    compute_P (bf16 copy, persistent)     refreshed from master at every install (one fused cast
+                                          per forward). Not skipped on an unchanged version
+                                          counter: fused optimizers (torch's fused AdamW, the GPU
+                                          default) update in place without bumping it, so a
+                                          version check left the copies stale and the model
+                                          never learned on GPU.
+    forward:   the root's pre-forward hook swaps compute_P into the modules
     backward:  each compute_P gradient is added into master_P.grad in fp32 as soon as it is
                accumulated, and freed (one cast per step, no staging copies)
     after:     ``uninstall()`` (called by ``finish_grads``, and by state_dict / load_state_dict
@@ -56,7 +58,6 @@ class LocalMixedPrecision:
                 wanted.discard(id(p))
         if wanted:
             raise ValueError(f"{len(wanted)} parameter(s) passed to LocalMixedPrecision are not in the model")
-        self._versions = [-1] * len(self.slots)
         self.installed = False
         model.register_forward_pre_hook(lambda *_: self.install())
         model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self.uninstall())
@@ -75,14 +76,9 @@ class LocalMixedPrecision:
         return hook
 
     @torch.no_grad()
-    def refresh(self) -> int:
-        """Copies every master changed since its last copy into its compute copy; returns how many."""
-        stale = [i for i, (_, _, m, _) in enumerate(self.slots) if m._version != self._versions[i]]
-        if stale:
-            torch._foreach_copy_([self.slots[i][3] for i in stale], [self.slots[i][2] for i in stale])
-            for i in stale:
-                self._versions[i] = self.slots[i][2]._version
-        return len(stale)
+    def refresh(self) -> None:
+        """Copies every master into its compute copy (one ``_foreach_copy_`` cast)."""
+        torch._foreach_copy_([s[3] for s in self.slots], [s[2] for s in self.slots])
 
     def install(self) -> None:
         """Modules hold the (refreshed) compute copies. Idempotent."""
