@@ -141,6 +141,20 @@ class Block(nn.Module):
         return self._forward(h, cos, sin)
 
 
+def _inductor_in_process_with_fbtriton() -> None:
+    """With fbtriton (the TLX build of Triton) in place of the Triton release torch was built
+    against, inductor's compile-worker subprocesses fail with "Could not find an active GPU
+    backend" (seen on an H200: torch 2.11 + fbtriton 3.7.4): they have no CUDA context and rely on
+    the matching release's offline target path. Compiling in-process avoids it."""
+    from importlib import metadata
+    try:
+        metadata.version("fbtriton")
+    except metadata.PackageNotFoundError:
+        return
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = 1
+
+
 class Transformer(nn.Module):
     """``forward(tokens_BS int64) -> logits_BSV`` (fp32); ``forward(tokens_BS, targets_BS)`` ->
     the mean cross-entropy (0-dim fp32; the loss goes through ``forward`` so that FSDP's hooks
@@ -175,6 +189,7 @@ class Transformer(nn.Module):
         silent slowdown). ``backend`` is for tests (``"aot_eager"`` skips code generation)."""
         fns = dict(_EAGER)
         if enabled:
+            _inductor_in_process_with_fbtriton()
             fns = {k: torch.compile(f, dynamic=False, fullgraph=True, backend=backend) for k, f in fns.items()}
         for b in self.layers:
             b.attn_fn = fns["attention_residual"]
