@@ -144,15 +144,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="4096,16384")
-    ap.add_argument("--latency-tokens", default="1024,4096")
+    ap.add_argument("--latency-tokens", default="1024,4096", help="'' skips the CUDA-graph latency runs")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default="bench_moe_layer.json")
     args = ap.parse_args()
     providers = args.providers.split(",")
-    tokens = sorted({int(t) for t in args.tokens.split(",")} | {int(t) for t in args.latency_tokens.split(",")})
-    lat_tokens = {int(t) for t in args.latency_tokens.split(",")}
-    tflops_tokens = {int(t) for t in args.tokens.split(",")}
+    ints = lambda v: {int(t) for t in v.split(",") if t.strip()}  # noqa: E731
+    lat_tokens, tflops_tokens = ints(args.latency_tokens), ints(args.tokens)
+    tokens = sorted(tflops_tokens | lat_tokens)
     rows = []
     for name in args.shapes.split(","):
         D, Fe, E, K = SHAPES[name]
