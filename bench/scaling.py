@@ -553,7 +553,9 @@ if __name__ == "__main__":
     rc = main()
     if "--project" in sys.argv:
         sys.exit(rc)
-    # After a distributed run: exit without interpreter finalization, as train.pretrain does
-    # (issue 16: gloo worker threads abort the process during finalization).
-    from train.pretrain import exit_process
-    exit_process(rc)
+    # After a distributed run (process groups destroyed, JSON written): exit without interpreter
+    # finalization, as train.pretrain.exit_process does -- issue 16: gloo worker threads that
+    # outlive destroy_process_group abort the process during finalization (SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
