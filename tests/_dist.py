@@ -15,15 +15,21 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> Non
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    rc = 0
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
-        raise
+        rc = 1
     finally:
         dist.destroy_process_group()
+    # End the worker without interpreter finalization, as train.pretrain does (issue 16): gloo's
+    # worker threads can still be releasing the last collective's tensors, and taking the GIL
+    # during finalization aborts the process ("terminate called without an active exception").
+    from train.pretrain import exit_process
+    exit_process(rc)
 
 
 def run_world(fn, world: int, *args):
