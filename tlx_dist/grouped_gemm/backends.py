@@ -11,9 +11,12 @@ reason it cannot (used in error messages when a backend is forced).
 Order of preference: ``tlx`` (TLX kernels, sm_90 / sm_100) -> ``torch`` (``torch._grouped_mm``,
 sm_90+ bf16) -> ``triton`` (stock-Triton kernel: AMD and older GPUs, where ``torch._grouped_mm``
 cannot run; slower than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends
-register themselves when their modules import; ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
-``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
-silent fallback.
+register themselves when their modules import (or record why they cannot run on this machine);
+``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the ``backend=`` argument pins one, and pinning one that
+cannot run the operands, or cannot run here at all, is an error saying why, not a silent fallback.
+
+Every backend runs on the guarded offsets (``guard.py``): clamped into ``[0, N]`` and made
+non-decreasing on the device, with a device flag recording out-of-range ones.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .guard import guard_offsets
 from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
 
-__all__ = ["Backend", "register_backend", "get_backend", "available_backends", "select_backend"]
+__all__ = ["Backend", "register_backend", "register_unavailable", "get_backend", "available_backends",
+           "select_backend"]
 
 ENV_BACKEND = "TLX_DIST_GROUPED_MM_BACKEND"
 
@@ -44,10 +49,18 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
+_UNAVAILABLE: dict[str, str] = {}  # known backend name -> why it cannot run on this machine
 
 
 def register_backend(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
+    _UNAVAILABLE.pop(backend.name, None)
+
+
+def register_unavailable(name: str, reason: str) -> None:
+    """Records that backend ``name`` exists but cannot run here (pinning it then says ``reason``)."""
+    if name not in _BACKENDS:
+        _UNAVAILABLE[name] = reason
 
 
 def _load_kernel_backends() -> None:
@@ -78,6 +91,9 @@ def available_backends() -> list[str]:
 
 def get_backend(name: str) -> Backend:
     _ensure_loaded()
+    if name in _UNAVAILABLE:
+        raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: {_UNAVAILABLE[name]} "
+                         f"(available here: {available_backends()})")
     if name not in _BACKENDS:
         raise ValueError(f"backend={name!r} is not one of {available_backends()}")
     return _BACKENDS[name]
@@ -137,16 +153,25 @@ def _rows_past_end(n_rows: int, offsets_E: torch.Tensor, device: torch.device) -
 
 
 def _torch_mm(x_ND, w_EDF, offsets_E):
-    y_NF = torch._grouped_mm(x_ND, w_EDF, offsets_E.to(torch.int32))
+    # torch._grouped_mm trusts its offsets: it gets the guarded ones (in [0, N], non-decreasing).
+    safe = guard_offsets(offsets_E, x_ND.shape[0])
+    y_NF = torch._grouped_mm(x_ND, w_EDF, safe)
     # torch._grouped_mm leaves rows past the last offset uninitialised; our contract says zero.
-    return y_NF.masked_fill_(_rows_past_end(x_ND.shape[0], offsets_E, x_ND.device), 0)
+    return y_NF.masked_fill_(_rows_past_end(x_ND.shape[0], safe, x_ND.device), 0)
 
 
 def _torch_wgrad(x_ND, dy_NF, offsets_E):
     # Rows past the last offset are already outside every expert's K range.
-    return torch._grouped_mm(x_ND.t(), dy_NF, offsets_E.to(torch.int32))
+    return torch._grouped_mm(x_ND.t(), dy_NF, guard_offsets(offsets_E, x_ND.shape[0]))
+
+
+def _ref_mm(x_ND, w_EDF, offsets_E):
+    return grouped_mm_ref(x_ND, w_EDF, guard_offsets(offsets_E, x_ND.shape[0]))
+
+
+def _ref_wgrad(x_ND, dy_NF, offsets_E):
+    return grouped_mm_wgrad_ref(x_ND, dy_NF, guard_offsets(offsets_E, x_ND.shape[0]))
 
 
 register_backend(Backend("torch", _torch_mm, _torch_wgrad, _torch_supports, priority=30, auto_on_cpu=True))
-register_backend(Backend("reference", grouped_mm_ref, grouped_mm_wgrad_ref, lambda x, w: None, priority=100,
-                         auto_on_cpu=True))
+register_backend(Backend("reference", _ref_mm, _ref_wgrad, lambda x, w: None, priority=100, auto_on_cpu=True))
