@@ -225,6 +225,22 @@ def test_triton_refuses_cpu_without_interpreter():
     assert why is not None and "TRITON_INTERPRET" in why
 
 
+def _opcheck_main() -> None:
+    # torch.library.opcheck on the custom ops with the portable kernel (interpreted): fake impl,
+    # autograd registration and AOT dispatch of forward + backward (test_grouped_gemm_opcheck.py).
+    from test_grouped_gemm_opcheck import CASES as OP_CASES, opcheck_case
+
+    for counts, N, D, F, why in OP_CASES:
+        opcheck_case(counts, N, D, F, "triton")
+        print("ok", why, flush=True)
+
+
+def test_triton_interpret_opcheck():
+    from test_grouped_gemm_opcheck import CASES as OP_CASES
+
+    assert _run_child("opcheck").count("ok ") == len(OP_CASES)
+
+
 @pytest.mark.parametrize("arch", [90, 100])
 @pytest.mark.parametrize("off_ty,tiles", [("*i32", True), ("*i64", True), ("*i64", False)])
 def test_offsets_prep_kernel_compiles_for_gpu(arch, off_ty, tiles):
@@ -246,4 +262,4 @@ def test_offsets_prep_kernel_compiles_for_gpu(arch, off_ty, tiles):
 
 
 if __name__ == "__main__":
-    {"forms": _child_main, "bad": _bad_offsets_main}[sys.argv[1]]()
+    {"forms": _child_main, "bad": _bad_offsets_main, "opcheck": _opcheck_main}[sys.argv[1]]()

@@ -77,11 +77,20 @@ def _load_kernel_backends() -> None:
 _loaded = False
 
 
-def _ensure_loaded() -> None:
+@torch.compiler.assume_constant_result
+def _load_once() -> bool:
+    # Run eagerly even while torch.compile traces the first grouped_mm of a process (dynamo cannot
+    # trace an import); the registry it fills is then read like any other global.
     global _loaded
     if not _loaded:
         _loaded = True
         _load_kernel_backends()
+    return True
+
+
+def _ensure_loaded() -> None:
+    if not _loaded:
+        _load_once()
 
 
 def available_backends() -> list[str]:
