@@ -77,15 +77,20 @@ def _load_kernel_backends() -> None:
 _loaded = False
 
 
-@torch.compiler.assume_constant_result
 def _load_once() -> bool:
-    # Run eagerly even while torch.compile traces the first grouped_mm of a process (dynamo cannot
-    # trace an import); the registry it fills is then read like any other global.
     global _loaded
     if not _loaded:
         _loaded = True
         _load_kernel_backends()
     return True
+
+
+# Run eagerly even while torch.compile traces the first grouped_mm of a process (dynamo cannot
+# trace an import); the registry it fills is then read like any other global. This is what
+# torch.compiler.assume_constant_result(_load_once) does -- it sets this one attribute -- without
+# importing torch._dynamo (and triton with it) at `import tlx_dist` (tests/test_moe_compile.py
+# fails if a torch release changes the mechanism).
+_load_once._dynamo_marked_constant = True
 
 
 def _ensure_loaded() -> None:
