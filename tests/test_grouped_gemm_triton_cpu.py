@@ -170,8 +170,6 @@ def _bad_case(counts_or_offsets, why, dtype=torch.float32, D=16, F=24):
 def _raw_offsets_kernel_case(offsets, why, D=16, F=24):
     """Layer 2: the kernel handed a caller's raw offsets (no prep): expert_rows' clamp alone must
     keep every load and store inside x and y."""
-    import triton  # noqa: F401
-
     from tlx.portable.grouped_gemm import _grouped_mm_kernel, _grouped_wgrad_kernel
     from tlx_dist.grouped_gemm.triton_backend import max_m_tiles, prep_offsets, search_steps
 
