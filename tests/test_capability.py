@@ -120,7 +120,7 @@ def test_tlx_implementation_per_arch(arch, monkeypatch):
     monkeypatch.setenv("TLX_DIST_FORCE_ARCH", arch)
     if arch not in TLX_IMPL:
         assert "tlx" not in available_backends()
-        with pytest.raises(ValueError, match=f"backend='tlx' has no implementation for gpu_arch\\(\\)={arch}"):
+        with pytest.raises(ValueError, match=f"backend='tlx' cannot run on this machine: it has no implementation for gpu_arch\\(\\)='{arch}'"):
             get_backend("tlx")
         return
     module, kernel = TLX_IMPL[arch]

@@ -104,3 +104,64 @@ def test_nan_policy_default_confines_to_row():
     # other experts changes how the GEMMs group rows).
     assert torch.isfinite(dirty[keep]).all()
     torch.testing.assert_close(dirty[keep], clean[keep], rtol=1e-5, atol=1e-6)
+
+
+# --- grouped GEMM edge cases (tlx_dist.grouped_gemm) ---------------------------------------------
+
+ALL_GEMM_BACKENDS = ["tlx", "triton", "torch", "reference"]
+
+
+@pytest.mark.parametrize("backend", ALL_GEMM_BACKENDS + [None])
+def test_grouped_mm_zero_experts_is_a_value_error(backend):
+    # E=0 used to be an IndexError on 'torch' and zeros on 'reference': one clear error everywhere,
+    # whether the backend is pinned, automatic, or reached through the custom op.
+    from tlx_dist.grouped_gemm import grouped_mm, grouped_mm_wgrad
+
+    x, w0, off0 = torch.randn(6, 8), torch.randn(0, 8, 4), torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w_EDF of shape \(0, 8, 4\) has E=0 experts"):
+        grouped_mm(x, w0, off0, backend=backend)
+    with pytest.raises(ValueError, match=r"offsets_E of shape \(0,\) has E=0 experts"):
+        grouped_mm_wgrad(x, torch.randn(6, 4), off0, backend=backend)
+
+
+def test_grouped_mm_zero_experts_through_the_ops_and_backends():
+    from tlx_dist.grouped_gemm.backends import available_backends, get_backend
+
+    x, w0, off0 = torch.randn(6, 8), torch.randn(0, 8, 4), torch.zeros(0, dtype=torch.int32)
+    for name in available_backends():
+        with pytest.raises(ValueError, match="E=0 experts"):
+            torch.ops.tlx_dist.grouped_mm(x, w0, off0, name)
+        with pytest.raises(ValueError, match="E=0 experts"):
+            torch.ops.tlx_dist.grouped_mm_wgrad(x, torch.randn(6, 4), off0, name)
+    for name in ("torch", "reference"):  # the backends themselves (the kernel ones need a GPU/interpreter)
+        with pytest.raises(ValueError, match="E=0 experts"):
+            get_backend(name).mm(x, w0, off0)
+        with pytest.raises(ValueError, match="E=0 experts"):
+            get_backend(name).wgrad(x, torch.randn(6, 4), off0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_pinning_tlx_without_a_gpu_says_why(monkeypatch):
+    from tlx_dist.grouped_gemm import grouped_mm
+
+    x, w, off = torch.randn(6, 8), torch.randn(2, 8, 8), torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"backend='tlx' cannot run on this machine: .*(sm_90|fbtriton)"):
+        grouped_mm(x, w, off, backend="tlx")
+    monkeypatch.setenv("TLX_DIST_GROUPED_MM_BACKEND", "tlx")
+    with pytest.raises(ValueError, match=r"backend='tlx' cannot run on this machine"):
+        grouped_mm(x, w, off)
+    with pytest.raises(ValueError, match=r"backend='bogus' is not one of"):
+        grouped_mm(x, w, off, backend="bogus")
+
+
+def test_grouped_mm_wgrad_2d_offsets_names_argument_and_shape():
+    from tlx_dist.grouped_gemm import grouped_mm, grouped_mm_wgrad
+
+    x, dy = torch.randn(6, 8), torch.randn(6, 4)
+    off2 = torch.tensor([[2, 6]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"offsets_E must be 1-D \[E\] .*got shape \(1, 2\)"):
+        grouped_mm_wgrad(x, dy, off2)
+    with pytest.raises(ValueError, match=r"offsets_E must be 1-D \[E\] .*got shape \(1, 2\)"):
+        grouped_mm(x, torch.randn(2, 8, 4), off2)
+    with pytest.raises(ValueError, match=r"offsets_E has 3 entries but w_EDF has E=2 experts"):
+        grouped_mm(x, torch.randn(2, 8, 4), torch.tensor([1, 2, 6], dtype=torch.int32))

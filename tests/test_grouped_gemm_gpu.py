@@ -266,3 +266,76 @@ def test_tlx_cuda_graph_replays_rezero_the_tile_counter():
         for e, c in enumerate(counts):
             if c == 0:
                 assert (dw[e] == 0).all(), f"graph dW {counts}: expert {e} not zero"
+
+
+# --- bad offsets: no access outside the operands, a defined result, the device flag --------------
+# x and dy are views into buffers whose rows outside the view are NaN: a kernel reading a row
+# outside its operand brings NaN into the result. The defined result is the reference on the safe
+# offsets (clamped into [0, N], made non-decreasing). compute-sanitizer (scripts/memcheck_grouped_gemm.py)
+# checks the stores. (offsets, why)
+BAD_OFFSETS = [
+    ([300, 100, 1000], "decreasing: expert 1 would own rows [300, 100)"),
+    ([-64, 500, 1000], "negative first offset: expert 0 would start 64 rows before x"),
+    ([200, 1500, 1700], "past the end: experts 1, 2 would run 700 rows past x (and the ragged TMA with them)"),
+    ([1000, 0, 1000, 1001], "decreasing, then one row past the end"),
+    ([2**31 + 5, 2**31 + 9], "int64 offsets past 2**31: flagged, not wrapped by an int32 cast"),
+    ([128, 128, 900], "valid with 100 padding rows (control: the flag stays clear)"),
+]
+
+
+def _nan_padded(rows, cols, pad=64):
+    buf = torch.full((rows + 2 * pad, cols), float("nan"), device=DEV, dtype=torch.bfloat16)
+    view = buf[pad:pad + rows]
+    view.copy_(torch.randn(rows, cols, device=DEV, dtype=torch.bfloat16))
+    return view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offsets,why", BAD_OFFSETS, ids=[c[-1][:40] for c in BAD_OFFSETS])
+def test_bad_offsets_stay_in_bounds_and_flag(backend, offsets, why, monkeypatch):
+    from tlx_dist.grouped_gemm import check_offsets, offsets_flag
+    from tlx_dist.grouped_gemm.reference import safe_offsets_ref
+
+    monkeypatch.delenv("TLX_DIST_CHECK_OFFSETS", raising=False)  # the device guard, not the host check
+    torch.manual_seed(5)
+    N, D, F = 1000, 128, 256
+    off = torch.tensor(offsets, dtype=torch.int64, device=DEV)
+    E = off.shape[0]
+    safe, bits = safe_offsets_ref(off.cpu(), N)
+    safe = safe.to(DEV)
+    x, dy = _nan_padded(N, D), _nan_padded(N, F)
+    w = torch.randn(E, D, F, device=DEV, dtype=torch.bfloat16) / math.sqrt(D)
+    flag = offsets_flag(DEV)
+    flag.zero_()
+    b = get_backend(backend)
+    y = b.mm(x, w, off)
+    dx = b.mm(dy, w.transpose(1, 2), off)
+    dw = b.wgrad(x, dy, off)
+    torch.cuda.synchronize()
+    xs, dys, wt = x.clone(), dy.clone(), w.transpose(1, 2)
+    _close(y, grouped_mm_ref(xs, w, safe), grouped_mm_ref(xs.double(), w.double(), safe), f"{backend} fwd ({why})")
+    _close(dx, grouped_mm_ref(dys, wt, safe), grouped_mm_ref(dys.double(), wt.double(), safe), f"{backend} dX ({why})")
+    _close(dw, grouped_mm_wgrad_ref(xs, dys, safe), grouped_mm_wgrad_ref(xs.double(), dys.double(), safe),
+           f"{backend} dW ({why})")
+    assert int(flag) == int(bits), f"{backend} ({why}): flag {int(flag)} != expected {int(bits)}"
+    # Through the public API (autograd and all) the same: no host check on the GPU by default.
+    xg = x.detach().requires_grad_()
+    grouped_mm(xg, w, off, backend=backend).float().sum().backward()
+    if int(bits):
+        with pytest.raises(ValueError, match="out-of-range offsets_E"):
+            check_offsets(DEV)
+    else:
+        check_offsets(DEV)
+    assert int(flag) == 0
+    assert torch.isfinite(xg.grad).all()
+
+
+def test_check_offsets_env_raises_before_launch(monkeypatch):
+    # TLX_DIST_CHECK_OFFSETS=1: the opt-in host check (a sync) raises at the call instead.
+    monkeypatch.setenv("TLX_DIST_CHECK_OFFSETS", "1")
+    x = torch.randn(100, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_mm(x, w, _offsets([50, -10]))
+    with pytest.raises(ValueError, match="exceeds the number of rows"):
+        grouped_mm(x, w, torch.tensor([50, 101], dtype=torch.int32, device=DEV))

@@ -118,7 +118,7 @@ def test_opcheck_and_compile():
     (lambda x, w, o: (x.double(), w, o), TypeError, "w_EDF.dtype"),
     (lambda x, w, o: (x.long(), w.long(), o), TypeError, "x_ND must be a floating"),
     (lambda x, w, o: (x, w, o.float()), TypeError, "offsets_E must be int32 or int64"),
-    (lambda x, w, o: (x, w, o[:2]), ValueError, "offsets_E must be 1-D with E=3"),
+    (lambda x, w, o: (x, w, o[:2]), ValueError, "offsets_E has 2 entries but w_EDF has E=3 experts"),
     (lambda x, w, o: (x[:, :8], w, o), ValueError, "D=8 columns"),
     (lambda x, w, o: (x, w, torch.tensor([5, 2, 10], dtype=torch.int32)), ValueError, "non-decreasing"),
     (lambda x, w, o: (x, w, torch.tensor([2, 5, 11], dtype=torch.int32)), ValueError, r"offsets_E\[-1\]=11 exceeds"),

@@ -1,14 +1,20 @@
-"""Distributed checkpoints with torch.distributed.checkpoint (DCP).
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP), resumable at any (dp, ep) layout.
 
-Layout of ``<dir>/step_<N>/``: the DCP files of the model and optimizer (each rank writes its own
-shards), plus ``extra_rank<r>.pt`` per rank (step, scheduler, data position, RNG states) -- small
-and rank-specific, so a plain ``torch.save``. ``<dir>/latest`` names the last complete step; it is
-written after every rank has finished, so a job killed mid-save resumes from the previous one.
+Layout of ``<dir>/step_<N>/``: the DCP files of the model, optimizer and experts (each rank writes
+its own shards), plus ``extra_rank<r>.pt`` per rank (step, scheduler, data position, RNG states) --
+small, so a plain ``torch.save``. ``<dir>/latest`` names the last complete step; it is written
+after every rank has finished, so a job killed mid-save resumes from the previous one.
 
-Expert weights: an FSDP2 expert DTensor spans the dp mesh only, so to DCP every ep rank's
-``layers.3.ffn.w13`` looks like the same tensor. Their keys (and their optimizer states) get an
-``@ep<rank>`` suffix to keep the ep shards apart; resuming therefore needs the same ep degree.
-Router biases (aux-loss-free balancing) are buffers and travel with the model state.
+Experts are saved by *global expert id*. An FSDP2 expert DTensor spans the dp mesh only, so to DCP
+every ep rank's ``layers.3.moe.w13`` would look like the same tensor; instead each expert row
+``g`` of ``w13`` / ``w2`` (and its Adam moments) is its own DCP entry, ``experts/<fqn>@expert<g>``,
+written by the one rank that holds it (a rank holds experts ``ep_rank * e + [dp shard of e]``).
+Loading asks for the ids this rank holds *now*, so a checkpoint saved at one (dp, ep) resumes at
+any other with the same number of experts (e.g. EP=2 -> EP=1 -> EP=2), and DCP reshards everything
+else (FSDP2 DTensors over the dp or the world mesh) itself. The world size may change too when the
+global batch (``data.batch_size * world``) stays the same: a rank with no ``extra_rank<r>.pt`` of
+its own takes rank 0's (step, scheduler and data position are global). Router biases
+(aux-loss-free balancing) are replicated buffers and travel with the model state.
 """
 
 from __future__ import annotations
@@ -21,26 +27,66 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .parallelize import ParallelDims, expert_param_names
+from .parallelize import ParallelDims
 from .resume_check import check_resume_compatible
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "expert_key"]
 
 
-def _suffix_map(model, pd: ParallelDims) -> dict[str, str]:
-    return {n: f"{n}@ep{pd.ep_rank}" for n in expert_param_names(model)} if pd.ep > 1 else {}
+def expert_key(fqn: str, global_id: int) -> str:
+    """The DCP key of expert ``global_id`` of the expert weight ``fqn`` (e.g. ``layers.3.moe.w13``)."""
+    return f"{fqn}@expert{global_id}"
 
 
-def _rename(model_sd: dict, optim_sd: dict, m: dict[str, str]) -> tuple[dict, dict]:
-    if not m:
-        return model_sd, optim_sd
-    model_sd = {m.get(k, k): v for k, v in model_sd.items()}
-    optim_sd = {
-        "state": {m.get(k, k): v for k, v in optim_sd["state"].items()},
-        "param_groups": [{**g, "params": [m.get(p, p) for p in g["params"]]} for g in optim_sd["param_groups"]],
-    }
-    return model_sd, optim_sd
+def _dim0_shard(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(offset of this rank's rows along dim 0 within the tensor, the local rows) -- FSDP2 shards
+    the local experts along dim 0 over dp (torch.chunk sizes, possibly none on some ranks)."""
+    if not isinstance(t, DTensor):
+        return 0, t
+    if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in t.placements):
+        raise ValueError(f"expert weights must be sharded along dim 0 (the expert dim), got {t.placements}")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], t.to_local()
+
+
+def _expert_first_ids(model) -> dict[str, int]:
+    """FQN of every expert weight -> global id of its local row 0 on this ep rank."""
+    firsts = {}
+    for mname, m in model.named_modules():
+        if hasattr(m, "expert_range"):
+            for pname in ("w13", "w2"):
+                firsts[f"{mname}.{pname}"] = m.expert_range[0]
+    return firsts
+
+
+def _split_experts(model_sd: dict, optim_sd: dict, firsts: dict[str, int]) -> tuple[dict, dict, dict]:
+    """Moves every expert weight and its optimizer state out of the two state dicts into one flat
+    dict keyed by global expert id (values are views of the local tensors: DCP loads into them in
+    place). Returns (model rest, optim rest, experts); the input dicts are not modified."""
+    model_rest = dict(model_sd)
+    state_rest = dict(optim_sd["state"])
+    experts: dict[str, torch.Tensor] = {}
+    for fqn, first in firsts.items():
+        if fqn not in model_rest:
+            raise KeyError(f"expert weight {fqn} is not in the model state dict")
+        offset, local = _dim0_shard(model_rest.pop(fqn))
+        ids = range(first + offset, first + offset + local.shape[0])
+        for i, g in enumerate(ids):
+            experts[expert_key(fqn, g)] = local[i]
+        for name, v in state_rest.pop(fqn, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # Adam moments: one row per expert
+                v_off, v_local = _dim0_shard(v)
+                if v_off != offset or v_local.shape[0] != local.shape[0]:
+                    raise ValueError(f"optimizer state {fqn}.{name} is not sharded like the weight")
+                for i, g in enumerate(ids):
+                    experts[f"{expert_key(fqn, g)}/{name}"] = v_local[i]
+            else:  # the step count: the same on every rank (DCP writes one copy)
+                experts[f"{fqn}/{name}"] = v
+    return model_rest, {**optim_sd, "state": state_rest}, experts
 
 
 def latest_step(ckpt_dir: str) -> Optional[int]:
@@ -61,10 +107,11 @@ def _rng_state() -> dict:
 def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loader, pd: ParallelDims) -> str:
     path = os.path.join(ckpt_dir, f"step_{step}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    model_sd, optim_sd = _rename(model_sd, optim_sd, _suffix_map(model, pd))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
+    dcp.save({"model": model_rest, "optim": optim_rest, "experts": experts}, checkpoint_id=path)
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(),
-                "rng": _rng_state()}, os.path.join(path, f"extra_rank{pd.rank}.pt"))
+                "rng": _rng_state(), "layout": {"world": pd.world, "dp": pd.dp, "ep": pd.ep}},
+               os.path.join(path, f"extra_rank{pd.rank}.pt"))
     dist.barrier()
     if pd.rank == 0:
         tmp = os.path.join(ckpt_dir, "latest.tmp")
@@ -76,18 +123,19 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
 
 
 def load_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loader, pd: ParallelDims) -> int:
-    """Loads everything saved at ``step`` in place; returns the step to continue from."""
+    """Loads everything saved at ``step`` in place, at this job's (dp, ep) layout whatever the
+    saving job's was; returns the step to continue from."""
     path = os.path.join(ckpt_dir, f"step_{step}")
-    m = _suffix_map(model, pd)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    model_sd, optim_sd = _rename(model_sd, optim_sd, m)
-    state = {"model": model_sd, "optim": optim_sd}
+    model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
+    state = {"model": model_rest, "optim": optim_rest, "experts": experts}
     check_resume_compatible(path, state)  # a mismatch is one clear line, not DCP's traceback
-    dcp.load(state, checkpoint_id=path)
-    back = {v: k for k, v in m.items()}
-    model_sd, optim_sd = _rename(state["model"], state["optim"], back)
+    dcp.load(state, checkpoint_id=path)  # experts land in place in model_sd / optim_sd's tensors
+    model_sd = {**model_sd, **state["model"]}
+    optim_sd = {**state["optim"], "state": {**optim_sd["state"], **state["optim"]["state"]}}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    extra = torch.load(os.path.join(path, f"extra_rank{pd.rank}.pt"), weights_only=False)
+    own = os.path.join(path, f"extra_rank{pd.rank}.pt")
+    extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
     scheduler.load_state_dict(extra["scheduler"])
     loader.load_state_dict(extra["data"])
     torch.set_rng_state(extra["rng"]["torch"])

@@ -108,6 +108,7 @@ class TrainConfig:
     compile: bool = False        # torch.compile the dense block parts and the loss (GPU recipes: on)
     activation_checkpoint: str = "none"   # "none" | "moe" | "full"
     crash_at_step: int = 0       # testing only: os._exit after this step (simulates a killed job)
+    comm_timeout_s: float = 600.0  # a collective waiting longer than this fails (a rank died or hangs)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _validate(cfg: Config) -> None:
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
     if d.source == "file" and not d.path:
         raise ValueError("data.path='' must name a UTF-8 text file when data.source='file'")
-    _positive("train", t, "steps", "lr", "log_every")
+    _positive("train", t, "steps", "lr", "log_every", "comm_timeout_s")
     _positive("train", t, "warmup_steps", "weight_decay", "grad_clip", "crash_at_step", allow_zero=True)
     if not 0 <= t.min_lr_ratio <= 1:
         raise ValueError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import socket
 import sys
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .config import Config, UsageError, load_config
 from .data import ByteLoader
+from .fault import failure_message, set_comm_timeouts
 from .metrics import MetricLogger, flops_per_token, param_counts, peak_flops, peak_memory_gib
 from .parallelize import (build_mesh, build_model, build_optimizer, check_exchange, clip_grad_norm_, finish_grads,
                           lr_lambda, update_router_biases)
@@ -52,18 +54,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> torch.device:
-    """gloo on CPU, NCCL on GPU. Without torchrun, a one-rank group (FSDP2 needs one)."""
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """gloo on CPU, NCCL on GPU. Without torchrun, a one-rank group (FSDP2 needs one).
+    Collectives fail after ``timeout_s`` (train.comm_timeout_s; train/fault.py)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 
@@ -98,6 +102,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     """Runs ``cfg`` to ``train.steps`` (resuming if a checkpoint exists); returns rank 0's
     per-step losses (cross-entropy averaged over all ranks) for the steps it ran."""
     pd = build_mesh(cfg, device.type)
+    set_comm_timeouts([pd.mesh["dp"].get_group(), pd.mesh["ep"].get_group(), pd.world_group], cfg.train.comm_timeout_s)
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     ck, steps = cfg.checkpoint, cfg.train.steps
     resume_step = latest_step(ck.dir) if ck.dir and ck.resume else None
@@ -272,7 +277,7 @@ def main(argv=None) -> int:
         cfg = load_config(resolve_config_path(args.config), args.override)
     except UsageError as e:
         return _usage_error(e)
-    device = init_distributed()
+    device = init_distributed(cfg.train.comm_timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     rank, rc = dist.get_rank(), 0
@@ -283,6 +288,9 @@ def main(argv=None) -> int:
             Path(args.losses_out).write_text(json.dumps(losses))
     except UsageError as e:
         rc = _usage_error(e, rank)
+    except Exception as err:  # one clear line (then the traceback) instead of a bare backend error
+        print(failure_message(err, rank, cfg.train.comm_timeout_s), file=sys.stderr, flush=True)
+        raise
     finally:
         shutdown_distributed()
     if rc == 0 and args.plot and rank == 0:

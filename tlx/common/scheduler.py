@@ -27,26 +27,62 @@ the descriptor is 4-D with dims ``[2^31-ish, 2^31-ish, 2^30, C]`` and strides ``
 row ``lo + row`` (the leading term wraps to zero modulo 2^64) and the third coordinate runs out of
 bounds exactly at ``row >= cnt``, so TMA zero-fills loads and drops stores past the expert's end.
 The host side builds it (``tlx_dist.grouped_gemm.triton_backend.ragged_descriptor``).
+
+Memory safety. Offsets come from the caller and are never read on the host (that would sync), so
+the device guards them, in two layers. (1) The prep kernel (one program, run before every launch)
+writes ``safe_E = min(N, running max(max(0, offsets)))`` -- clamped to the operand's rows and made
+non-decreasing, so experts own disjoint row ranges inside ``[0, N]`` and the tile count stays under
+the host's bound -- and ORs into a device flag what was wrong with the raw offsets (negative, past
+``N``, decreasing); the kernels then run on ``safe_E``. Valid offsets pass through unchanged.
+(2) ``expert_rows`` clamps every row range into ``[0, N]`` itself, so even a kernel handed raw
+offsets cannot address a row outside its operand: pointer loads are masked to the range, TMA loads
+through 2-D/3-D descriptors are bounded by the tensor's extent, and ragged-descriptor loads and
+stores by the (clamped) range.
 """
 
 import triton
 import triton.language as tl
 
 RAGGED_BILLION = tl.constexpr(1 << 30)
+# Bits of the offsets flag (tlx_dist.grouped_gemm.guard reads it): what a caller's offsets did.
+OFFSETS_NEGATIVE = tl.constexpr(1)
+OFFSETS_PAST_END = tl.constexpr(2)
+OFFSETS_DECREASING = tl.constexpr(4)
 
 
 @triton.jit
-def _grouped_tile_prep_kernel(offsets_ptr, tile_cum_ptr, E, N_ROWS, BM: tl.constexpr, E1_P2: tl.constexpr):
-    """tile_cum[e] = sum_{j<=e} cdiv(rows_j, BM) for e in [0, E]; rows_E = N - offsets[E-1]."""
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _grouped_tile_prep_kernel(offsets_ptr, safe_ptr, tile_cum_ptr, flag_ptr, E, N_ROWS, BM: tl.constexpr,
+                              E1_P2: tl.constexpr, TILES: tl.constexpr):
+    """Offsets guard (+ tile counts), one program. ``offsets_ptr`` int32 or int64, ``E >= 1``.
+
+    safe[e] = min(N, max(0, offsets[0..e]))  (int32; clamped to the rows, made non-decreasing)
+    flag   |= OFFSETS_NEGATIVE | OFFSETS_PAST_END | OFFSETS_DECREASING for what the raw offsets did
+    tile_cum[e] = sum_{j<=e} cdiv(rows_j, BM) for e in [0, E] over the safe rows (TILES only);
+    rows_E = N - safe[E-1] is the padding pseudo-expert."""
     idx = tl.arange(0, E1_P2)
-    ends = tl.load(offsets_ptr + idx, mask=idx < E, other=0)
-    starts = tl.load(offsets_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
-    last_end = tl.load(offsets_ptr + E - 1)
-    cnt = tl.where(idx < E, ends - starts, tl.where(idx == E, N_ROWS - last_end, 0))
-    cnt = tl.maximum(cnt, 0)
-    m_tiles = (cnt + BM - 1) // BM
-    cum = tl.cumsum(m_tiles, axis=0)
-    tl.store(tile_cum_ptr + idx, cum, mask=idx <= E)
+    in_e = idx < E
+    # Compared in int64: an int64 offset past 2**31 must not wrap into range before it is checked.
+    raw = tl.load(offsets_ptr + idx, mask=in_e, other=0).to(tl.int64)
+    raw_prev = tl.load(offsets_ptr + idx - 1, mask=(idx >= 1) & (idx <= E), other=0).to(tl.int64)
+    neg = tl.max((in_e & (raw < 0)).to(tl.int32), axis=0)
+    past = tl.max((in_e & (raw > N_ROWS)).to(tl.int32), axis=0)
+    dec = tl.max((in_e & (idx >= 1) & (raw < raw_prev)).to(tl.int32), axis=0)
+    bits = neg * OFFSETS_NEGATIVE + past * OFFSETS_PAST_END + dec * OFFSETS_DECREASING
+    tl.atomic_or(flag_ptr, bits, mask=bits != 0)
+    # Clamping commutes with the running max, so this is the running max of the clamped offsets.
+    safe = tl.associative_scan(tl.minimum(tl.maximum(raw, 0), N_ROWS), 0, _max_combine)
+    tl.store(safe_ptr + idx, safe.to(tl.int32), mask=in_e)
+    if TILES:
+        safe_prev = tl.associative_scan(tl.minimum(tl.maximum(raw_prev, 0), N_ROWS), 0, _max_combine)
+        cnt = tl.where(in_e, safe - safe_prev, tl.where(idx == E, N_ROWS - safe_prev, 0))
+        m_tiles = ((cnt + BM - 1) // BM).to(tl.int32)
+        cum = tl.cumsum(m_tiles, axis=0)
+        tl.store(tile_cum_ptr + idx, cum, mask=idx <= E)
 
 
 @triton.jit
@@ -88,11 +124,16 @@ def _search_expert(tile_cum_ptr, E, m_glob, SEARCH_STEPS: tl.constexpr):
 
 @triton.jit
 def expert_rows(offsets_ptr, e, E, N_ROWS):
-    """(first row, row count) of expert ``e``; ``e == E`` is the padding pseudo-expert."""
+    """(first row, row count) of expert ``e``; ``e == E`` is the padding pseudo-expert. The range is
+    clamped into ``[0, N_ROWS]`` here, on the device, whatever the offsets hold: no tile of any kernel
+    can then load or store a row outside its operand (the prep kernel's safe offsets are already in
+    range; this also covers a kernel handed a caller's offsets directly)."""
     lo = tl.load(offsets_ptr + tl.maximum(e - 1, 0))
     lo = tl.where(e > 0, lo, 0)
     hi = tl.load(offsets_ptr + tl.minimum(e, E - 1))
     hi = tl.where(e < E, hi, N_ROWS)
+    lo = tl.minimum(tl.maximum(lo, 0), N_ROWS)
+    hi = tl.minimum(tl.maximum(hi, lo), N_ROWS)
     return lo, hi - lo
 
 

@@ -2,10 +2,11 @@
 
 from .api import check_grouped_mm_args, check_grouped_mm_wgrad_args, grouped_mm, grouped_mm_wgrad
 from .backends import Backend, available_backends, get_backend, register_backend, select_backend
+from .guard import check_offsets, offsets_flag
 from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
 
 __all__ = [
     "grouped_mm", "grouped_mm_wgrad", "check_grouped_mm_args", "check_grouped_mm_wgrad_args",
     "Backend", "available_backends", "get_backend", "register_backend", "select_backend",
-    "grouped_mm_ref", "grouped_mm_wgrad_ref",
+    "grouped_mm_ref", "grouped_mm_wgrad_ref", "check_offsets", "offsets_flag",
 ]

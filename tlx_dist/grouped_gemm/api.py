@@ -9,6 +9,11 @@ Legend: N rows in expert-major order, D input features, F output features, E exp
 Backward of ``grouped_mm``: ``dx = grouped_mm(dy, w^T, offsets)`` and ``dw = grouped_mm_wgrad(x, dy,
 offsets)`` -- the same backend family runs all three forms. Rows past ``offsets_E[-1]`` are padding:
 zero in ``y`` and ``dx``, ignored by ``dw``.
+
+Offsets are validated on the host on CPU (always) and on a GPU with ``TLX_DIST_CHECK_OFFSETS=1``
+(a sync). Otherwise they are guarded on the device (``guard.py``): every backend runs on offsets
+clamped into ``[0, N]`` and made non-decreasing, so no kernel reads or writes outside its operands,
+and ``check_offsets()`` raises later if any were out of range.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Optional
 import torch
 
 from .backends import select_backend, get_backend
+from .reference import check_num_experts
 
 __all__ = ["grouped_mm", "grouped_mm_wgrad", "check_grouped_mm_args", "check_grouped_mm_wgrad_args"]
 
@@ -41,7 +47,7 @@ def _check_offsets_values(offsets_E: torch.Tensor, n_rows: int) -> None:
         raise ValueError(f"offsets_E[-1]={int(o[-1])} exceeds the number of rows N={n_rows}")
 
 
-def _check_common(pairs, offsets_E: torch.Tensor, n_experts: int, n_rows: int) -> None:
+def _check_common(pairs, offsets_E: torch.Tensor, n_experts: Optional[int], n_rows: int) -> None:
     for name, t in pairs + [("offsets_E", offsets_E)]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -51,8 +57,12 @@ def _check_common(pairs, offsets_E: torch.Tensor, n_experts: int, n_rows: int) -
     for name, t in rest:
         if t.dtype != a.dtype:
             raise TypeError(f"{name}.dtype={t.dtype} differs from {a_name}.dtype={a.dtype}")
-    if offsets_E.dim() != 1 or offsets_E.shape[0] != n_experts:
-        raise ValueError(f"offsets_E must be 1-D with E={n_experts} entries, got shape {tuple(offsets_E.shape)}")
+    if offsets_E.dim() != 1:
+        raise ValueError(f"offsets_E must be 1-D [E] (each expert's cumulative end row), got shape "
+                         f"{tuple(offsets_E.shape)}")
+    if n_experts is not None and offsets_E.shape[0] != n_experts:
+        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but w_EDF has E={n_experts} experts")
+    check_num_experts(offsets_E.shape[0], f"offsets_E of shape {tuple(offsets_E.shape)}")
     if offsets_E.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"offsets_E must be int32 or int64, got {offsets_E.dtype}")
     devices = {t.device for _, t in pairs} | {offsets_E.device}
@@ -68,6 +78,8 @@ def check_grouped_mm_args(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: to
         raise ValueError(f"x_ND must be 2-D [N, D], got shape {tuple(x_ND.shape)}")
     if isinstance(w_EDF, torch.Tensor) and w_EDF.dim() != 3:
         raise ValueError(f"w_EDF must be 3-D [E, D, F], got shape {tuple(w_EDF.shape)}")
+    if isinstance(w_EDF, torch.Tensor):
+        check_num_experts(w_EDF.shape[0], f"w_EDF of shape {tuple(w_EDF.shape)}")
     _check_common([("x_ND", x_ND), ("w_EDF", w_EDF)], offsets_E,
                   w_EDF.shape[0] if isinstance(w_EDF, torch.Tensor) else 0,
                   x_ND.shape[0] if isinstance(x_ND, torch.Tensor) else 0)
@@ -80,8 +92,7 @@ def check_grouped_mm_wgrad_args(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets
     for name, t in (("x_ND", x_ND), ("dy_NF", dy_NF)):
         if isinstance(t, torch.Tensor) and t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    n_experts = offsets_E.shape[0] if isinstance(offsets_E, torch.Tensor) and offsets_E.dim() == 1 else -1
-    _check_common([("x_ND", x_ND), ("dy_NF", dy_NF)], offsets_E, n_experts, x_ND.shape[0])
+    _check_common([("x_ND", x_ND), ("dy_NF", dy_NF)], offsets_E, None, x_ND.shape[0])
     if x_ND.shape[0] != dy_NF.shape[0]:
         raise ValueError(f"x_ND has N={x_ND.shape[0]} rows but dy_NF has N={dy_NF.shape[0]}")
 
@@ -93,6 +104,7 @@ def check_grouped_mm_wgrad_args(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets
 
 @torch.library.custom_op("tlx_dist::grouped_mm", mutates_args=())
 def _grouped_mm_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    check_num_experts(w_EDF.shape[0], f"w_EDF of shape {tuple(w_EDF.shape)}")  # also for torch.ops callers
     return get_backend(backend).mm(x_ND, w_EDF, offsets_E)
 
 
@@ -103,6 +115,7 @@ def _(x_ND, w_EDF, offsets_E, backend):
 
 @torch.library.custom_op("tlx_dist::grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    check_num_experts(offsets_E.shape[0], f"offsets_E of shape {tuple(offsets_E.shape)}")
     return get_backend(backend).wgrad(x_ND, dy_NF, offsets_E)
 
 
@@ -151,7 +164,9 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
     Args:
         x_ND: ``[N, D]`` rows grouped by expert (expert-major), float dtype.
         w_EDF: ``[E, D, F]`` per-expert weights, same dtype as ``x_ND``.
-        offsets_E: ``[E]`` int32/int64 cumulative end rows; ``offsets_E[-1] <= N``.
+        offsets_E: ``[E]`` int32/int64 cumulative end rows, non-decreasing, ``offsets_E[-1] <= N``,
+            ``E >= 1``. Out-of-range values raise on CPU; on a GPU they are clamped on the device
+            and flagged (see ``check_offsets``), never read out of bounds.
         backend: ``"tlx" | "triton" | "torch" | "reference"`` to pin one; default automatic.
     Returns:
         ``[N, F]`` with ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.

@@ -17,6 +17,9 @@ themselves when their modules import; a name may have one implementation per GPU
 ``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
 ``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
 silent fallback.
+
+Every backend runs on the guarded offsets (``guard.py``): clamped into ``[0, N]`` and made
+non-decreasing on the device, with a device flag recording out-of-range ones.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import torch
 
 import tlx
 
+from .guard import guard_offsets
 from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
 
-__all__ = ["Backend", "register_backend", "get_backend", "available_backends", "select_backend"]
+__all__ = ["Backend", "register_backend", "register_unavailable", "get_backend", "available_backends",
+           "select_backend"]
 
 ENV_BACKEND = "TLX_DIST_GROUPED_MM_BACKEND"
 
@@ -59,6 +64,7 @@ def register_backend(backend: Backend) -> None:
         return a.archs is None or backend.archs is None or bool(set(a.archs) & set(backend.archs))
 
     _BACKENDS[backend.name] = [b for b in _BACKENDS.get(backend.name, []) if not overlap(b)] + [backend]
+    _UNAVAILABLE.pop(backend.name, None)
 
 
 def _current() -> list[Backend]:
@@ -66,6 +72,15 @@ def _current() -> list[Backend]:
     arch = tlx.gpu_arch()
     found = (next((b for b in impls if b.archs is None or arch in b.archs), None) for impls in _BACKENDS.values())
     return sorted((b for b in found if b is not None), key=lambda b: b.priority)
+
+
+_UNAVAILABLE: dict[str, str] = {}  # known backend name -> why it cannot run on this machine
+
+
+def register_unavailable(name: str, reason: str) -> None:
+    """Records that backend ``name`` exists but cannot run here (pinning it then says ``reason``)."""
+    if name not in _BACKENDS:
+        _UNAVAILABLE[name] = reason
 
 
 def _load_kernel_backends() -> None:
@@ -82,11 +97,25 @@ def _load_kernel_backends() -> None:
 _loaded = False
 
 
-def _ensure_loaded() -> None:
+def _load_once() -> bool:
     global _loaded
     if not _loaded:
         _loaded = True
         _load_kernel_backends()
+    return True
+
+
+# Run eagerly even while torch.compile traces the first grouped_mm of a process (dynamo cannot
+# trace an import); the registry it fills is then read like any other global. This is what
+# torch.compiler.assume_constant_result(_load_once) does -- it sets this one attribute -- without
+# importing torch._dynamo (and triton with it) at `import tlx_dist` (tests/test_moe_compile.py
+# fails if a torch release changes the mechanism).
+_load_once._dynamo_marked_constant = True
+
+
+def _ensure_loaded() -> None:
+    if not _loaded:
+        _load_once()
 
 
 def available_backends() -> list[str]:
@@ -101,8 +130,12 @@ def get_backend(name: str) -> Backend:
             return b
     if name in _BACKENDS:
         archs = sorted({a for b in _BACKENDS[name] for a in b.archs or ()})
-        raise ValueError(f"backend={name!r} has no implementation for gpu_arch()={tlx.gpu_arch()} "
-                         f"(it has them for {archs})")
+        arch = tlx.gpu_arch()
+        raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: it has no implementation for "
+                         f"gpu_arch()={arch!r}{' (no GPU found)' if arch == 'none' else ''} (it has them for {archs})")
+    if name in _UNAVAILABLE:
+        raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: {_UNAVAILABLE[name]} "
+                         f"(available here: {available_backends()})")
     raise ValueError(f"backend={name!r} is not one of {available_backends()}")
 
 
@@ -162,16 +195,25 @@ def _rows_past_end(n_rows: int, offsets_E: torch.Tensor, device: torch.device) -
 
 
 def _torch_mm(x_ND, w_EDF, offsets_E):
-    y_NF = torch._grouped_mm(x_ND, w_EDF, offsets_E.to(torch.int32))
+    # torch._grouped_mm trusts its offsets: it gets the guarded ones (in [0, N], non-decreasing).
+    safe = guard_offsets(offsets_E, x_ND.shape[0])
+    y_NF = torch._grouped_mm(x_ND, w_EDF, safe)
     # torch._grouped_mm leaves rows past the last offset uninitialised; our contract says zero.
-    return y_NF.masked_fill_(_rows_past_end(x_ND.shape[0], offsets_E, x_ND.device), 0)
+    return y_NF.masked_fill_(_rows_past_end(x_ND.shape[0], safe, x_ND.device), 0)
 
 
 def _torch_wgrad(x_ND, dy_NF, offsets_E):
     # Rows past the last offset are already outside every expert's K range.
-    return torch._grouped_mm(x_ND.t(), dy_NF, offsets_E.to(torch.int32))
+    return torch._grouped_mm(x_ND.t(), dy_NF, guard_offsets(offsets_E, x_ND.shape[0]))
+
+
+def _ref_mm(x_ND, w_EDF, offsets_E):
+    return grouped_mm_ref(x_ND, w_EDF, guard_offsets(offsets_E, x_ND.shape[0]))
+
+
+def _ref_wgrad(x_ND, dy_NF, offsets_E):
+    return grouped_mm_wgrad_ref(x_ND, dy_NF, guard_offsets(offsets_E, x_ND.shape[0]))
 
 
 register_backend(Backend("torch", _torch_mm, _torch_wgrad, _torch_supports, priority=30, auto_on_cpu=True))
-register_backend(Backend("reference", grouped_mm_ref, grouped_mm_wgrad_ref, lambda x, w: None, priority=100,
-                         auto_on_cpu=True))
+register_backend(Backend("reference", _ref_mm, _ref_wgrad, lambda x, w: None, priority=100, auto_on_cpu=True))

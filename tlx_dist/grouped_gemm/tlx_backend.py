@@ -34,7 +34,7 @@ import torch
 
 import tlx
 
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, register_unavailable
 
 __all__ = ["GroupedGemmConfig", "TileSpec", "CANDIDATES", "pick_config", "operand_reason", "kernel_signature",
            "ENV_CONFIG", "ENV_AUTOTUNE", "ENV_DW_SCHED"]
@@ -274,7 +274,7 @@ def _lpt_order(offsets: torch.Tensor) -> torch.Tensor:
 def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_backend import max_m_tiles, prep_tile_cum, ragged_descriptor
+    from .triton_backend import max_m_tiles, prep_offsets, ragged_descriptor
 
     N, K = x_ND.shape
     E, _, NN = w_EDF.shape
@@ -285,7 +285,7 @@ def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
     else:
         b_desc = TensorDescriptor(w_EDF, [E, K, NN], [w_EDF.stride(0), w_EDF.stride(1), 1], [1, cfg.BK, cfg.BN])
     c_desc = ragged_descriptor(y_NF, _a_rows(cc, cfg), _c_cols(cc, cfg))
-    tile_cum = prep_tile_cum(offsets, N, cfg.BM)
+    offsets, tile_cum = prep_offsets(offsets, N, cfg.BM)  # clamped on the device (guard.py)
     bound = max_m_tiles(N, E, cfg.BM) * -(-NN // cfg.BN)
     _launch(cc, cfg, False, b_kmajor, a_desc, b_desc, c_desc, offsets, tile_cum, N, E, N, K, NN, bound, x_ND.device)
 
@@ -302,11 +302,10 @@ def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> tor
     if N == 0:
         return y_NF
     cc = _arch_cc()
-    offsets = offsets_E.to(torch.int32).contiguous()
     form = "dX" if w_EDF.stride(2) != 1 else "fwd"
     cfg = pick_config(cc, form, N, E, K, NN, x_ND.dtype,
-                      bench=lambda c: _mm_with(c, cc, x_ND, w_EDF, offsets, torch.empty_like(y_NF)))
-    _mm_with(cfg, cc, x_ND, w_EDF, offsets, y_NF)
+                      bench=lambda c: _mm_with(c, cc, x_ND, w_EDF, offsets_E, torch.empty_like(y_NF)))
+    _mm_with(cfg, cc, x_ND, w_EDF, offsets_E, y_NF)
     return y_NF
 
 
@@ -337,9 +336,11 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
         from .triton_backend import _wgrad as portable_wgrad
 
         return portable_wgrad(x_ND, dy_NF, offsets_E)
+    from .triton_backend import prep_offsets
+
     dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
     cc = _arch_cc()
-    offsets = offsets_E.to(torch.int32).contiguous()
+    offsets = prep_offsets(offsets_E, N)[0]  # clamped into [0, N] on the device (guard.py)
     cfg = pick_config(cc, "dW", N, E, D, F, x_ND.dtype,
                       bench=lambda c: _wgrad_with(c, cc, x_ND, dy_NF, offsets, torch.empty_like(dw_EDF)))
     _wgrad_with(cfg, cc, x_ND, dy_NF, offsets, dw_EDF)
@@ -377,3 +378,5 @@ def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[Grouped
 
 if tlx.tlx_available():  # the architecture is checked per call (supports), so overrides reach it
     register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10, archs=tuple(_ARCH_CC)))
+else:
+    register_unavailable("tlx", "TLX (fbtriton) is not importable (pip install -e '.[tlx]')")

@@ -17,9 +17,10 @@ import torch
 
 from tlx import triton_available
 
-from .backends import Backend, register_backend
+from .backends import Backend, register_backend, register_unavailable
+from .reference import check_num_experts
 
-__all__ = ["prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
+__all__ = ["prep_offsets", "prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
 
 
 def interpret_mode() -> bool:
@@ -37,17 +38,33 @@ def max_m_tiles(n_rows: int, n_experts: int, block_m: int) -> int:
     return n_rows // block_m + n_experts + 1
 
 
-def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.Tensor:
-    """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding)."""
+def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0):
+    """(``safe_E`` ``[E]`` int32, ``tile_cum`` ``[E + 1]`` int32 or None) on the device, from one
+    launch of the scheduler's prep kernel: the offsets clamped into ``[0, n_rows]`` and made
+    non-decreasing (the device offsets flag records what was out of range; see ``guard.py``), and,
+    with ``block_m``, the inclusive cumsum of BM-row tiles per expert (+ padding). ``offsets_E``
+    may be int32 or int64; ``E >= 1``."""
     import triton
 
     from tlx.common.scheduler import _grouped_tile_prep_kernel
 
+    from .guard import offsets_flag
+
     E = offsets_E.shape[0]
-    tile_cum = torch.empty(E + 1, dtype=torch.int32, device=offsets_E.device)
-    _grouped_tile_prep_kernel[(1,)](offsets_E, tile_cum, E, n_rows, BM=block_m,
-                                    E1_P2=triton.next_power_of_2(E + 1))
-    return tile_cum
+    check_num_experts(E, "offsets_E")
+    dev = offsets_E.device
+    safe = torch.empty(E, dtype=torch.int32, device=dev)
+    tile_cum = torch.empty(E + 1, dtype=torch.int32, device=dev) if block_m else None
+    _grouped_tile_prep_kernel[(1,)](offsets_E.contiguous(), safe, safe if tile_cum is None else tile_cum,
+                                    offsets_flag(dev), E, n_rows, BM=max(block_m, 1),
+                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m))
+    return safe, tile_cum
+
+
+def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.Tensor:
+    """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding),
+    over the safe offsets (``prep_offsets``, whose ``safe_E`` the kernel should also be given)."""
+    return prep_offsets(offsets_E, n_rows, block_m)[1]
 
 
 def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):
@@ -89,10 +106,6 @@ def _blocks(x: torch.Tensor) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-def _offsets32(offsets_E: torch.Tensor) -> torch.Tensor:
-    return offsets_E.to(torch.int32).contiguous()
-
-
 def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     from tlx.portable.grouped_gemm import _grouped_mm_kernel
 
@@ -101,9 +114,8 @@ def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> tor
     y_NF = torch.empty(N, F, dtype=x_ND.dtype, device=x_ND.device)
     if N == 0 or F == 0:
         return y_NF
-    offsets = _offsets32(offsets_E)
     BM, BN, BK, warps, stages = _blocks(x_ND)
-    tile_cum = prep_tile_cum(offsets, N, BM)
+    offsets, tile_cum = prep_offsets(offsets_E, N, BM)
     grid = (max_m_tiles(N, E, BM) * -(-F // BN),)
     _grouped_mm_kernel[grid](
         x_ND, w_EDF, y_NF, offsets, tile_cum, N, E, D, F,
@@ -121,10 +133,11 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = offsets_E.shape[0]
+    check_num_experts(E, "offsets_E")
     dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
     if dw_EDF.numel() == 0:
         return dw_EDF
-    offsets = _offsets32(offsets_E)
+    offsets = prep_offsets(offsets_E, N)[0]
     BM, BN, BK, warps, stages = _blocks(x_ND)
     grid = (E * -(-D // BM) * -(-F // BN),)
     _grouped_wgrad_kernel[grid](
@@ -140,3 +153,5 @@ if triton_available():
     # After torch: on the H200 the portable kernel runs at ~0.8x torch._grouped_mm (bench/RESULTS.md),
     # so it is the automatic choice only where torch._grouped_mm cannot run (AMD, pre-sm_90 GPUs).
     register_backend(Backend("triton", _mm, _wgrad, _supports, priority=40))
+else:
+    register_unavailable("triton", "triton is not importable (pip install -e '.[tlx]')")
