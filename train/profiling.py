@@ -3,10 +3,16 @@
 Every unit of measured time is put in one category by :func:`categorize`, from its own name and
 the names of the ops around it (innermost first):
 
-- on GPU, a unit is a device kernel (or memcpy / memset) with its device time; its names are the
-  kernel name, the op that launched it and that op's ancestors (``aten::mm`` inside
-  ``autograd::engine::evaluate_function: MmBackward0`` inside ``ProfilerStep#4``);
-- on CPU, a unit is an op with its self CPU time; its names are its own and its ancestors'.
+- on GPU, a unit is one device record (kernel, memcpy or memset) with its device time, counted
+  once; its names are the kernel name, the op that launched it (the innermost op or
+  ``record_function`` scope open at the launch, through the record's correlation id) and that
+  op's ancestors (``aten::mm`` inside ``autograd::engine::evaluate_function: MmBackward0``).
+  Host events never contribute device time themselves: neither an op's total (which holds its
+  children's kernels again) nor the ``kernels`` torch attaches to non-op records. Where streams
+  overlap, each instant is split evenly among the records running, so the categories sum to the
+  device's busy time, never more; the table also gives the wall step time and the busy fraction;
+- on CPU, a unit is an op inside a ``ProfilerStep`` scope with its self CPU time; its names are
+  its own and its ancestors'.
 
 Categories:
 
@@ -40,6 +46,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.autograd import DeviceType
 
 __all__ = ["CATEGORIES", "categorize", "step_profile", "format_profile", "annotate_dispatchers"]
 
@@ -101,51 +108,176 @@ def _stack(evt) -> list[str]:
     return out
 
 
-def step_profile(events: Iterable, steps: int, device: bool) -> dict:
-    """Milliseconds per step in each category from ``prof.events()`` over ``steps`` profiled steps.
+# What kineto reports, by ``FunctionEvent.activity_type``. Only these device records are device work;
+# the other device-side records are spans (``gpu_user_annotation``: a ``record_function`` scope
+# drawn on the GPU timeline, e.g. ``ProfilerStep#N`` over a whole step) or waits (``cuda_sync``).
+_DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+# Host records that are torch ops or ``record_function`` scopes, i.e. can launch a kernel. Not ops:
+# ``cuda_runtime`` / ``cuda_driver`` calls and CUPTI ``overhead`` records such as "Command Buffer
+# Full" (the host blocked on a full launch queue). torch attaches kernels to such records too (by
+# the look of it, those of the op that shares their correlation number), so summing every host
+# event's ``kernels`` counts them again: on the H200 (3 steps of h200_1gpu) "Command Buffer Full"
+# carried 4178 ms of "Self CUDA", and the old table's 1747 ms/step minus 4178/3 is 355 ms, the
+# 353 ms step.
+_HOST_OPS = frozenset({"cpu_op", "user_annotation"})
+# Fallbacks for a torch whose events carry no ``activity_type``.
+_DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) Sync|^Stream Wait Event|^cudaEvent", re.I)
+_NOT_AN_OP = re.compile(r"^(Command Buffer Full|Buffer Flush|Driver Compiler|Instrumentation|Resource"
+                        r"|Activity Buffer Request|Runtime Triggered Module Loading|Lazy Function Loading"
+                        r"|Unknown)$|^cuda[A-Z]|^cu[A-Z]")  # CUPTI overhead kinds; runtime / driver calls
 
-    ``device=True``: kernels (device time) attributed through the op that launched them; device
-    time that no op claims is reported as ``unattributed``. ``device=False``: self CPU time of
-    each op. Also returns ``"step (wall)"``: the mean duration of the ``ProfilerStep#N`` scopes.
-    """
-    if steps <= 0:
-        raise ValueError(f"steps={steps} must be positive")
-    from torch.autograd import DeviceType
 
-    ms = {c: 0.0 for c in CATEGORIES}
-    wall, attributed, device_total = 0.0, 0.0, 0.0
-    for e in events:
-        if e.device_type == DeviceType.CPU:
-            if e.name.startswith("ProfilerStep"):  # "ProfilerStep#N", shown as "ProfilerStep*"
-                wall += e.cpu_time_total
-                continue
-            if device:
-                stack = None
-                for k in e.kernels:
-                    stack = stack if stack is not None else [e.name, *_stack(e)]
-                    ms[categorize(k.name, stack)] += k.duration
-                    attributed += k.duration
-            elif not e.is_async:
-                ms[categorize(e.name, _stack(e))] += e.self_cpu_time_total
-        elif device and not e.is_user_annotation:
-            device_total += e.time_range.end - e.time_range.start
-    out = {c: v / steps / 1e3 for c, v in ms.items()}
-    if device:
-        out["unattributed"] = max(device_total - attributed, 0.0) / steps / 1e3
-    out["step (wall)"] = wall / steps / 1e3
+def _kind(evt) -> Optional[str]:
+    return getattr(evt, "activity_type", None)
+
+
+def _is_device_work(evt) -> bool:
+    if evt.device_type == DeviceType.CPU or evt.is_user_annotation:
+        return False
+    kind = _kind(evt)
+    return kind in _DEVICE_WORK if kind is not None else not _DEVICE_WAIT.search(evt.name)
+
+
+def _is_host_op(evt) -> bool:
+    if evt.device_type != DeviceType.CPU or evt.is_async:
+        return False
+    kind = _kind(evt)
+    return kind in _HOST_OPS if kind is not None else not _NOT_AN_OP.search(evt.name)
+
+
+def _is_step(name: str) -> bool:
+    return name.startswith("ProfilerStep")  # "ProfilerStep#N", shown as "ProfilerStep*"
+
+
+def _launchers(ops: list, work: list) -> list:
+    """The op that launched each device record in ``work`` (None: launched by no op in the trace,
+    e.g. queued in a warm-up step and run in the first profiled one). A device record's
+    ``linked_correlation_id`` is the correlation number of the innermost op or ``record_function``
+    scope open when it was launched. A torch whose events lack that field: the match is made
+    through each op's ``kernels`` list (torch's own correlation), by kernel name and duration."""
+    if all(hasattr(w, "linked_correlation_id") for w in work):
+        by_id = {}
+        for op in ops:
+            by_id.setdefault(op.id, op)
+        return [by_id.get(w.linked_correlation_id) if w.linked_correlation_id > 0 else None  # 0: no link
+                for w in work]
+    pool: dict[tuple, list] = {}
+    for op in ops:
+        for k in op.kernels:
+            pool.setdefault((k.name, k.duration), []).append(op)
+    out = []
+    for w in work:
+        cands = pool.get((w.name, w.time_range.end - w.time_range.start))
+        out.append(cands.pop() if cands else None)
     return out
 
 
+def _share_concurrent(spans: list[tuple[float, float, object, str]]) -> tuple[dict, float]:
+    """Device time per category from ``spans`` = (start_us, end_us, device, category): every
+    instant a device is busy is counted once, split evenly among the records running on it then
+    (two streams overlapping for 10 us give each 5 us). Returns (us per category, busy us summed
+    over devices); the categories sum to the busy time."""
+    out: dict[str, float] = {}
+    busy = 0.0
+    per_dev: dict[object, list] = {}
+    for s, e, d, c in spans:
+        if e > s:  # a zero-length record owns no time (and would end before it starts below)
+            per_dev.setdefault(d, []).append((s, e, c))
+    for recs in per_dev.values():
+        # Ends sort before starts at one instant: back-to-back records never count as concurrent.
+        points = sorted([(s, 1, c) for s, _, c in recs] + [(e, 0, c) for _, e, c in recs])
+        running: dict[str, int] = {}
+        n, t_prev = 0, 0.0
+        for t, starts, c in points:
+            if n and t > t_prev:
+                for cat, k in running.items():
+                    if k:
+                        out[cat] = out.get(cat, 0.0) + (t - t_prev) * k / n
+                busy += t - t_prev
+            t_prev = t
+            running[c] = running.get(c, 0) + (1 if starts else -1)
+            n += 1 if starts else -1
+    return out, busy
+
+
+def step_profile(events: Iterable, steps: int, device: bool) -> dict:
+    """Milliseconds per step in each of :data:`CATEGORIES` from ``prof.events()`` over ``steps``
+    profiled steps, plus ``"step (wall)"``: the mean duration of the ``ProfilerStep#N`` scopes.
+
+    ``device=True``: device work only (kernels, memcpy, memset; not the GPU-side annotation spans
+    nor sync records), each record counted once and categorised by its own name and the op that
+    launched it (:func:`_launchers`) with that op's enclosing ops and scopes. Time when records
+    overlap on one device (several streams) is split evenly among them, so the categories sum to
+    ``"device busy"``: the time the device ran anything. Also ``"kernel time"`` (the records'
+    summed durations, >= busy) and ``"left out"``: device time of records no op in the trace
+    launched (work queued before the profiled steps), in no category.
+
+    ``device=False``: self CPU time of each op inside a ``ProfilerStep`` scope (so the categories
+    sum to at most the step time); ``"left out"``: self CPU time of ops outside those scopes.
+    """
+    if steps <= 0:
+        raise ValueError(f"steps={steps} must be positive")
+    events = list(events)
+    ops = [e for e in events if _is_host_op(e)]
+    wall = sum(e.time_range.end - e.time_range.start for e in ops if _is_step(e.name))
+    us = {c: 0.0 for c in CATEGORIES}
+    left_out = 0.0
+    out: dict[str, float] = {}
+    if device:
+        work = [e for e in events if _is_device_work(e)]
+        cat_of: dict[tuple, str] = {}
+        spans = []
+        for w, op in zip(work, _launchers(ops, work)):
+            if op is None:
+                left_out += w.time_range.end - w.time_range.start
+                continue
+            key = (id(op), w.name)
+            if key not in cat_of:
+                cat_of[key] = categorize(w.name, [op.name, *_stack(op)])
+            spans.append((w.time_range.start, w.time_range.end, w.device_index, cat_of[key]))
+        shares, busy = _share_concurrent(spans)
+        for c, v in shares.items():
+            us[c] += v
+        out["device busy"] = busy
+        out["kernel time"] = sum(e - s for s, e, _, _ in spans)
+    else:
+        for e in ops:
+            if _is_step(e.name):
+                continue
+            stack = _stack(e)
+            if any(_is_step(n) for n in stack):
+                us[categorize(e.name, stack)] += e.self_cpu_time_total
+            else:
+                left_out += e.self_cpu_time_total
+    out["step (wall)"] = wall
+    out["left out"] = left_out
+    return {**{c: us[c] / steps / 1e3 for c in CATEGORIES}, **{k: v / steps / 1e3 for k, v in out.items()}}
+
+
 def format_profile(prof_ms: dict, device: bool) -> str:
-    """The table ``--profile`` prints: ms per step and share of the measured total per category."""
-    cats = [c for c in prof_ms if c != "step (wall)"]
-    total = sum(prof_ms[c] for c in cats)
-    what = "device (kernel) time" if device else "self CPU time"
-    lines = [f"step profile: {what} per step, by category", f"{'category':<20} {'ms/step':>9} {'share':>7}"]
-    for c in sorted(cats, key=lambda c: -prof_ms[c]):
+    """The table ``--profile`` prints: ms per step and share of the total per category, then the
+    step's wall time and how much of it the table covers."""
+    total = sum(prof_ms[c] for c in CATEGORIES)
+    wall = prof_ms["step (wall)"]
+    what = ("device time per step, by category (kernels, memcpy, memset: each once, by the op that launched it)"
+            if device else "self CPU time per step, by category (the ops inside the profiled steps)")
+    lines = [f"step profile: {what}", f"{'category':<20} {'ms/step':>9} {'share':>7}"]
+    for c in sorted(CATEGORIES, key=lambda c: -prof_ms[c]):
         lines.append(f"{c:<20} {prof_ms[c]:9.2f} {100 * prof_ms[c] / max(total, 1e-12):6.1f}%")
     lines.append(f"{'total':<20} {total:9.2f}")
-    lines.append(f"{'step (wall)':<20} {prof_ms['step (wall)']:9.2f}")
+    lines.append(f"{'step (wall)':<20} {wall:9.2f}")
+    pct = f"{100 * total / wall:.1f}%" if wall > 0 else "n/a"
+    if device:
+        overlap = prof_ms["kernel time"] - prof_ms["device busy"]
+        lines.append(f"device busy {prof_ms['device busy']:.2f} ms/step = {pct} of the wall step time; kernels ran "
+                     f"{prof_ms['kernel time']:.2f} ms/step ({overlap:.2f} ms on concurrent streams, split evenly)")
+        if prof_ms["left out"] > 0:
+            lines.append(f"left out: {prof_ms['left out']:.2f} ms/step of device work launched before the profiled "
+                         f"steps")
+    else:
+        lines.append(f"ops cover {pct} of the wall step time (the rest: Python between ops)")
+        if prof_ms["left out"] > 0:
+            lines.append(f"left out: {prof_ms['left out']:.2f} ms/step of self CPU time outside the profiled steps")
     return "\n".join(lines)
 
 
