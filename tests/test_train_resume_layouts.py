@@ -93,8 +93,14 @@ def _flat(path):
             for k, x in v.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), x)
         elif isinstance(v, (list, tuple)) and prefix.endswith("param_groups"):
-            for i, x in enumerate(v):
-                walk(f"{prefix}.{i}", x)
+            # Per parameter, not per group position: the groups are split by mesh (one foreach
+            # kernel per mesh), so their number and order differ between layouts, and DCP maps
+            # them back by parameter name on load.
+            for group in v:
+                for fqn in group["params"]:
+                    for k, x in group.items():
+                        if k != "params":
+                            flat[f"{prefix}[{fqn}].{k}"] = x
         else:
             flat[prefix] = v
 
