@@ -18,9 +18,20 @@ Rules the exchange kernels follow (and ``tests/test_symm_nvshmem_compile.py`` ch
 
 Signal operations are NVSHMEM's ``nvshmemx_signal_op_t`` values (``NVSHMEM_SIGNAL_SET = 9``,
 ``NVSHMEM_SIGNAL_ADD = 10`` in ``device_host_transport/nvshmem_common_transport.h``).
+
+Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU) these calls are *emulated* over the
+symmetric heaps registered with :func:`emulate_heaps` (an emulated world of several "nodes",
+``SymmBuffers.emulated(..., ranks_per_node=n)``): a put copies bytes at once, a signal sets or
+adds at once, fence/quiet do nothing, and the interpreter's program is the "one thread". The
+emulation raises if a put's source or a symmetric address lies outside this PE's heap, so the CPU
+tests check the staging rule and every offset the route computes; not NVSHMEM's ordering or
+transport, which only a multi-node run can.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
 
 import triton
 import triton.language as tl
@@ -81,3 +92,67 @@ def fence_sys():
     """``fence.sc.sys``: this thread's earlier stores (and, after a CTA barrier, the CTA's) are
     visible system-wide -- to a NIC's atomics too -- before its next NVSHMEM call."""
     tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# ---------------------------------------------------------------- interpreter emulation
+
+_HEAPS: list = []  # (base address, bytes) of each emulated PE's symmetric heap, by PE
+
+
+def emulate_heaps(heaps) -> None:
+    """Registers the symmetric heaps ``[(base, nbytes)]`` of an emulated world, indexed by PE
+    (replacing the previous world's)."""
+    _HEAPS[:] = [(int(b), int(n)) for b, n in heaps]
+
+
+def _int(v) -> int:
+    h = getattr(v, "handle", None)
+    if h is not None:  # an interpreter tensor (a scalar)
+        return int(h.data.reshape(-1)[0])
+    return int(getattr(v, "value", v))  # a constexpr or a Python int
+
+
+def _heap_offset(addr: int, nbytes: int, what: str) -> tuple[int, int]:
+    """(PE whose heap holds [addr, addr + nbytes), offset in it): symmetric memory of the caller."""
+    for pe, (base, size) in enumerate(_HEAPS):
+        if base <= addr and addr + nbytes <= base + size:
+            return pe, addr - base
+    raise ValueError(f"emulated NVSHMEM: {what} [{addr:#x}, +{nbytes}) is not in a symmetric heap "
+                     f"({len(_HEAPS)} registered): NVSHMEM needs symmetric memory there")
+
+
+def _emu_putmem_block(dest, source, nbytes, pe, _semantic=None):
+    dest, source, n, pe = (_int(v) for v in (dest, source, nbytes, pe))
+    me, _ = _heap_offset(source, n, "put source")
+    me2, off = _heap_offset(dest, n, "put destination")
+    if me2 != me:
+        raise ValueError(f"emulated NVSHMEM: put destination lies in PE {me2}'s heap, not the caller's ({me})")
+    ctypes.memmove(_HEAPS[pe][0] + off, source, n)
+
+
+def _emu_signal_op(sig_addr, value, op, pe, _semantic=None):
+    sig, v, op, pe = (_int(x) for x in (sig_addr, value, op, pe))
+    _, off = _heap_offset(sig, 8, "signal")
+    cell = ctypes.c_int64.from_address(_HEAPS[pe][0] + off)
+    v = v - 2**64 if v >= 2**63 else v
+    if op == 9:
+        cell.value = v
+    elif op == 10:
+        cell.value += v
+    else:
+        raise ValueError(f"emulated NVSHMEM: signal op {op} is neither NVSHMEM_SIGNAL_SET (9) nor ADD (10)")
+
+
+def _emu_nothing(*args, _semantic=None):
+    return None
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the kernels are interpreted: emulate the calls
+    putmem_block, signal_op = _emu_putmem_block, _emu_signal_op
+    quiet = fence = fence_sys = _emu_nothing
+
+    def thread_id():  # noqa: F811 -- an interpreted program is one thread
+        return 0
+
+    def one_thread():  # noqa: F811
+        return True

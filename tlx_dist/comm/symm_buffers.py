@@ -228,7 +228,7 @@ class SymmBuffers:
         self.peers = torch.tensor(ptrs, dtype=torch.int64, device=mem.device)
         self.pes = torch.tensor(pes, dtype=torch.int32, device=mem.device)
         # The NVSHMEM variants of the sending kernels run only when a peer has no pointer.
-        self.use_nvshmem = backend == "nvshmem" and 0 in ptrs
+        self.use_nvshmem = 0 in ptrs
         if self.use_nvshmem and not layout.staging:
             raise ValueError("peers without a pointer need the NVSHMEM staging regions (SymmLayout staging=True)")
         self._nvshmem_lib = None
@@ -240,17 +240,19 @@ class SymmBuffers:
         that initialises exactly the modules linked with it for NVSHMEM is installed."""
         if not self.use_nvshmem:
             return {}
+        names = set(kernel.arg_names)
+        if "USE_NVSHMEM" not in names:
+            raise TypeError(f"{kernel.fn.__name__} has no USE_NVSHMEM parameter: it does not send to peers")
+        L = self.layout
+        meta = dict(pes_ptr=self.pes, USE_NVSHMEM=True, OFF_SROWS=L.off_srows, OFF_SMETA=L.off_smeta,
+                    OFF_SGATES=L.off_sgates, OFF_SCOMB=L.off_scomb, OFF_SDGATE=L.off_sdgate)
+        out = {k: v for k, v in meta.items() if k in names}
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":  # tlx/comm/nvshmem.py emulates the calls
+            return out
         if self._nvshmem_lib is None:
             cap = torch.cuda.get_device_capability(self.device)
             self._nvshmem_lib = nvshmem_device_library(cap[0] * 10 + cap[1])
         _install_nvshmem_hook()
-        L = self.layout
-        meta = dict(pes_ptr=self.pes, USE_NVSHMEM=True, OFF_SROWS=L.off_srows, OFF_SMETA=L.off_smeta,
-                    OFF_SGATES=L.off_sgates, OFF_SCOMB=L.off_scomb, OFF_SDGATE=L.off_sdgate)
-        names = set(kernel.arg_names)
-        out = {k: v for k, v in meta.items() if k in names}
-        if "USE_NVSHMEM" not in out:
-            raise TypeError(f"{kernel.fn.__name__} has no USE_NVSHMEM parameter: it does not send to peers")
         out["extern_libs"] = {_NVSHMEM_LIB: self._nvshmem_lib}
         return out
 
@@ -321,19 +323,32 @@ class SymmBuffers:
     # ---- emulated world ----
     @classmethod
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None) -> list["SymmBuffers"]:
+                 dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
-        ``"cpu"`` for the Triton interpreter."""
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype)
+        ``"cpu"`` for the Triton interpreter. ``ranks_per_node`` (interpreter only): virtual ranks
+        ``v // ranks_per_node`` form a node; a rank sees the others' slices as peer pointers 0 and
+        reaches them through the NVSHMEM route, whose calls ``tlx/comm/nvshmem.py`` emulates."""
+        nodes = ranks_per_node is not None and ranks_per_node < world_size
+        if ranks_per_node is not None:
+            _pos_int("ranks_per_node", ranks_per_node)
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes)
         timeout = _timeout_s(timeout_s)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if nodes and device.type != "cpu":
+            raise ValueError(f"ranks_per_node={ranks_per_node} emulates NVSHMEM, which only the Triton interpreter "
+                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group")
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
+        if nodes:
+            from tlx.comm.nvshmem import emulate_heaps
+            emulate_heaps([(p, layout.nbytes) for p in ptrs])
         out = []
         for v in range(world_size):
             b = cls.__new__(cls)
-            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], ptrs, list(range(world_size)),
+            seen = [p if not nodes or d // ranks_per_node == v // ranks_per_node else 0 for d, p in enumerate(ptrs)]
+            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], seen, list(range(world_size)),
                     "emulated", None, timeout)
             b._world_mem = mem  # keeps the shared allocation alive
             out.append(b)
