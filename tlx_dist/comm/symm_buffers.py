@@ -199,7 +199,7 @@ class SymmBuffers:
         from torch.distributed import _symmetric_memory as symm_mem
 
         if backend == "nvshmem":
-            _use_nvshmem_backend(symm_mem)
+            _use_nvshmem_backend(symm_mem, device)
         mem = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
         mem.zero_()
         handle = symm_mem.rendezvous(mem, group)
@@ -362,11 +362,13 @@ _NVSHMEM_STATE = b"nvshmemi_device_state_d"  # the device symbol nvshmemx_cumodu
 _PREV_HOOK = None
 
 
-def _use_nvshmem_backend(symm_mem) -> None:
+def _use_nvshmem_backend(symm_mem, device) -> None:
     if not symm_mem.is_nvshmem_available():
         raise RuntimeError("backend='nvshmem' (an EP group that spans nodes) needs a CUDA build of torch with "
                            "NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available() is False); "
                            "use dispatcher='all_to_all' across nodes")
+    if symm_mem.get_backend(device) == "NVSHMEM":  # an earlier SymmBuffers of this process chose it
+        return
     try:
         symm_mem.set_backend("NVSHMEM")
     except RuntimeError as err:  # fixed by the first symmetric allocation of the process
