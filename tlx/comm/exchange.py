@@ -153,8 +153,9 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
                 tl.atomic_max(flag, epoch, sem="release", scope="sys")
         else:
             tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
-    if USE_NVSHMEM:
-        _nvshmem_signal_remote(epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W, nv.SIGNAL_SET)
+    if USE_NVSHMEM:  # epoch >= 1: every off-node peer gets FLAGS[RANK] = epoch
+        _nvshmem_signal(tl.zeros([WP3], tl.int64) + epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W, WP3,
+                        nv.SIGNAL_SET)
 
 
 @triton.jit
@@ -212,44 +213,29 @@ def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr, pes_p
             else:
                 tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
     if USE_NVSHMEM:
-        _nvshmem_publish(hist, peers_ptr, pes_ptr, tl.load(peers_ptr + RANK) + slot_off, W, WP)
+        _nvshmem_signal(hist, peers_ptr, pes_ptr, tl.load(peers_ptr + RANK) + slot_off, W, WP, nv.SIGNAL_ADD)
 
 
 # ---------------------------------------------------------------- the NVSHMEM route (USE_NVSHMEM)
 
 
 @triton.jit
-def _nvshmem_signal_remote(value, peers_ptr, pes_ptr, sig_addr, W: tl.constexpr, OP: tl.constexpr):
+def _nvshmem_signal(vals, peers_ptr, pes_ptr, sig_addr, W: tl.constexpr, WP: tl.constexpr, OP: tl.constexpr):
     """After a CTA barrier: one thread makes the CTA's stores visible system-wide and completes
-    this PE's puts (``nvshmem_quiet``), then signals ``OP value`` at ``sig_addr`` of every
-    off-node peer. Everything a thread-0-only region must not contain (reductions, barriers) is
-    computed by all threads outside it."""
-    if nv.one_thread():
-        nv.fence_sys()
-        nv.quiet()
-    for d in range(W):
-        base = tl.load(peers_ptr + d)
-        pe = tl.load(pes_ptr + d)
-        if base == 0:
-            if nv.one_thread():
-                nv.signal_op(sig_addr, value.to(tl.uint64), OP, pe)
-
-
-@triton.jit
-def _nvshmem_publish(hist, peers_ptr, pes_ptr, sig_addr, W: tl.constexpr, WP: tl.constexpr):
-    """``_publish`` for off-node destinations: after a CTA barrier, one thread completes this PE's
-    puts, then adds ``hist[d]`` rows to the counter at ``sig_addr`` of each off-node d with rows."""
+    this PE's puts (``nvshmem_quiet``), then applies ``OP vals[d]`` to the counter at symmetric
+    ``sig_addr`` of every off-node peer d with ``vals[d] > 0``. What a thread-0-only region must
+    not hold (reductions, barriers, the loads) runs on every thread outside it."""
     wr = tl.arange(0, WP)
     if nv.one_thread():
         nv.fence_sys()
         nv.quiet()
     for d in range(W):
-        n = tl.sum(tl.where(wr == d, hist, 0))
+        n = tl.sum(tl.where(wr == d, vals, 0))
         base = tl.load(peers_ptr + d)
         pe = tl.load(pes_ptr + d)
         if (n > 0) & (base == 0):
             if nv.one_thread():
-                nv.signal_op(sig_addr, n.to(tl.uint64), nv.SIGNAL_ADD, pe)
+                nv.signal_op(sig_addr, n.to(tl.uint64), OP, pe)
 
 
 @triton.jit
