@@ -5,6 +5,9 @@
 #   - fbtriton (the `tlx` extra): Meta's Triton with TLX. It provides the `triton` module itself,
 #     so a stock `triton` is uninstalled first. Skip with TLX_DIST_NO_TLX=1.
 #   - transformers (the `hf` extra): for tlx_dist.integrations.hf and its tests.
+#   - NVSHMEM's device bitcode (the `nvshmem-bitcode` extra) for the compile check of the
+#     cross-node kernels, unless an nvidia-nvshmem wheel is there already (CUDA torch brings its
+#     own, whose version must match torch's). Skip with TLX_DIST_NO_NVSHMEM=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,6 +32,13 @@ if [[ "${TLX_DIST_NO_TLX:-0}" != "1" ]]; then
   extras="$extras,tlx"
 else
   say "TLX_DIST_NO_TLX=1: skipping fbtriton"
+fi
+if [[ "${TLX_DIST_NO_NVSHMEM:-0}" != "1" ]]; then
+  if "$PY" -m pip list 2>/dev/null | grep -i '^nvidia-nvshmem-cu1' >/dev/null; then
+    say "an nvidia-nvshmem wheel is installed (kept): its device bitcode serves the compile check"
+  else
+    extras="$extras,nvshmem-bitcode"
+  fi
 fi
 say "installing tlx_dist in editable mode with extras [$extras] (pip: about a minute on a fresh machine) ..."
 pipq -e ".[$extras]"

@@ -2,6 +2,7 @@
 
 Compiled in a child process with ``TRITON_INTERPRET`` unset: Triton picks compiled vs interpreted
 when a kernel is decorated, and the CPU interpreter tests of this suite set it at collection.
+The NVSHMEM variants (``USE_NVSHMEM=True``) are checked in tests/test_symm_nvshmem_compile.py.
 Checks what each kernel exists for in the PTX: system-scope release atomics for signals and
 system-scope acquire loads for the polls (Triton lowers the ``atomic_add(p, 0, acquire)`` poll to
 ``ld.global.sys.acquire``: no read-modify-write traffic while spinning), and global row copies.
@@ -97,7 +98,7 @@ def _compile_all(arch: str) -> dict:
             out[name] = dict(binary=len(k.asm["cubin"]), release=ptx.count("sys.release"),
                              acquire=ptx.count("sys.acquire"), atomic=ptx.count("atom."),
                              st=ptx.count("st.global"), ld=ptx.count("ld.global"),
-                             timer=ptx.count("%globaltimer"))
+                             timer=ptx.count("%globaltimer"), nvshmem=ptx.count("nvshmem"))
     return out
 
 
@@ -123,6 +124,9 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert compiled[name]["timer"] > 0, f"{name}: wait not bounded by the device clock"
     for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):
         assert compiled[name]["st"] > 0 and compiled[name]["ld"] > 0, f"{name}: no row copy"
+    # The peer-pointer build (USE_NVSHMEM=False, the default) has no NVSHMEM in it: no module init.
+    for name, info in compiled.items():
+        assert info.get("nvshmem", 0) == 0, f"{name}: references NVSHMEM with USE_NVSHMEM=False"
 
 
 if __name__ == "__main__":

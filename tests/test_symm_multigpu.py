@@ -4,7 +4,7 @@ GPUs, and MoELayer forward/backward with both. Launch with torchrun, one process
     torchrun --nproc-per-node=2 -m pytest -m multigpu tests/test_symm_multigpu.py -q
 
 The deduplicated exchange has not run on two GPUs yet (only one-GPU machines were lent since it
-landed). Groups spanning nodes are refused by SymmBuffers (the NVSHMEM route is being rebuilt).
+landed). Groups spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 ``exchange``: the phase kernels every rank runs for one deduplicated exchange (barrier -> send
 token rows once per rank -> expand to expert-major rows; reduce per token -> send partial sums
-home), with bounded waits. Host wrappers, buffer allocation and autograd live in
-``tlx_dist.comm.symm``.
+home), with bounded waits. ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
+(peers on other nodes), emulated under the interpreter. Host wrappers, buffer allocation and
+autograd live in ``tlx_dist.comm.symm``.
 """
 
 from .exchange import (  # noqa: F401

@@ -21,6 +21,13 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
     RECV   [R, D]          token rows; rows [s*T_MAX, s*T_MAX + rows_from[s]) come from source s
     COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
     DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
+  staging, only with the NVSHMEM backend (sources of NVSHMEM puts must be symmetric memory):
+    SROWS  [T_MAX, D]      token rows (x or dy) of this rank bound for another node, staged once
+                           per token whichever ranks receive it
+    SMETA  [T_MAX, W, K+1] int32  META row of (token, destination) for off-node destinations
+    SGATES [T_MAX, K]      the gates of a staged token
+    SCOMB  [R, D]          combine partial row of received row n whose source is off-node
+    SDGATE [R, K] f64      gate gradients of received row n whose source is off-node (ACC)
 
 One op, kernels in launch order (the emulated world launches each phase for every virtual rank
 before the next, so no kernel waits on a signal raised by a later launch):
@@ -34,12 +41,25 @@ Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | 
 error word, and later waits on that rank return at once; the host raises a RuntimeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
 the overflow flag, and count as zero in the combine: never silently.
+
+Peers on other nodes (``USE_NVSHMEM``, only in the kernels that send: ``_barrier_signal``,
+``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
+``pes[d]`` is their NVSHMEM PE. A sender stages what would have been peer stores in its own
+symmetric region (COUNTS row RANK, which it writes anyway, or the staging regions above), then
+every thread of the CTA calls one block-collective ``nvshmemx_putmem_block`` per row (per run of
+gate-gradient slots) from the staged copy to the same symmetric offset on the peer; after a CTA
+barrier ONE thread (``tlx/comm/nvshmem.py: one_thread``) makes the CTA's stores visible system-wide,
+calls ``nvshmem_quiet`` (every put complete) and raises the same counter the peer-pointer route
+raises: ``nvshmemx_signal_op`` SET epoch on FLAGS[RANK], ADD rows on ARRIVE. Receivers poll their own
+memory the same way on both routes. With USE_NVSHMEM=False (default) none of this is compiled.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from . import nvshmem as nv
 
 try:  # device clocks for bounded waits; the interpreter counts polls instead
     from triton.language.extra.cuda import globaltimer as _globaltimer
@@ -92,9 +112,12 @@ def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.
 def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
                            W: tl.constexpr, WP3: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
                            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
-                           OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr):
+                           OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                           pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
     """epoch += 1; zero my ARRIVE; [write my count vector into every peer's COUNTS]; raise
-    FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it)."""
+    FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it). USE_NVSHMEM:
+    off-node peers get my COUNTS row (written to my own region as d == RANK) by a block put, then
+    one thread's signal SET after ``nvshmem_quiet``."""
     my = tl.load(peers_ptr + RANK)
     state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
     epoch = tl.load(state) + 1
@@ -108,11 +131,31 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
         row_off = OFF_COUNTS + ((epoch % 2) * W + RANK) * (NC * 8)
         for d in range(W):
             base = tl.load(peers_ptr + d)
-            tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
+            if USE_NVSHMEM:
+                if base != 0:
+                    tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
+            else:
+                tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
+        if USE_NVSHMEM:  # my own row (d == RANK above) is the symmetric source of the puts
+            tl.debug_barrier()
+            nv.fence_sys()
+            for d in range(W):
+                base = tl.load(peers_ptr + d)
+                pe = tl.load(pes_ptr + d)
+                if base == 0:
+                    nv.putmem_block(my + row_off, my + row_off, tl.full([], NC * 8, tl.int64), pe)
     tl.debug_barrier()
     for d in range(W):
         base = tl.load(peers_ptr + d)
-        tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+        if USE_NVSHMEM:
+            if base != 0:
+                flag = (base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64))
+                tl.atomic_max(flag, epoch, sem="release", scope="sys")
+        else:
+            tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+    if USE_NVSHMEM:  # epoch >= 1: every off-node peer gets FLAGS[RANK] = epoch
+        _nvshmem_signal(tl.zeros([WP3], tl.int64) + epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W, WP3,
+                        nv.SIGNAL_SET)
 
 
 @triton.jit
@@ -153,16 +196,151 @@ def _barrier_wait_kernel(peers_ptr, lay_ptr, offs_ptr, RANK,
 
 
 @triton.jit
-def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr):
+def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr, pes_ptr, RANK,
+             USE_NVSHMEM: tl.constexpr):
     """After this CTA's stores: add ``hist[d]`` to the counter at ``peers[d] + slot_off`` (one
-    scalar release add per destination, issued by one thread, after a CTA barrier)."""
+    scalar release add per destination, issued by one thread, after a CTA barrier). USE_NVSHMEM:
+    off-node destinations get the add as an NVSHMEM signal (after this CTA's puts completed)."""
     tl.debug_barrier()
     wr = tl.arange(0, WP)
     for d in range(W):
         n = tl.sum(tl.where(wr == d, hist, 0))
         if n > 0:
             base = tl.load(peers_ptr + d)
-            tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
+            if USE_NVSHMEM:
+                if base != 0:
+                    tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
+            else:
+                tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
+    if USE_NVSHMEM:
+        _nvshmem_signal(hist, peers_ptr, pes_ptr, tl.load(peers_ptr + RANK) + slot_off, W, WP, nv.SIGNAL_ADD)
+
+
+# ---------------------------------------------------------------- the NVSHMEM route (USE_NVSHMEM)
+
+
+@triton.jit
+def _nvshmem_signal(vals, peers_ptr, pes_ptr, sig_addr, W: tl.constexpr, WP: tl.constexpr, OP: tl.constexpr):
+    """After a CTA barrier: one thread makes the CTA's stores visible system-wide and completes
+    this PE's puts (``nvshmem_quiet``), then applies ``OP vals[d]`` to the counter at symmetric
+    ``sig_addr`` of every off-node peer d with ``vals[d] > 0``. What a thread-0-only region must
+    not hold (reductions, barriers, the loads) runs on every thread outside it."""
+    wr = tl.arange(0, WP)
+    if nv.one_thread():
+        nv.fence_sys()
+        nv.quiet()
+    for d in range(W):
+        n = tl.sum(tl.where(wr == d, vals, 0))
+        base = tl.load(peers_ptr + d)
+        pe = tl.load(pes_ptr + d)
+        if (n > 0) & (base == 0):
+            if nv.one_thread():
+                nv.signal_op(sig_addr, n.to(tl.uint64), OP, pe)
+
+
+@triton.jit
+def _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
+                        W: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
+                        T_MAX: tl.constexpr, META_W: tl.constexpr, OFF_META: tl.constexpr,
+                        OFF_GATES: tl.constexpr, OFF_RECV: tl.constexpr, OFF_SROWS: tl.constexpr,
+                        OFF_SMETA: tl.constexpr, OFF_SGATES: tl.constexpr, WITH_META: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tokens of block b bound for another node (``far_any[t] > 0``): stage row t (and its gates)
+    once in SROWS[t] (SGATES[t]); their META rows are already in SMETA[t, d]. Then every thread
+    walks the block's (token, off-node destination) pairs and puts row, META and gates from the
+    staged copies to the receiver's slots, one block-collective put each."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    ES: tl.constexpr = DT.primitive_bitwidth // 8
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    t64 = t.to(tl.int64)
+    rem = far_any > 0
+    srows = (my + OFF_SROWS).to(tl.pointer_type(DT)) + t64 * D
+    for c0 in range(0, D, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        cm = rem[:, None] & (cols < D)[None, :]
+        tl.store(srows[:, None] + cols[None, :], tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=cm),
+                 mask=cm)
+    if WITH_META:
+        kk = tl.arange(0, KP)
+        mk = rem[:, None] & (kk < K)[None, :]
+        sg = (my + OFF_SGATES).to(tl.pointer_type(DT)) + t64 * K
+        tl.store(sg[:, None] + kk[None, :], tl.load(gate_ptr + t[:, None] * K + kk[None, :], mask=mk), mask=mk)
+    tl.debug_barrier()
+    nv.fence_sys()  # every thread: its staged stores are visible to the NIC before the puts read them
+    if tl.max(far_any) > 0:
+        for j in range(BLOCK_T):
+            tj = b * BLOCK_T + j
+            if tj < T:
+                tj64 = tj.to(tl.int64)
+                for d in range(W):
+                    base = tl.load(peers_ptr + d)
+                    rj = tl.load(send_row_ptr + tj * W + d)
+                    pe = tl.load(pes_ptr + d)
+                    if (base == 0) & (rj >= 0):
+                        dst = (RANK * T_MAX + rj).to(tl.int64)
+                        nv.putmem_block(my + OFF_RECV + dst * (D * ES), my + OFF_SROWS + tj64 * (D * ES),
+                                        tl.full([], D * ES, tl.int64), pe)
+                        if WITH_META:
+                            nv.putmem_block(my + OFF_META + dst * (META_W * 4),
+                                            my + OFF_SMETA + (tj64 * W + d) * (META_W * 4),
+                                            tl.full([], META_W * 4, tl.int64), pe)
+                            nv.putmem_block(my + OFF_GATES + dst * (K * ES), my + OFF_SGATES + tj64 * (K * ES),
+                                            tl.full([], K * ES, tl.int64), pe)
+
+
+@triton.jit
+def _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, RANK,
+                          W: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, ES: tl.constexpr,
+                          OFF_COMB: tl.constexpr, OFF_SCOMB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Received rows of block b whose source is off-node (their partial sums staged in SCOMB[n]):
+    one block-collective put each into row (token, RANK) of the source's COMB."""
+    tl.debug_barrier()
+    nv.fence_sys()
+    if tl.max(far.to(tl.int32)) > 0:
+        for j in range(BLOCK_R):
+            nj = b * BLOCK_R + j
+            sj = nj // T_MAX
+            if nj < W * T_MAX:
+                base = tl.load(peers_ptr + sj)
+                ok = (nj % T_MAX) < tl.load(rows_from_ptr + sj)
+                if ok & (base == 0):
+                    tok = tl.load(tok_ptr + nj).to(tl.int64)
+                    nv.putmem_block(my + OFF_COMB + (tok * W + RANK) * (D * ES),
+                                    my + OFF_SCOMB + nj.to(tl.int64) * (D * ES),
+                                    tl.full([], D * ES, tl.int64), tl.load(pes_ptr + sj))
+
+
+@triton.jit
+def _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, pes_ptr, my,
+                            W: tl.constexpr, K: tl.constexpr, T_MAX: tl.constexpr, AB: tl.constexpr,
+                            OFF_DGATE: tl.constexpr, OFF_SDGATE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Received rows of block b whose source is off-node (gate gradients staged in SDGATE[n, k]):
+    each run of consecutive slots k that live on this rank (``pos[n, k] >= 0``) is one
+    block-collective put into the source's DGATE[token, k...] (the other slots belong to other ranks)."""
+    tl.debug_barrier()
+    nv.fence_sys()
+    if tl.max(far.to(tl.int32)) > 0:
+        for j in range(BLOCK_R):
+            nj = b * BLOCK_R + j
+            sj = nj // T_MAX
+            if nj < W * T_MAX:
+                base = tl.load(peers_ptr + sj)
+                ok = (nj % T_MAX) < tl.load(rows_from_ptr + sj)
+                if ok & (base == 0):
+                    pe = tl.load(pes_ptr + sj)
+                    tok = tl.load(tok_ptr + nj).to(tl.int64)
+                    start = tl.full([], -1, tl.int32)  # first slot of the current run, -1: none
+                    for k in tl.static_range(K + 1):
+                        if k < K:
+                            here = (tl.load(pos_ptr + nj * K + k) >= 0).to(tl.int32)
+                        else:
+                            here = tl.full([], 0, tl.int32)
+                        if (here == 0) & (start >= 0):
+                            s64 = start.to(tl.int64)
+                            nv.putmem_block(my + OFF_DGATE + (tok * K + s64) * AB,
+                                            my + OFF_SDGATE + (nj.to(tl.int64) * K + s64) * AB,
+                                            (k - s64) * AB, pe)
+                        start = tl.where(here != 0, tl.where(start < 0, k, start), -1)
 
 
 @triton.jit
@@ -171,10 +349,12 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
                         OFF_ARRIVE: tl.constexpr, OFF_META: tl.constexpr, OFF_GATES: tl.constexpr,
                         OFF_RECV: tl.constexpr, WITH_META: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, pes_ptr=None, OFF_SROWS: tl.constexpr = 0,
+                        OFF_SMETA: tl.constexpr = 0, OFF_SGATES: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
     """Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
-    slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent."""
+    slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent.
+    USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -184,14 +364,23 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     hist = tl.zeros([WP], tl.int64)
     kk = tl.arange(0, KP)
     km = kk < K
+    if USE_NVSHMEM:
+        my = tl.load(peers_ptr + RANK)
     for b in range(pid * per, tl.minimum(pid * per + per, nblocks)):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
+        if USE_NVSHMEM:
+            far_any = tl.zeros([BLOCK_T], tl.int32)
         for d in range(W):
             row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
-            m = row >= 0
-            hist += tl.where(wr == d, tl.sum(m.to(tl.int64)), 0)
+            sent = row >= 0
+            hist += tl.where(wr == d, tl.sum(sent.to(tl.int64)), 0)
             base = tl.load(peers_ptr + d)
+            m = sent
+            if USE_NVSHMEM:  # rows for another node: staged and put by _nvshmem_put_tokens
+                far = sent & (base == 0)
+                far_any = far_any | far.to(tl.int32)
+                m = sent & (base != 0)
             dst = (RANK * T_MAX + row).to(tl.int64)
             recv = (base + OFF_RECV).to(tl.pointer_type(DT)) + dst * D
             for c0 in range(0, D, BLOCK_D):
@@ -200,18 +389,27 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
                 tl.store(recv[:, None] + cols[None, :], v, mask=cm)
             if WITH_META:
-                mk = m[:, None] & km[None, :]
+                mk = sent[:, None] & km[None, :]
                 tk = t[:, None] * K + kk[None, :]
                 gk = tl.load(idx_ptr + tk, mask=mk, other=0).to(tl.int32)
                 here = mk & (gk // E_LOCAL == d)
                 pk = tl.where(here, (tl.load(start_ptr + gk, mask=here, other=0)
                                      + tl.load(q_ptr + tk, mask=here, other=0)).to(tl.int32), -1)
+                ml = m[:, None] & km[None, :]
                 meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
-                tl.store(meta[:, None] + kk[None, :], pk, mask=mk)
+                tl.store(meta[:, None] + kk[None, :], pk, mask=ml)
                 tl.store(meta + K, t, mask=m)
                 gates = (base + OFF_GATES).to(tl.pointer_type(DT)) + dst * K
-                tl.store(gates[:, None] + kk[None, :], tl.load(gate_ptr + tk, mask=mk, other=0.0), mask=mk)
-    _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP)
+                tl.store(gates[:, None] + kk[None, :], tl.load(gate_ptr + tk, mask=ml, other=0.0), mask=ml)
+                if USE_NVSHMEM:
+                    smeta = (my + OFF_SMETA).to(tl.pointer_type(tl.int32)) + (t.to(tl.int64) * W + d) * META_W
+                    tl.store(smeta[:, None] + kk[None, :], pk, mask=far[:, None] & km[None, :])
+                    tl.store(smeta + K, t, mask=far)
+        if USE_NVSHMEM:
+            _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
+                                W, K, KP, D, T_MAX, META_W, OFF_META, OFF_GATES, OFF_RECV, OFF_SROWS, OFF_SMETA,
+                                OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
+    _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
 @triton.jit
@@ -223,13 +421,16 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    OFF_DGATE: tl.constexpr,
                    FROM_META: tl.constexpr, GATE_GRAD: tl.constexpr, ACC: tl.constexpr,
                    TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                   pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
     slot's gate gradient ``<recv[n], y[pos]>`` (fp32) stored into the source's DGATE at (token,
     k)) and ``src_map[pos] = n*K + k``. FROM_META: (pos, token) come from META and the gates from
-    GATES, and are copied out to ``pos/gate/tok`` (invalid rows get pos -1)."""
+    GATES, and are copied out to ``pos/gate/tok`` (invalid rows get pos -1). USE_NVSHMEM (with
+    GATE_GRAD): gate gradients of off-node sources are staged in SDGATE and put
+    (``_nvshmem_put_gate_grads``)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -257,6 +458,10 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
         if GATE_GRAD:
             hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
+            near = valid
+            if USE_NVSHMEM:
+                far = valid & (sbase == 0)
+                near = valid & (sbase != 0)
         for k in range(K):
             if FROM_META:
                 pk = tl.load(meta + n.to(tl.int64) * META_W + k, mask=valid, other=-1)
@@ -281,29 +486,40 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                     v = (v.to(ACC) * gk.to(ACC)[:, None]).to(DT)
                 tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cm)
             if GATE_GRAD:  # every slot of this rank answers (0 for an overflowed one)
-                has = valid & (pk >= 0)
+                has = near & (pk >= 0)
                 dst = (sbase + OFF_DGATE).to(tl.pointer_type(ACC)) + tok.to(tl.int64) * K + k
                 tl.store(dst, dg, mask=has)
+                if USE_NVSHMEM:
+                    sdg = (my + OFF_SDGATE).to(tl.pointer_type(ACC)) + n.to(tl.int64) * K + k
+                    tl.store(sdg, dg, mask=far & (pk >= 0))
+        if GATE_GRAD:
+            if USE_NVSHMEM:
+                _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, W, K, T_MAX,
+                                        ACC.primitive_bitwidth // 8, OFF_DGATE, OFF_SDGATE, BLOCK_R)
     if tl.max(over) > 0:
         tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     if GATE_GRAD:
-        _publish(hist, peers_ptr, OFF_ARRIVE + (2 * W + RANK) * 8, W, WP)
+        _publish(hist, peers_ptr, OFF_ARRIVE + (2 * W + RANK) * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
 @triton.jit
 def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_ptr, RANK, N_EXP,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
                         T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
-                        GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                        GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
     """For each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
     over this rank's slots of t (products in the activation dtype, as the per-token reference
     computes them), accumulated in fp32 and rounded once, stored into row (t, RANK)
-    of the source's COMB. Then one release add per source of the rows sent back."""
+    of the source's COMB. Then one release add per source of the rows sent back. USE_NVSHMEM: rows
+    of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wr = tl.arange(0, WP)
     hist = tl.zeros([WP], tl.int64)
+    if USE_NVSHMEM:
+        my = tl.load(peers_ptr + RANK)
     for b in range(pid, tl.cdiv(W * T_MAX, BLOCK_R), nprog):
         n = b * BLOCK_R + tl.arange(0, BLOCK_R)
         inr = n < W * T_MAX
@@ -314,6 +530,11 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             tok = tl.load(tok_ptr + n, mask=valid, other=0).to(tl.int64)
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
             dst = (sbase + OFF_COMB).to(tl.pointer_type(DT)) + (tok * W + RANK) * D
+            near = valid
+            if USE_NVSHMEM:
+                far = valid & (sbase == 0)
+                near = valid & (sbase != 0)
+                stage = (my + OFF_SCOMB).to(tl.pointer_type(DT)) + n.to(tl.int64) * D
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = (cols < D)[None, :]
@@ -326,8 +547,13 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                     if GATED:  # the product rounded to DT (exact in ACC before rounding)
                         yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]).to(DT)
                     acc += yv.to(ACC)
-                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=valid[:, None] & cm)
-    _publish(hist, peers_ptr, OFF_ARRIVE + (W + RANK) * 8, W, WP)
+                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
+                if USE_NVSHMEM:
+                    tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
+            if USE_NVSHMEM:
+                _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, RANK, W, D, T_MAX,
+                                      DT.primitive_bitwidth // 8, OFF_COMB, OFF_SCOMB, BLOCK_R)
+    _publish(hist, peers_ptr, OFF_ARRIVE + (W + RANK) * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
 @triton.jit

@@ -40,12 +40,14 @@ def run_lockstep(gens: list) -> list:
 class EmulatedWorld:
     """W virtual ranks of one EP group on one device (``"cpu"`` runs the kernels in the Triton
     interpreter). Methods take and return per-rank lists. ``capacity``: expanded rows per rank,
-    as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync)."""
+    as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync). ``ranks_per_node``
+    (interpreter only): nodes of that many ranks, joined by the emulated NVSHMEM route."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None):
+                 dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None):
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
-                                            device=device, timeout_s=timeout_s)
+                                            device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node)
         self.world_size = world_size
         self.num_experts = num_experts
         self.capacity = check_capacity(capacity)

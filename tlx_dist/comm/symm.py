@@ -150,6 +150,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _send_launch(bufs: SymmBuffers, kernel, grid, *args, sends: bool = True, **meta) -> None:
+    """Launches a kernel that may send to peers (``sends``: this launch does); when some peer is on
+    another node, its USE_NVSHMEM variant, linked with NVSHMEM's device library (``nvshmem_meta``)."""
+    kernel[grid](*args, **meta, **(bufs.nvshmem_meta(kernel) if sends else {}))
+
+
 def _common(bufs: SymmBuffers) -> dict:
     import triton.language as tl
     L = bufs.layout
@@ -165,10 +171,9 @@ def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
     W, E, NC = L.world_size, L.num_experts, L.num_counts
     e = E // W
     has = counts_C is not None
-    k._barrier_signal_kernel[(1,)](bufs.peers, counts_C if has else bufs.peers, bufs.rank, W=W,
-                                   WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=_next_pow2(NC), OFF_STATE=L.off_state,
-                                   OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
-                                   HAS_COUNTS=has)
+    _send_launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, counts_C if has else bufs.peers, bufs.rank,
+                 W=W, WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=_next_pow2(NC), OFF_STATE=L.off_state,
+                 OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=has)
 
     def wait():
         lay = torch.empty(E + e + W, dtype=torch.int64, device=bufs.device) if has else bufs.peers
@@ -214,7 +219,8 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, start_E, gate_TK, with_m
         x_TD = x_TD.contiguous()
     bt, bd = _tiles(D)
     dummy = send_row_TW
-    k._send_tokens_kernel[_grid(-(-T // bt), bufs.device)](
+    _send_launch(
+        bufs, k._send_tokens_kernel, _grid(-(-T // bt), bufs.device),
         x_TD, x_TD.stride(0), T, send_row_TW, idx_TK if with_meta else dummy, q_TK if with_meta else dummy,
         start_E if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
@@ -227,11 +233,12 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden)
     c = _common(bufs)
-    k._expand_kernel[_grid(-(-L.recv_rows // br), bufs.device)](
+    _send_launch(
+        bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
         bufs.rank, out_ND.shape[0], WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
         META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate,
-        FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br, BLOCK_D=bd, num_warps=4, **c)
+        FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br, BLOCK_D=bd, num_warps=4, sends=gate_grad, **c)
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
@@ -302,7 +309,7 @@ def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: b
     wait()
     y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
     br, bd = _tiles(L.hidden)
-    k._reduce_send_kernel[_grid(-(-L.recv_rows // br), bufs.device)](
+    _send_launch(bufs, k._reduce_send_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],

@@ -13,11 +13,16 @@ and step: ops on it are stream-ordered and each one opens with a barrier.
 
 Backends:
   ``"cuda"``     torch symmetric memory (CUDA backend): peer pointers over NVLink, one node.
+  ``"nvshmem"``  torch symmetric memory on its NVSHMEM backend, for groups that span nodes: peer
+                 pointers for ranks on this node, 0 for the others, which the sending kernels
+                 reach with NVSHMEM puts and signals (``USE_NVSHMEM``, PEs = global ranks) from
+                 staging regions of this rank's own allocation. Only those kernels link
+                 ``libnvshmem_device.bc`` and get NVSHMEM module init (:meth:`SymmBuffers.nvshmem_meta`).
+                 Compiled in CI, never run yet (no multi-node machine).
   ``"local"``    W = 1 without a process group: a plain device allocation.
   ``"emulated"`` W virtual ranks in one process (:meth:`SymmBuffers.emulated`): slices of one
                  allocation, each with its own peer table; tier T4 tests and single-GPU benchmarks.
-Groups that span nodes are refused here (``make_dispatcher("auto")`` uses the all-to-all path
-for them): the NVSHMEM route is being rebuilt for the deduplicated exchange.
+``"auto"`` picks ``"cuda"`` inside a node and ``"nvshmem"`` for a group that spans nodes.
 
 Failures are reported, never hung on: every wait in the kernels gives up after ``timeout_s``
 and records the op and the peer; :meth:`check` raises them, and overflow of the expanded rows.
@@ -25,6 +30,7 @@ and records the op and the peer; :meth:`check` raises them, and overflow of the 
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +39,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S"]
+__all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library"]
 
 _ALIGN = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -76,6 +82,12 @@ class SymmLayout:
     off_comb: int
     off_dgate: int
     nbytes: int
+    staging: bool = False
+    off_srows: int = 0
+    off_smeta: int = 0
+    off_sgates: int = 0
+    off_scomb: int = 0
+    off_sdgate: int = 0
 
     @property
     def recv_rows(self) -> int:
@@ -97,7 +109,9 @@ class SymmLayout:
 
     @classmethod
     def build(cls, max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
-              dtype: torch.dtype) -> "SymmLayout":
+              dtype: torch.dtype, staging: bool = False) -> "SymmLayout":
+        """``staging``: append the NVSHMEM staging regions (SROWS, SMETA, SGATES, SCOMB, SDGATE of
+        ``tlx/comm/exchange.py``; about ``(1 + W) * T_max`` rows more); the other offsets do not move."""
         _pos_int("max_tokens", max_tokens)
         _pos_int("hidden", hidden)
         _pos_int("top_k", top_k)
@@ -120,9 +134,16 @@ class SymmLayout:
                            ("comb", row * max_tokens * W), ("dgate", 8 * max_tokens * top_k)):
             offs[name] = off
             off = _align(off + size)
+        if staging:  # sources of NVSHMEM puts (symmetric): token rows, their META/gates, partials, dgates
+            for name, size in (("srows", row * max_tokens), ("smeta", 4 * max_tokens * W * (top_k + 1)),
+                               ("sgates", dtype.itemsize * max_tokens * top_k), ("scomb", row * W * max_tokens),
+                               ("sdgate", 8 * W * max_tokens * top_k)):
+                offs[name] = off
+                off = _align(off + size)
+        st = {f"off_{n}": offs[n] for n in ("srows", "smeta", "sgates", "scomb", "sdgate")} if staging else {}
         return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
-                   offs["gates"], offs["recv"], offs["comb"], offs["dgate"], off)
+                   offs["gates"], offs["recv"], offs["comb"], offs["dgate"], off, staging=staging, **st)
 
 
 def _timeout_s(timeout_s: Optional[float]) -> float:
@@ -141,7 +162,8 @@ class SymmBuffers:
         max_tokens: T_max, the most tokens any rank dispatches in one call.
         hidden: D. top_k: K. num_experts: E. dtype: the rows' dtype.
         group: the EP process group (``None``: one rank, ``backend="local"``).
-        backend: ``"auto"`` (cuda: one node), ``"cuda"``, ``"local"``.
+        backend: ``"auto"`` (cuda inside a node, nvshmem across nodes), ``"cuda"``, ``"nvshmem"``,
+            ``"local"``.
         device: CUDA device (default: the current one).
         timeout_s: how long any wait in the exchange kernels spins before it gives up and records
             an error (default 30 s, or ``TLX_DIST_EXCHANGE_TIMEOUT_S``).
@@ -153,31 +175,48 @@ class SymmBuffers:
 
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype)
+        if backend not in ("auto", "cuda", "nvshmem", "local"):
+            raise ValueError(f"backend={backend!r} is not one of 'auto', 'cuda', 'nvshmem', 'local'")
         timeout = _timeout_s(timeout_s)
-        if backend not in ("auto", "cuda", "local"):
-            raise ValueError(f"backend={backend!r} is not one of 'auto', 'cuda', 'local'")
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if group is None:
             if backend not in ("auto", "local"):
                 raise ValueError(f"backend={backend!r} needs a process group")
+            layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype)
             mem = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-            self._init(layout, rank, mem, [mem.data_ptr()], "local", None, timeout)
+            self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout)
             return
         topo = Topology.from_group(group)
-        if not topo.single_node:
-            raise ValueError("the EP group spans nodes: symmetric-memory peer pointers reach only this node "
-                             "(use dispatcher='all_to_all' across nodes; the NVSHMEM route is not available yet)")
+        if backend == "auto":
+            backend = "cuda" if topo.single_node else "nvshmem"
+        if backend == "cuda" and not topo.single_node:
+            raise ValueError("backend='cuda' reaches only ranks on this node, and the EP group spans nodes: "
+                             "use backend='nvshmem' (or 'auto'), or dispatcher='all_to_all'")
+        # Every rank of a group that spans nodes has a peer on another node, so every rank of it
+        # builds the same layout (staging regions included) from the backend alone.
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype,
+                                  staging=backend == "nvshmem")
         from torch.distributed import _symmetric_memory as symm_mem
 
+        if backend == "nvshmem":
+            _use_nvshmem_backend(symm_mem, device)
         mem = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
         mem.zero_()
         handle = symm_mem.rendezvous(mem, group)
-        self._init(layout, rank, mem, [int(p) for p in handle.buffer_ptrs], "cuda", handle, timeout)
+        ptrs = [int(p) for p in handle.buffer_ptrs]
+        if backend == "nvshmem":
+            # Ranks on other nodes get 0: the kernels reach them with NVSHMEM puts to this rank's own
+            # symmetric addresses on PE ``pes[d]`` (torch's NVSHMEM PEs are global ranks).
+            ptrs = [p if topo.same_node(d) else 0 for d, p in enumerate(ptrs)]
+            ptrs[rank] = mem.data_ptr()
+            if any(p == 0 for d, p in enumerate(ptrs) if topo.same_node(d)):
+                raise RuntimeError(f"torch symmetric memory (NVSHMEM) gave no peer pointer for a rank on this node "
+                                   f"(peers {ptrs}): the GPUs of one node must reach each other (NVLink or P2P)")
+        self._init(layout, rank, mem, ptrs, list(topo.global_ranks), backend, handle, timeout)
         handle.barrier(channel=0)  # every rank's region is zeroed before anyone signals into it
         torch.cuda.synchronize(device)
 
-    def _init(self, layout, rank, mem, ptrs, backend, handle, timeout_s):
+    def _init(self, layout, rank, mem, ptrs, pes, backend, handle, timeout_s):
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
@@ -187,6 +226,35 @@ class SymmBuffers:
         self._handle = handle
         self.device = mem.device
         self.peers = torch.tensor(ptrs, dtype=torch.int64, device=mem.device)
+        self.pes = torch.tensor(pes, dtype=torch.int32, device=mem.device)
+        # The NVSHMEM variants of the sending kernels run only when a peer has no pointer.
+        self.use_nvshmem = 0 in ptrs
+        if self.use_nvshmem and not layout.staging:
+            raise ValueError("peers without a pointer need the NVSHMEM staging regions (SymmLayout staging=True)")
+        self._nvshmem_lib = None
+
+    def nvshmem_meta(self, kernel) -> dict:
+        """Extra launch arguments of a kernel that sends to peers (``tlx/comm/exchange.py``): ``{}``
+        unless some peer is on another node; then the PE table, the staging offsets this kernel
+        takes, ``USE_NVSHMEM=True`` and ``libnvshmem_device`` to link, and the post-compile hook
+        that initialises exactly the modules linked with it for NVSHMEM is installed."""
+        if not self.use_nvshmem:
+            return {}
+        names = set(kernel.arg_names)
+        if "USE_NVSHMEM" not in names:
+            raise TypeError(f"{kernel.fn.__name__} has no USE_NVSHMEM parameter: it does not send to peers")
+        L = self.layout
+        meta = dict(pes_ptr=self.pes, USE_NVSHMEM=True, OFF_SROWS=L.off_srows, OFF_SMETA=L.off_smeta,
+                    OFF_SGATES=L.off_sgates, OFF_SCOMB=L.off_scomb, OFF_SDGATE=L.off_sdgate)
+        out = {k: v for k, v in meta.items() if k in names}
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":  # tlx/comm/nvshmem.py emulates the calls
+            return out
+        if self._nvshmem_lib is None:
+            cap = torch.cuda.get_device_capability(self.device)
+            self._nvshmem_lib = nvshmem_device_library(cap[0] * 10 + cap[1])
+        _install_nvshmem_hook()
+        out["extern_libs"] = {_NVSHMEM_LIB: self._nvshmem_lib}
+        return out
 
     @property
     def timeout_ns(self) -> int:
@@ -241,7 +309,7 @@ class SymmBuffers:
         return self._mem is None
 
     def close(self) -> None:
-        """Releases the memory (collective for the cuda backend: every rank closes)."""
+        """Releases the memory (collective for the cuda/nvshmem backends: every rank closes)."""
         self._mem = None
         self._handle = None
         self.peers = None
@@ -255,19 +323,121 @@ class SymmBuffers:
     # ---- emulated world ----
     @classmethod
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None) -> list["SymmBuffers"]:
+                 dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
-        ``"cpu"`` for the Triton interpreter."""
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype)
+        ``"cpu"`` for the Triton interpreter. ``ranks_per_node`` (interpreter only): virtual ranks
+        ``v // ranks_per_node`` form a node; a rank sees the others' slices as peer pointers 0 and
+        reaches them through the NVSHMEM route, whose calls ``tlx/comm/nvshmem.py`` emulates."""
+        nodes = ranks_per_node is not None and ranks_per_node < world_size
+        if ranks_per_node is not None:
+            _pos_int("ranks_per_node", ranks_per_node)
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes)
         timeout = _timeout_s(timeout_s)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if nodes and device.type != "cpu":
+            raise ValueError(f"ranks_per_node={ranks_per_node} emulates NVSHMEM, which only the Triton interpreter "
+                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group")
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
+        if nodes:
+            from tlx.comm.nvshmem import emulate_heaps
+            emulate_heaps([(p, layout.nbytes) for p in ptrs])
         out = []
         for v in range(world_size):
             b = cls.__new__(cls)
-            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], ptrs, "emulated", None, timeout)
+            seen = [p if not nodes or d // ranks_per_node == v // ranks_per_node else 0 for d, p in enumerate(ptrs)]
+            b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], seen, list(range(world_size)),
+                    "emulated", None, timeout)
             b._world_mem = mem  # keeps the shared allocation alive
             out.append(b)
         return out
+
+
+# ---------------------------------------------------------------- NVSHMEM (peers on other nodes)
+
+_NVSHMEM_LIB = "libnvshmem_device"
+_NVSHMEM_STATE = b"nvshmemi_device_state_d"  # the device symbol nvshmemx_cumodule_init fills
+_PREV_HOOK = None
+
+
+def _use_nvshmem_backend(symm_mem, device) -> None:
+    if not symm_mem.is_nvshmem_available():
+        raise RuntimeError("backend='nvshmem' (an EP group that spans nodes) needs a CUDA build of torch with "
+                           "NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available() is False); "
+                           "use dispatcher='all_to_all' across nodes")
+    if symm_mem.get_backend(device) == "NVSHMEM":  # an earlier SymmBuffers of this process chose it
+        return
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as err:  # fixed by the first symmetric allocation of the process
+        raise RuntimeError(f"cannot switch torch symmetric memory to its NVSHMEM backend ({err}): build the "
+                           f"cross-node buffers before any other symmetric memory of this process") from err
+
+
+def nvshmem_device_library(capability: int) -> str:
+    """Path of NVSHMEM's device bitcode for compute capability ``capability`` (90: sm_90): the
+    directory ``NVSHMEM_LIB_DIR``, else the ``nvidia-nvshmem-cu1x`` wheel (or where torch's
+    ``NvshmemLibFinder`` looks). Wheels up to 3.6 ship one ``libnvshmem_device.bc``; 3.7 and
+    later one ``libnvshmem_device_sm_<cc>.bc`` per architecture."""
+    names = (f"libnvshmem_device_sm_{capability}.bc", "libnvshmem_device.bc")
+    dirs = []
+    if os.environ.get("NVSHMEM_LIB_DIR"):
+        dirs.append(os.environ["NVSHMEM_LIB_DIR"])
+    try:
+        import nvidia.nvshmem as _wheel  # the nvidia-nvshmem-cu1x wheel (a namespace package)
+        dirs += [os.path.join(p, "lib") for p in _wheel.__path__]
+    except ImportError:
+        pass
+    dirs += ["/usr/local/lib", "/usr/lib", "/opt/nvidia/nvshmem/lib"]
+    for d in dirs:
+        for n in names:
+            if os.path.isfile(os.path.join(d, n)):
+                return os.path.join(d, n)
+    try:  # torch's own search (also the RPATH of libtorch_nvshmem.so)
+        from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
+        return NvshmemLibFinder.find_device_library()
+    except (ImportError, RuntimeError):
+        pass
+    found = [os.path.basename(f) for d in dirs for f in glob.glob(os.path.join(d, "libnvshmem_device*.bc"))]
+    raise RuntimeError(f"NVSHMEM device bitcode for sm_{capability} not found in {dirs} (found {found}): "
+                       f"install the nvidia-nvshmem-cu1x wheel that matches torch, or set NVSHMEM_LIB_DIR")
+
+
+def _cumodule_init(module) -> None:
+    from torch._C._distributed_c10d import _nvshmemx_cumodule_init
+    _nvshmemx_cumodule_init(module)
+
+
+def _nvshmem_module_init_hook(*args, **kwargs):
+    """Triton post-compile hook: initialises for NVSHMEM exactly the CUDA modules that were compiled
+    with ``libnvshmem_device`` and hold NVSHMEM's device state (the USE_NVSHMEM kernel variants;
+    torch's ``requires_nvshmem`` kernels too). A module without NVSHMEM code is never initialised
+    (``nvshmemx_cumodule_init`` fails on it); compiles without the library go to the hook that was
+    installed before."""
+    comp = kwargs["compile"]
+    if _NVSHMEM_LIB not in dict(comp.get("extern_libs") or ()):
+        return _PREV_HOOK(*args, **kwargs) if _PREV_HOOK is not None else None
+    jit = kwargs["fn"].jit_function
+    kernel = jit.device_caches[comp["device"]][0].get(kwargs["key"])
+    if kernel is None:
+        raise RuntimeError(f"Triton compiled {jit.fn.__name__} but has no kernel for it: cannot initialise "
+                           f"its module for NVSHMEM")
+    if _NVSHMEM_STATE in kernel.asm["cubin"]:
+        kernel.run  # noqa: B018 -- loads the module (Triton loads lazily)
+        _cumodule_init(kernel.module)
+    return None
+
+
+def _install_nvshmem_hook() -> None:
+    """Makes :func:`_nvshmem_module_init_hook` Triton's post-compile hook (chaining whatever hook
+    was there, e.g. torch's ``requires_nvshmem`` one); again before every NVSHMEM launch, in case
+    another library replaced it since."""
+    global _PREV_HOOK
+    import triton
+
+    cur = triton.knobs.runtime.jit_post_compile_hook
+    if cur is not _nvshmem_module_init_hook:
+        _PREV_HOOK = cur
+        triton.knobs.runtime.jit_post_compile_hook = _nvshmem_module_init_hook
