@@ -110,14 +110,21 @@ def expert_param_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _ep_in_one_node(pd: ParallelDims) -> bool:
+    from tlx_dist.comm import Topology
+    return Topology.from_group(pd.ep_group).single_node
+
+
 def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     """``parallel.dispatcher`` -> what the MoE layers get: ``"auto"`` = the deduplicated symmetric
-    exchange on CUDA when ep > 1 (one SymmDispatcher for every layer, its buffers sized for this
-    recipe's tokens per rank), the layer's own default otherwise (local / all-to-all)."""
+    exchange on CUDA when ep > 1 and the EP group sits inside one node (one SymmDispatcher for every
+    layer, its buffers sized for this recipe's tokens per rank), the layer's own default otherwise
+    (local / all-to-all). An EP group across nodes gets all-to-all unless ``"symm"`` is pinned: the
+    NVSHMEM leg of the exchange is compile-verified only, it has never run."""
     p = cfg.parallel
     kind = p.dispatcher
     if kind == "auto":
-        kind = "symm" if (device.type == "cuda" and pd.ep > 1) else "auto"
+        kind = "symm" if (device.type == "cuda" and pd.ep > 1 and _ep_in_one_node(pd)) else "auto"
     if kind != "symm":
         return kind
     if device.type != "cuda":
