@@ -138,6 +138,8 @@ def main() -> int:
                     rows.append(v)
                 symm.check()
                 symm_g.check()
+                symm.buffers.close()  # shared by both (ep_buffers): free this size before the next
+                del provs, symm, symm_g
     if r == 0:
         _print(rows, f"W={W} ({'torchrun' if W > 1 else 'one process'})")
         with open(args.json, "w") as f:

@@ -365,3 +365,24 @@ def test_gpu_profile_counts_each_kernel_once():
     work = [e for e in seen["events"] if e.device_type == DeviceType.CUDA and not e.is_user_annotation
             and getattr(e, "activity_type", "kernel") in ("kernel", "gpu_memcpy", "gpu_memset")]
     assert ms["kernel time"] == pytest.approx(sum(e.time_range.end - e.time_range.start for e in work) / 2e3)
+
+
+def test_annotated_dispatchers_keep_the_pipeline_and_scope_the_combine(monkeypatch):
+    """The profiling wrapper must not change what is measured: the layer still sees its Local
+    dispatcher when it picks the fused pipeline, and combine_weighted (what MoELayer calls) opens
+    the moe.combine scope like dispatch opens moe.dispatch."""
+    import tlx_dist.moe as moe_mod
+    from tlx_dist import MoEConfig, MoELayer
+
+    cfg = MoEConfig(dim=16, moe_inter_dim=8, num_experts=4, top_k=2, dtype="float32")
+    layer = MoELayer(cfg, pipeline="auto")
+    monkeypatch.setattr(moe_mod, "fused_tlx_supports", lambda *a: True)  # as on an H200
+    x = torch.randn(6, 16)
+    assert layer._fused(x)
+    with annotate_dispatchers([layer]):
+        assert layer._fused(x), "the wrapper turned the fused pipeline off"
+        layer.pipeline = "separate"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            layer(x)
+    names = {e.name for e in prof.events()}
+    assert {"moe.dispatch", "moe.combine"} <= names, sorted(n for n in names if n.startswith("moe."))

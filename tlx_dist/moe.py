@@ -110,6 +110,9 @@ class MoELayer(nn.Module):
         self.gemm_backend = gemm_backend
         if pipeline == "fused" and world != 1:
             raise ValueError(f"pipeline='fused' runs on one EP rank for now, got an EP group of {world}")
+        if pipeline == "fused" and (gemm_backend is not None or not (dispatcher in ("auto", "local"))):
+            raise ValueError("pipeline='fused' runs its own gather/scatter GEMMs: it takes neither a dispatcher "
+                             f"({dispatcher!r}) nor gemm_backend ({gemm_backend!r}); use pipeline='separate'")
         self.pipeline = pipeline
         # Router ids are in range by construction: skip the (host-syncing) id validation.
         self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False, capacity=capacity)
@@ -206,7 +209,10 @@ class MoELayer(nn.Module):
     def _fused(self, x_TD: torch.Tensor) -> bool:
         if self.pipeline != "auto":
             return self.pipeline == "fused"
-        return (self.ep_size == 1 and isinstance(self.dispatcher, LocalDispatcher) and self.gemm_backend is None
+        # ``_inner``: the dispatcher under a profiling wrapper (train/profiling.py), which must not
+        # change the pipeline being measured.
+        dispatcher = getattr(self.dispatcher, "_inner", self.dispatcher)
+        return (self.ep_size == 1 and isinstance(dispatcher, LocalDispatcher) and self.gemm_backend is None
                 and fused_tlx_supports(x_TD, self.w13, self.w2))
 
     def extra_repr(self) -> str:

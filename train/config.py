@@ -61,7 +61,8 @@ class ParallelConfig:
     is FSDP-sharded over all dp*ep ranks.
 
     dispatcher: the token exchange of the MoE layers: ``"auto"`` (the deduplicated symmetric-memory
-    exchange on CUDA when ep > 1, all-to-all on CPU; one rank: no exchange), ``"all_to_all"``
+    exchange on CUDA when ep > 1 inside one node, all-to-all across nodes and on CPU; one rank: no
+    exchange), ``"all_to_all"``
     (NCCL/gloo ``all_to_all_single``) or ``"symm"`` (CUDA only). capacity_factor (symm): expanded
     expert rows per rank as a factor of tokens*top_k; 0 = exact (one host read per layer per step),
     > 0 = static (no host sync; overflow raises at the next log step, naming this key)."""

@@ -130,14 +130,20 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     if device.type != "cuda":
         raise UsageError("parallel.dispatcher='symm' needs CUDA GPUs (use 'all_to_all' or 'auto' on CPU)")
     from tlx_dist.comm import SymmDispatcher
+    # The exchange's bounded waits use the run's collective timeout: a rank may reach the first
+    # dispatch long after another (first-step compilation), which is no failure.
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
-                          max_tokens=cfg.data.batch_size * cfg.data.seq_len,
+                          max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact")
 
 
 def check_exchange(model: Transformer) -> None:
     """At a log step: raises if a symmetric exchange overflowed its capacity (naming the config key)
-    or a wait timed out (naming the op and the peer). One host sync per distinct buffer set."""
+    or a wait timed out (naming the op and the peer), or if a grouped GEMM got out-of-range offsets
+    (clamped on the device, flagged). One host sync per distinct buffer set, one for the flag."""
+    from tlx_dist.grouped_gemm import check_offsets
+    if next(model.parameters()).is_cuda:
+        check_offsets(next(model.parameters()).device)
     seen = set()
     for m in model.moe_layers():
         check = getattr(m.dispatcher, "check", None)

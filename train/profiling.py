@@ -305,6 +305,10 @@ class _AnnotatedDispatcher:
         with torch.profiler.record_function("moe.combine"):
             return self._inner.combine(*args, **kwargs)
 
+    def combine_weighted(self, *args, **kwargs):
+        with torch.profiler.record_function("moe.combine"):
+            return self._inner.combine_weighted(*args, **kwargs)
+
 
 @contextlib.contextmanager
 def annotate_dispatchers(moe_layers: Sequence[nn.Module]):

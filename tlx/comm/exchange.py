@@ -31,14 +31,15 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
 
 One op, kernels in launch order (the emulated world launches each phase for every virtual rank
 before the next, so no kernel waits on a signal raised by a later launch):
-    dispatch:  _barrier_signal (counts) | _barrier_wait -> layout (host ops) -> _send_tokens (meta)
+    dispatch:  _route_hist, cumsum, _route_rank (source layout) -> _barrier_signal (counts) |
+               _barrier_wait (+ this rank's layout) -> _send_tokens (meta)
                | _expand (copy META out, expanded rows)
     combine:   _barrier_signal | _barrier_wait -> _reduce_send (gated) | _reduce_recv
     dispatch backward = combine without gates; combine backward:
                _barrier_signal | _barrier_wait -> _send_tokens (dy rows) | _expand (gate-scaled
                rows + gate gradients to their source) | _gate_grad_recv
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
-error word, and later waits on that rank return at once; the host raises a RuntimeError naming the
+error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
 the overflow flag, and count as zero in the combine: never silently.
 

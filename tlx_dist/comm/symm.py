@@ -404,9 +404,10 @@ def ep_buffers(group: Optional[dist.ProcessGroup], max_tokens: int, hidden: int,
                dtype: torch.dtype, device=None, timeout_s: Optional[float] = None) -> SymmBuffers:
     """The one :class:`SymmBuffers` of an EP group for these sizes: built (collectively) on the
     first call, returned from a cache afterwards, so every layer of a model shares it. Every rank
-    of ``group`` must call it with the same arguments."""
+    of ``group`` must call it with the same arguments. ``close()`` on the result frees it (the
+    next call builds a new set)."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device))
+    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s)
     bufs = _EP_BUFFERS.get(key)
     if bufs is None or bufs.closed:
         bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s)
