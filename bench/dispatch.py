@@ -19,7 +19,11 @@ Providers (K = 8, bf16, random top-K routing, gates from a softmax):
 Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
 ``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
 symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
-and the ratio of nccl's dispatch+combine time to the provider's.
+and the ratio of nccl's dispatch+combine time to the provider's. ``pair us``: the steady-state time of one
+dispatch+combine when ``--pair-reps`` pairs run back to back after one barrier (no per-op sync, so the
+ranks' launch skew is not counted), with its own ratio. ``--profile`` prints rank 0's per-kernel GPU
+time per pair for the symm providers (where the time goes: layout, barrier, send, expand, reduce).
+NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (``scripts/device/x2_exchange.sh``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,38 @@ def _median_ms(fn, iters: int, sync) -> float:
     return statistics.median(times)
 
 
+def _pair_us(fd, fc, reps: int, sync) -> float:
+    """Steady-state time of one dispatch+combine pair: ``reps`` pairs back to back after one sync,
+    median over 5 such runs, divided by ``reps``. Unlike the per-op medians (one sync per op, so the
+    ranks' launch skew after the barrier is counted as waiting), this is what a training step sees."""
+    def run():
+        for _ in range(reps):
+            fd()
+            fc()
+    return _median_ms(run, 5, sync) * 1e3 / reps
+
+
+def _kernel_profile(fd, fc, iters: int, sync, top: int = 14) -> str:
+    """Per-kernel CUDA time of ``iters`` dispatch+combine pairs (torch.profiler), per pair."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fd()
+            fc()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / iters, ev.count / iters, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    out = [f"  {'us/pair':>9} {'calls':>6}  kernel (total {total:.1f} us of GPU time per pair)"]
+    out += [f"  {t:9.1f} {c:6.1f}  {k[:90]}" for t, c, k in rows[:top]]
+    return "\n".join(out)
+
+
 def _graphs(disp, x, idx, gate):
     """CUDA graphs of one dispatch and one combine (buffers warmed up on a side stream first)."""
     side = torch.cuda.Stream()
@@ -77,6 +113,8 @@ def main() -> int:
     ap.add_argument("--experts", default="64,256")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--emulate", type=int, default=0, metavar="W", help="W virtual ranks on this GPU")
+    ap.add_argument("--pair-reps", type=int, default=10, help="back-to-back pairs per steady-state sample")
+    ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of each symm provider")
     ap.add_argument("--json", default="bench_dispatch.json")
     args = ap.parse_args()
     if args.emulate:
@@ -90,7 +128,7 @@ def main() -> int:
     W, r = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     sync = lambda: (torch.cuda.synchronize(), dist.barrier())  # noqa: E731
-    rows = []
+    rows, symm_route = [], None
     for E in [int(v) for v in args.experts.split(",")]:
         if E % W:
             continue
@@ -127,7 +165,13 @@ def main() -> int:
                 for name, (fd, fc, link_rows) in provs.items():
                     td = _median_ms(fd, args.iters, sync) / 1e3
                     tc = _median_ms(fc, args.iters, sync) / 1e3
+                    tp = _pair_us(fd, fc, args.pair_reps, sync)
+                    if args.profile and name != "nccl" and name != "local":
+                        prof = _kernel_profile(fd, fc, args.iters, sync)
+                        if r == 0:
+                            print(f"\n{name} E={E} D={D} T={T} W={W}: per-kernel GPU time\n{prof}", flush=True)
                     res[name] = dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
+                                     pair_us=tp,
                                      link_rows=link_rows,
                                      dispatch_link_GBps=link_rows * row_bytes / td / 1e9,
                                      combine_link_GBps=(token_rows if name != ("nccl" if W > 1 else "local") else slot_rows)
@@ -135,13 +179,16 @@ def main() -> int:
                 base = res["nccl" if W > 1 else "local"]
                 for v in res.values():
                     v["ratio_vs_anchor"] = (base["dispatch_us"] + base["combine_us"]) / (v["dispatch_us"] + v["combine_us"])
+                    v["pair_ratio_vs_anchor"] = base["pair_us"] / v["pair_us"]
                     rows.append(v)
                 symm.check()
                 symm_g.check()
+                symm_route = symm.buffers
                 symm.buffers.close()  # shared by both (ep_buffers): free this size before the next
                 del provs, symm, symm_g
     if r == 0:
-        _print(rows, f"W={W} ({'torchrun' if W > 1 else 'one process'})")
+        route = getattr(symm_route, "backend", "?")
+        _print(rows, f"W={W} ({'torchrun' if W > 1 else 'one process'}, symm backend: {route})")
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     dist.destroy_process_group()
@@ -180,10 +227,11 @@ def emulated(args) -> int:
 def _print(rows, title):
     print(f"\n{title}: medians; link GB/s = bytes sent to other ranks per second; x anchor = anchor time / time")
     print(f"{'provider':11} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
-          f"{'comb GB/s':>10} {'x anchor':>8}")
+          f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8}")
     for v in rows:
         print(f"{v['provider']:11} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
-              f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}")
+              f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}"
+              f" {v.get('pair_us', float('nan')):9.1f} {v.get('pair_ratio_vs_anchor', float('nan')):8.2f}")
 
 
 if __name__ == "__main__":

@@ -75,15 +75,19 @@ def test_two_nodes_two_procs_loopback(ep1_losses, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_continues_same_losses(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kill_and_resume_continues_same_losses(tmp_path, dtype):
     """EP=2 (expert shards get per-ep-rank checkpoint keys): an uninterrupted run, then a run
-    that checkpoints every 4 steps and dies hard (os._exit) at step 10, then a resume from step 8."""
-    steps, base = 14, TINY + ["data.batch_size=4", "parallel.ep=2"]
+    that checkpoints every 4 steps and dies hard (os._exit) at step 10, then a resume from step 8.
+    bf16 is the GPU recipes' parameter path (fp32 masters, persistent bf16 compute copies that the
+    resume must refresh from the loaded masters). checkpoint.keep=1 leaves one checkpoint."""
+    steps, base = 14, TINY + ["data.batch_size=4", "parallel.ep=2", f"train.dtype={dtype}"]
     ref, _ = run_pretrain(base + [f"train.steps={steps}"], tmp_path, "ref", nproc=2)
-    ck = [f"checkpoint.dir='{tmp_path / 'ck'}'", "checkpoint.every=4"]
+    ck = [f"checkpoint.dir='{tmp_path / 'ck'}'", "checkpoint.every=4", "checkpoint.keep=1"]
     _, out = run_pretrain(base + ck + [f"train.steps={steps}", "train.crash_at_step=10"], tmp_path, "crash",
                           nproc=2, expect_rc=1)
     assert (tmp_path / "ck" / "latest").read_text() == "8"
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_8"]  # keep=1 pruned step_4
     resumed, out = run_pretrain(base + ck + [f"train.steps={steps}"], tmp_path, "resume", nproc=2)
     assert "resumed from" in out and "step_8" in out
     assert len(resumed) == steps - 8

@@ -146,3 +146,26 @@ def test_sharding_is_layout_independent_and_resumable(source):
     assert torch.equal(fresh.next_batch()[0], r1.next_batch()[0])
     with pytest.raises(ValueError, match="global batch"):
         ByteLoader(cfg2, 0, 2).load_state_dict(r1.state_dict())
+
+
+def test_prune_checkpoints_keeps_newest_complete(tmp_path):
+    """checkpoint.keep: the newest ``keep`` complete checkpoints stay; a newer step that never got
+    ``latest`` (a save killed midway) is neither counted nor deleted; keep=0 deletes nothing."""
+    from train.checkpoint import prune_checkpoints
+    for s in (10, 20, 30, 40):
+        (tmp_path / f"step_{s}").mkdir()
+        (tmp_path / f"step_{s}" / "x").write_text("x")
+    (tmp_path / "latest").write_text("30")
+    assert prune_checkpoints(str(tmp_path), 0) == []
+    gone = prune_checkpoints(str(tmp_path), 2)
+    assert sorted(gone) == [str(tmp_path / "step_10")]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_20", "step_30", "step_40"]
+    prune_checkpoints(str(tmp_path), 1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_30", "step_40"]
+    assert prune_checkpoints(str(tmp_path / "nothing_here"), 1) == []
+
+
+def test_checkpoint_keep_must_be_non_negative():
+    from train.config import load_config
+    with pytest.raises(ValueError, match="checkpoint.keep"):
+        load_config("configs/debug_cpu.toml", ["checkpoint.keep=-1"])

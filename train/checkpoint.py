@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .parallelize import ParallelDims
 from .resume_check import check_resume_compatible
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "expert_key"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "prune_checkpoints", "expert_key"]
 
 
 def expert_key(fqn: str, global_id: int) -> str:
@@ -104,7 +104,26 @@ def _rng_state() -> dict:
     return s
 
 
-def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loader, pd: ParallelDims) -> str:
+def prune_checkpoints(ckpt_dir: str, keep: int) -> list[str]:
+    """Deletes all but the newest ``keep`` complete checkpoints (``step_<N>`` with N <= latest);
+    returns the deleted paths. ``keep=0`` keeps everything. A step newer than ``latest`` (a save
+    that did not finish) is left alone: the next save of that step overwrites it."""
+    import shutil
+    if keep <= 0:
+        return []
+    latest = latest_step(ckpt_dir)
+    if latest is None:
+        return []
+    steps = sorted(int(n[5:]) for n in os.listdir(ckpt_dir) if n.startswith("step_") and n[5:].isdigit())
+    done = [s for s in steps if s <= latest]
+    gone = [os.path.join(ckpt_dir, f"step_{s}") for s in done[:-keep]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loader, pd: ParallelDims,
+                    keep: int = 0) -> str:
     path = os.path.join(ckpt_dir, f"step_{step}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
@@ -118,6 +137,7 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
         with open(tmp, "w") as f:
             f.write(str(step))
         os.replace(tmp, os.path.join(ckpt_dir, "latest"))
+        prune_checkpoints(ckpt_dir, keep)
     dist.barrier()
     return path
 

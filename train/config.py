@@ -117,6 +117,8 @@ class CheckpointConfig:
     dir: str = ""                # "" = no checkpoints
     every: int = 0
     resume: bool = True          # continue from the latest checkpoint in ``dir`` if there is one
+    keep: int = 0                # keep only the newest ``keep`` complete checkpoints (0 = keep all);
+                                 # an EP=2 OLMoE-8-layer checkpoint with Adam states is ~40 GB
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ def _validate(cfg: Config) -> None:
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT:
         raise ValueError(f"train.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                          f"{', '.join(repr(a) for a in ACTIVATION_CHECKPOINT)}")
-    _positive("checkpoint", cfg.checkpoint, "every", allow_zero=True)
+    _positive("checkpoint", cfg.checkpoint, "every", "keep", allow_zero=True)
     if cfg.checkpoint.every and not cfg.checkpoint.dir:
         raise ValueError(f"checkpoint.every={cfg.checkpoint.every} needs checkpoint.dir")
 

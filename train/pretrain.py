@@ -217,7 +217,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
                 annotate.close()
                 prof = None
         if ck.every and step % ck.every == 0:
-            save_checkpoint(ck.dir, step, model, optimizer, scheduler, loader, pd)
+            save_checkpoint(ck.dir, step, model, optimizer, scheduler, loader, pd, keep=ck.keep)
         if cfg.train.crash_at_step and step == cfg.train.crash_at_step:
             log.print(f"crash_at_step={step}: exiting without cleanup (simulated failure)")
             sys.stdout.flush()
