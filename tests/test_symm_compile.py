@@ -34,7 +34,9 @@ def _specs(amd: bool = False):
     tiles = dict(BLOCK_D=512)
     exp_sig = dict(out_ptr="*bf16", src_map_ptr="*i32", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32",
                    rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
+    # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
+                  COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE"))
     return {
         "_barrier_signal_kernel": ("_barrier_signal_kernel",
@@ -59,10 +61,21 @@ def _specs(amd: bool = False):
                  **tiles, **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV"))),
         "_expand_kernel": ("_expand_kernel", exp_sig, dict(FROM_META=True, GATE_GRAD=False, **exp_cx)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
+        # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
+        "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32"),
+                                 dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True)),
+        "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
+                                       dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
+                                            WAIT_ROWS=False)),
+        "_reduce_send_kernel[rows]": ("_reduce_send_kernel",
+            dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
+                 peers_ptr="*i64", RANK="i32", N_EXP="i32"),
+            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
+                 **o("OFF_ARRIVE", "OFF_COMB"))),
         "_reduce_send_kernel": ("_reduce_send_kernel",
             dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                  peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=True, ACC=tl.float32, BLOCK_R=8, **tiles,
+            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
                  **o("OFF_ARRIVE", "OFF_COMB"))),
         "_reduce_recv_kernel": ("_reduce_recv_kernel",
             dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
@@ -124,6 +137,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert compiled[name]["timer"] > 0, f"{name}: wait not bounded by the device clock"
     for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):
         assert compiled[name]["st"] > 0 and compiled[name]["ld"] > 0, f"{name}: no row copy"
+    # Row form: the receive rows stay put (no row copy in the index pass), partial rows still go home,
+    # the gate gradients are released to their sources without waiting for token rows.
+    assert compiled["_expand_kernel[rows]"]["acquire"] > 0, "rows: the index pass must wait for its rows"
+    assert compiled["_expand_kernel[rows_dgate]"]["timer"] == 0, "rows_dgate waits for nothing"
+    assert compiled["_expand_kernel[rows_dgate]"]["release"] > 0, "rows_dgate: no release of the answers"
+    assert compiled["_reduce_send_kernel[rows]"]["release"] > 0 and compiled["_reduce_send_kernel[rows]"]["st"] > 0
     # The peer-pointer build (USE_NVSHMEM=False, the default) has no NVSHMEM in it: no module init.
     for name, info in compiled.items():
         assert info.get("nvshmem", 0) == 0, f"{name}: references NVSHMEM with USE_NVSHMEM=False"

@@ -20,7 +20,8 @@ def test_symm_dispatch_interpreted_suite():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not multigpu",
                         os.path.join(here, "symm_interpreted_cases.py"),
-                        os.path.join(here, "symm_nvshmem_interpreted_cases.py")],  # the emulated cross-node route
+                        os.path.join(here, "symm_nvshmem_interpreted_cases.py"),  # the emulated cross-node route
+                        os.path.join(here, "symm_rows_interpreted_cases.py")],  # the fused EP exchange
                        cwd=root, env=env, capture_output=True, text=True, timeout=540)
     tail = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail

@@ -3,8 +3,9 @@ GPUs, and MoELayer forward/backward with both. Launch with torchrun, one process
 
     torchrun --nproc-per-node=2 -m pytest -m multigpu tests/test_symm_multigpu.py -q
 
-The deduplicated exchange has not run on two GPUs yet (only one-GPU machines were lent since it
-landed). Groups spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
+First passed on two H200s on 2026-11-29 (session 4). The fused EP layer test
+(``test_moe_layer_fused_ep_vs_all_to_all``) was added after that run and has not run on GPUs yet. Groups
+spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
 """
 
 from __future__ import annotations
@@ -90,6 +91,37 @@ def test_moe_layer_symm_vs_all_to_all(group):
                     generator=torch.Generator(device="cuda").manual_seed(dist.get_rank()))
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     oa, ob = a(xa), b(xb)
+    torch.testing.assert_close(ob.float(), oa.float(), rtol=2 ** -7, atol=2 ** -7 * float(oa.float().abs().max()))
+    oa.float().square().sum().backward()
+    ob.float().square().sum().backward()
+    torch.testing.assert_close(xb.grad.float(), xa.grad.float(), rtol=2e-2, atol=2e-2 * float(xa.grad.abs().max()))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.grad.float(), pa.grad.float(), rtol=2e-2,
+                                   atol=2e-2 * float(pa.grad.abs().max()), msg=name)
+    b.dispatcher.check()
+
+
+def test_moe_layer_fused_ep_vs_all_to_all(group):
+    """MoELayer(pipeline="fused", dispatcher="symm") at EP=W -- receive rows read by index, the
+    gate/scatter epilogue into per-receive-row partials, one row home per (token, rank) -- against
+    the all-to-all separate layer with the same weights and routing: output, dx and every parameter
+    gradient. Both are bf16 with fp32 accumulation; they round at different points (the fused path
+    adds gate * y in fp32 before one rounding per rank), so the bounds are those of the symm test."""
+    import torch.distributed as dist
+
+    from tlx_dist import MoEConfig, MoELayer
+
+    W = dist.get_world_size()
+    cfg = MoEConfig(dim=1024, moe_inter_dim=512, num_experts=8 * W, top_k=4, dtype="bfloat16")
+    torch.manual_seed(0)
+    a = MoELayer(cfg, group, dispatcher="all_to_all", device="cuda")
+    b = MoELayer(cfg, group, dispatcher="symm", pipeline="fused", device="cuda")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 128, 1024, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator(device="cuda").manual_seed(dist.get_rank()))
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    oa, ob = a(xa), b(xb)
+    assert b._fused(xb.reshape(-1, 1024))
     torch.testing.assert_close(ob.float(), oa.float(), rtol=2 ** -7, atol=2 ** -7 * float(oa.float().abs().max()))
     oa.float().square().sum().backward()
     ob.float().square().sum().backward()

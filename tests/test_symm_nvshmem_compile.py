@@ -72,6 +72,9 @@ def _nvshmem_specs():
         "_send_tokens_kernel[grad]": variant("_send_tokens_kernel", WITH_META=False),  # combine's backward: dy rows
         "_expand_kernel[grad]": variant("_expand_kernel[grad]"),
         "_reduce_send_kernel": variant("_reduce_send_kernel"),
+        # the fused EP pipeline's row form: partial rows home, given gate gradients home
+        "_reduce_send_kernel[rows]": variant("_reduce_send_kernel[rows]"),
+        "_expand_kernel[rows_dgate]": variant("_expand_kernel[rows_dgate]"),
     }
     quiet = {"_expand_kernel[dispatch]": variant("_expand_kernel")}  # FROM_META: sends nothing
     return nvshmem, quiet, base
@@ -279,7 +282,8 @@ def compiled(request):
 
 
 SENDERS = ("_barrier_signal_kernel", "_barrier_signal_kernel[nocounts]", "_send_tokens_kernel",
-           "_send_tokens_kernel[grad]", "_expand_kernel[grad]", "_reduce_send_kernel")
+           "_send_tokens_kernel[grad]", "_expand_kernel[grad]", "_reduce_send_kernel", "_reduce_send_kernel[rows]",
+           "_expand_kernel[rows_dgate]")
 
 
 def test_nvshmem_kernels_link_and_assemble(compiled):

@@ -169,3 +169,18 @@ def test_checkpoint_keep_must_be_non_negative():
     from train.config import load_config
     with pytest.raises(ValueError, match="checkpoint.keep"):
         load_config("configs/debug_cpu.toml", ["checkpoint.keep=-1"])
+
+
+def test_moe_pipeline_setting_reaches_the_layers():
+    """parallel.moe_pipeline is validated with its key and handed to every MoE layer."""
+    from train.config import load_config
+    from train.model import Transformer
+    with pytest.raises(ValueError, match="parallel.moe_pipeline='fast'"):
+        load_config("configs/debug_cpu.toml", ["parallel.moe_pipeline=fast"])
+    with pytest.raises(ValueError, match="parallel.moe_pipeline='fused' with parallel.ep > 1"):
+        load_config("configs/debug_cpu.toml", ["parallel.moe_pipeline=fused", "parallel.ep=2",
+                                               "parallel.dispatcher=all_to_all"])
+    cfg = load_config("configs/debug_cpu.toml", ["parallel.moe_pipeline=fused"])
+    model = Transformer(cfg.model, pipeline=cfg.parallel.moe_pipeline)
+    moes = [b.moe for b in model.layers if b.moe is not None]
+    assert moes and all(m.pipeline == "fused" for m in moes)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from .config import MoEConfig
-from .fused import fused_experts, fused_tlx_supports
+from .fused import fused_experts, fused_experts_rows, fused_tlx_supports
 from .grouped_gemm import grouped_mm
 from .router import Router, RoutingStats
 
@@ -81,10 +81,16 @@ class MoELayer(nn.Module):
             sync per dispatch) | ``"worst"`` | float factor of ``T_max*K`` | int (static, graph-capturable).
         gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
         device: where parameters are created.
-        pipeline: ``"fused"`` (one rank: :func:`tlx_dist.fused.fused_experts`, gather-on-load GEMMs with
-            SwiGLU and gate-scatter epilogues), ``"separate"`` (dispatch -> grouped GEMMs -> combine)
-            or ``"auto"``: fused where its TLX kernels run (sm_90, one EP rank, local dispatcher, no
-            pinned GEMM backend, supported shapes), separate elsewhere.
+        pipeline: ``"fused"``: gather-on-load GEMMs with SwiGLU and gate-scatter epilogues
+            (:mod:`tlx_dist.fused`) -- on one rank with the local dispatcher
+            (:func:`~tlx_dist.fused.fused_experts`), and under expert parallelism with the symmetric
+            exchange (``dispatcher="symm"``): the first GEMM reads the receive rows by index, the
+            second adds each row's gate-weighted output into a per-receive-row partial, and one
+            partial row per (token, rank) goes home (:meth:`SymmDispatcher.dispatch_rows` /
+            ``combine_rows``); ``"separate"`` (dispatch -> grouped GEMMs -> combine) or ``"auto"``:
+            fused where its TLX kernels run (sm_90, one EP rank, local dispatcher, no pinned GEMM
+            backend, supported shapes), separate elsewhere. ``"auto"`` does not pick the EP form yet:
+            it has not run on real multi-GPU hardware (select it with ``pipeline="fused"``).
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
@@ -108,11 +114,14 @@ class MoELayer(nn.Module):
         self.ep_size, self.ep_rank = world, rank
         self.num_local_experts = cfg.num_experts // world
         self.gemm_backend = gemm_backend
-        if pipeline == "fused" and world != 1:
-            raise ValueError(f"pipeline='fused' runs on one EP rank for now, got an EP group of {world}")
-        if pipeline == "fused" and (gemm_backend is not None or not (dispatcher in ("auto", "local"))):
-            raise ValueError("pipeline='fused' runs its own gather/scatter GEMMs: it takes neither a dispatcher "
-                             f"({dispatcher!r}) nor gemm_backend ({gemm_backend!r}); use pipeline='separate'")
+        if pipeline == "fused":
+            from .comm.symm import SymmDispatcher
+            ok = ("auto", "local", "symm") if world == 1 else ("symm",)
+            if gemm_backend is not None or not (dispatcher in ok or isinstance(dispatcher, SymmDispatcher)):
+                raise ValueError(
+                    f"pipeline='fused' runs its own gather/scatter GEMMs: it takes no gemm_backend ({gemm_backend!r}) "
+                    f"and exchanges tokens with dispatcher {' or '.join(map(repr, ok))} or a SymmDispatcher "
+                    f"(EP group of {world}), got dispatcher={dispatcher!r}; use pipeline='separate'")
         self.pipeline = pipeline
         # Router ids are in range by construction: skip the (host-syncing) id validation.
         self.dispatcher = make_dispatcher(dispatcher, cfg.num_experts, ep_group, validate=False, capacity=capacity)
@@ -191,7 +200,10 @@ class MoELayer(nn.Module):
         route = self.router(x_TD)
         self.last_stats = route.stats
         if self._fused(x_TD):
-            out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2)
+            if isinstance(getattr(self.dispatcher, "_inner", self.dispatcher), LocalDispatcher):
+                out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2)
+            else:
+                out_TD = self._fused_ep(x_TD, route)
         else:
             out_TD = self._separate(x_TD, route)
         if self.shared_w13 is not None:
@@ -205,6 +217,15 @@ class MoELayer(nn.Module):
         y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
         # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.
         return self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x_TD.dtype)
+
+    def _fused_ep(self, x_TD: torch.Tensor, route) -> torch.Tensor:
+        """The fused pipeline over the symmetric exchange: receive rows -> gather-on-load GEMMs ->
+        per-receive-row partial sums -> one row home per (token, rank)."""
+        disp = self.dispatcher
+        recv_RD, src_N, gate_N, handle = disp.dispatch_rows(x_TD, route.idx_TK, route.gate_TK)
+        part_RD = fused_experts_rows(recv_RD, src_N, src_N, gate_N, self.w13, self.w2, handle.offsets_e,
+                                     recv_RD.shape[0])
+        return disp.combine_rows(part_RD, handle).to(x_TD.dtype)
 
     def _fused(self, x_TD: torch.Tensor) -> bool:
         if self.pipeline != "auto":

@@ -65,12 +65,17 @@ class ParallelConfig:
     exchange), ``"all_to_all"``
     (NCCL/gloo ``all_to_all_single``) or ``"symm"`` (CUDA only). capacity_factor (symm): expanded
     expert rows per rank as a factor of tokens*top_k; 0 = exact (one host read per layer per step),
-    > 0 = static (no host sync; overflow raises at the next log step, naming this key)."""
+    > 0 = static (no host sync; overflow raises at the next log step, naming this key).
+    moe_pipeline: the MoE layers' ``pipeline`` (``tlx_dist.MoELayer``): ``"auto"`` (the fused TLX
+    pipeline on one EP rank where it runs, separate ops otherwise), ``"fused"`` (also under expert
+    parallelism, over the symmetric exchange's row form: needs dispatcher symm, or auto resolving to
+    it) or ``"separate"``."""
 
     ep: int = 1
     dp: int = 0
     dispatcher: str = "auto"
     capacity_factor: float = 0.0
+    moe_pipeline: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,11 @@ def _validate(cfg: Config) -> None:
         raise ValueError(f"parallel.dispatcher={p.dispatcher!r} must be 'auto', 'all_to_all' or 'symm'")
     if p.dispatcher == "all_to_all" and p.ep == 1:
         raise ValueError("parallel.dispatcher='all_to_all' needs parallel.ep > 1 (one rank exchanges nothing)")
+    if p.moe_pipeline not in ("auto", "fused", "separate"):
+        raise ValueError(f"parallel.moe_pipeline={p.moe_pipeline!r} must be 'auto', 'fused' or 'separate'")
+    if p.moe_pipeline == "fused" and p.ep > 1 and p.dispatcher == "all_to_all":
+        raise ValueError("parallel.moe_pipeline='fused' with parallel.ep > 1 exchanges tokens through the symmetric "
+                         "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
     _positive("data", d, "seq_len", "batch_size")

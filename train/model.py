@@ -110,7 +110,7 @@ class DenseMLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ep_group: Optional[dist.ProcessGroup],
-                 gemm_backend: Optional[str], device=None, dispatcher="auto"):
+                 gemm_backend: Optional[str], device=None, dispatcher="auto", pipeline: str = "auto"):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, device=device)
         self.attn = Attention(cfg, device)
@@ -119,7 +119,7 @@ class Block(nn.Module):
             self.ffn: nn.Module = DenseMLP(cfg.dim, cfg.dense_inter_dim, device)
         else:
             self.ffn = MoELayer(cfg.moe, ep_group=ep_group, gemm_backend=gemm_backend, device=device,
-                                dispatcher=dispatcher)
+                                dispatcher=dispatcher, pipeline=pipeline)
         self.layer_id = layer_id
         self.attn_fn: Callable = attention_residual
         self.checkpoint = "none"   # "none" | "moe" | "full" (Transformer.set_activation_checkpoint)
@@ -161,13 +161,14 @@ class Transformer(nn.Module):
     run). ``aux_loss()`` sums the MoE layers' aux + z losses of the last forward (in the graph)."""
 
     def __init__(self, cfg: ModelConfig, ep_group: Optional[dist.ProcessGroup] = None,
-                 gemm_backend: Optional[str] = None, device=None, seed: int = 0, dispatcher="auto"):
+                 gemm_backend: Optional[str] = None, device=None, seed: int = 0, dispatcher="auto",
+                 pipeline: str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
         # ``dispatcher``: a name, or one Dispatcher instance shared by every MoE layer (it holds no
         # per-layer state; the symmetric one shares its group's buffers).
-        self.layers = nn.ModuleList(Block(cfg, i, ep_group, gemm_backend, device, dispatcher)
+        self.layers = nn.ModuleList(Block(cfg, i, ep_group, gemm_backend, device, dispatcher, pipeline)
                                     for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps, device=device)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)

@@ -120,11 +120,16 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     exchange on CUDA when ep > 1 and the EP group sits inside one node (one SymmDispatcher for every
     layer, its buffers sized for this recipe's tokens per rank), the layer's own default otherwise
     (local / all-to-all). An EP group across nodes gets all-to-all unless ``"symm"`` is pinned: the
-    NVSHMEM leg of the exchange is compile-verified only, it has never run."""
+    NVSHMEM leg of the exchange has run only with one GPU per "node" over NVLink (2 x H200), never
+    over InfiniBand. ``parallel.moe_pipeline="fused"`` at ep > 1 needs the symmetric exchange."""
     p = cfg.parallel
     kind = p.dispatcher
     if kind == "auto":
         kind = "symm" if (device.type == "cuda" and pd.ep > 1 and _ep_in_one_node(pd)) else "auto"
+    if p.moe_pipeline == "fused" and pd.ep > 1 and kind != "symm":
+        raise UsageError(f"parallel.moe_pipeline='fused' at ep={pd.ep} runs over the symmetric exchange, which "
+                         f"needs CUDA GPUs of one node here (parallel.dispatcher={p.dispatcher!r} resolved to "
+                         f"{kind!r}); use moe_pipeline='separate' or 'auto'")
     if kind != "symm":
         return kind
     if device.type != "cuda":
@@ -159,7 +164,8 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
     (module docstring) and local mixed precision to the rest."""
     ep_group = pd.ep_group if pd.ep > 1 else None
     model = Transformer(cfg.model, ep_group=ep_group, gemm_backend=cfg.train.gemm_backend or None,
-                        device=device, seed=cfg.train.seed, dispatcher=make_train_dispatcher(cfg, pd, device))
+                        device=device, seed=cfg.train.seed, dispatcher=make_train_dispatcher(cfg, pd, device),
+                        pipeline=cfg.parallel.moe_pipeline)
     model.set_activation_checkpoint(cfg.train.activation_checkpoint)
     model.set_compile(cfg.train.compile)
     # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the

@@ -309,6 +309,14 @@ class _AnnotatedDispatcher:
         with torch.profiler.record_function("moe.combine"):
             return self._inner.combine_weighted(*args, **kwargs)
 
+    def dispatch_rows(self, *args, **kwargs):  # the fused EP pipeline's exchange
+        with torch.profiler.record_function("moe.dispatch"):
+            return self._inner.dispatch_rows(*args, **kwargs)
+
+    def combine_rows(self, *args, **kwargs):
+        with torch.profiler.record_function("moe.combine"):
+            return self._inner.combine_rows(*args, **kwargs)
+
 
 @contextlib.contextmanager
 def annotate_dispatchers(moe_layers: Sequence[nn.Module]):

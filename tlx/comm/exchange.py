@@ -423,7 +423,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    FROM_META: tl.constexpr, GATE_GRAD: tl.constexpr, ACC: tl.constexpr,
                    TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                   pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
+                   pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
+                   gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
+                   DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -431,16 +433,24 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     k)) and ``src_map[pos] = n*K + k``. FROM_META: (pos, token) come from META and the gates from
     GATES, and are copied out to ``pos/gate/tok`` (invalid rows get pos -1). USE_NVSHMEM (with
     GATE_GRAD): gate gradients of off-node sources are staged in SDGATE and put
-    (``_nvshmem_put_gate_grads``)."""
+    (``_nvshmem_put_gate_grads``).
+
+    Fused-EP modes (the receive rows stay where they are; ``tlx_dist.fused`` reads them by index):
+    ``COPY=False`` skips the row copy (``out`` is not written); ``GATE_N`` also stores each
+    expanded row's gate into ``gate_n[pos]`` (in ``gate_n``'s dtype); ``DGATE_GIVEN`` (with
+    GATE_GRAD, COPY=False) sends the gate gradients ``y[pos]`` computed elsewhere (``y`` is then
+    the ``[N]`` fp32 gradient of those gates) instead of ``<recv[n], y[pos]>``; ``WAIT_ROWS=False``
+    skips the wait for token rows (an op that sent none this epoch)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my = tl.load(peers_ptr + RANK)
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
-    for src in range(W):
-        _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src), err_ptr,
-                  OP_TOKENS, src, TIMEOUT_NS, CLOCK)
-    tl.debug_barrier()
+    if WAIT_ROWS:
+        for src in range(W):
+            _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src),
+                      err_ptr, OP_TOKENS, src, TIMEOUT_NS, CLOCK)
+        tl.debug_barrier()
     recv = (my + OFF_RECV).to(tl.pointer_type(DT))
     meta = (my + OFF_META).to(tl.pointer_type(tl.int32))
     wr = tl.arange(0, WP)
@@ -475,17 +485,23 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             ok = valid & (pk >= 0) & (pk < N_EXP)
             over = tl.maximum(over, (valid & (pk >= N_EXP)).to(tl.int32))
             tl.store(src_map_ptr + pk, n * K + k, mask=ok)
+            if GATE_N:
+                tl.store(gate_n_ptr + pk, gk.to(gate_n_ptr.dtype.element_ty), mask=ok)
             p64 = pk.to(tl.int64)
-            dg = tl.zeros([BLOCK_R], ACC)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = ok[:, None] & (cols < D)[None, :]
-                v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=cm, other=0.0)
-                if GATE_GRAD:
-                    yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cm, other=0.0).to(ACC)
-                    dg += tl.sum(v.to(ACC) * yv, axis=1)
-                    v = (v.to(ACC) * gk.to(ACC)[:, None]).to(DT)
-                tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cm)
+            if DGATE_GIVEN:
+                dg = tl.load(y_ptr + p64, mask=ok, other=0.0).to(ACC)
+            else:
+                dg = tl.zeros([BLOCK_R], ACC)
+            if COPY:
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = ok[:, None] & (cols < D)[None, :]
+                    v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=cm, other=0.0)
+                    if GATE_GRAD:
+                        yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cm, other=0.0).to(ACC)
+                        dg += tl.sum(v.to(ACC) * yv, axis=1)
+                        v = (v.to(ACC) * gk.to(ACC)[:, None]).to(DT)
+                    tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cm)
             if GATE_GRAD:  # every slot of this rank answers (0 for an overflowed one)
                 has = near & (pk >= 0)
                 dst = (sbase + OFF_DGATE).to(tl.pointer_type(ACC)) + tok.to(tl.int64) * K + k
@@ -508,8 +524,11 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
                         T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
-    """For each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
+                        pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
+                        ROWS: tl.constexpr = False):
+    """ROWS (fused EP pipeline): row n of ``y`` (``[W*T_MAX, D]``, one row per received row,
+    already summed over this rank's slots) goes home as it is. Otherwise,
+    for each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
     over this rank's slots of t (products in the activation dtype, as the per-token reference
     computes them), accumulated in fp32 and rounded once, stored into row (t, RANK)
     of the source's COMB. Then one release add per source of the rows sent back. USE_NVSHMEM: rows
@@ -539,15 +558,20 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = (cols < D)[None, :]
-                acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                for k in range(K):
-                    pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
-                    ok = valid & (pk >= 0) & (pk < N_EXP)
-                    yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & cm,
-                                 other=0.0)
-                    if GATED:  # the product rounded to DT (exact in ACC before rounding)
-                        yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]).to(DT)
-                    acc += yv.to(ACC)
+                if ROWS:
+                    acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
+                                  other=0.0).to(ACC)
+                else:
+                    acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+                    for k in range(K):
+                        pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                        ok = valid & (pk >= 0) & (pk < N_EXP)
+                        yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :],
+                                     mask=ok[:, None] & cm, other=0.0)
+                        if GATED:  # the product rounded to DT (exact in ACC before rounding)
+                            yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]
+                                  ).to(DT)
+                        acc += yv.to(ACC)
                 tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
                 if USE_NVSHMEM:
                     tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)

@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .symm import check_capacity, combine_grad_steps, combine_steps, dispatch_grad_steps, dispatch_steps
+from .symm import (check_capacity, combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
+                   dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps)
 from .symm_buffers import SymmBuffers
 
 __all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
@@ -81,6 +82,31 @@ class EmulatedWorld:
         """Dispatch's backward: ``g_ND`` -> ``g_TD`` (summed over k) per rank."""
         self._check(gs_ND, "gs_ND")
         return run_lockstep([combine_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs_ND, handles)])
+
+    # ---- the fused EP pipeline's row form (SymmDispatcher.dispatch_rows / combine_rows) ----
+    def dispatch_rows(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor],
+                      gates_TK: Sequence[torch.Tensor]):
+        """Returns ``[(recv_RD, src_N, gate_N, SymmHandle)]`` per rank (no expert-major copy)."""
+        for v, n in ((xs_TD, "xs_TD"), (idxs_TK, "idxs_TK"), (gates_TK, "gates_TK")):
+            self._check(v, n)
+        out = run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True)
+                            for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
+        return [(r, torch.div(h.src_map_N, h.top_k, rounding_mode="floor"), g, h) for r, g, h in out]
+
+    def combine_rows(self, parts_RD: Sequence[torch.Tensor], handles: Sequence):
+        self._check(parts_RD, "parts_RD")
+        return run_lockstep([combine_rows_steps(b, p, h) for b, p, h in zip(self.buffers, parts_RD, handles)])
+
+    def combine_rows_grad(self, gs_TD: Sequence[torch.Tensor], handles: Sequence):
+        """combine_rows' backward: ``g_TD`` -> ``g_part_RD`` per rank."""
+        self._check(gs_TD, "gs_TD")
+        return run_lockstep([combine_rows_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs_TD, handles)])
+
+    def dispatch_rows_grad(self, gs_RD: Sequence[torch.Tensor], gs_gate_N: Sequence, handles: Sequence):
+        """dispatch_rows' backward: ``(g_recv_RD, g_gate_N)`` -> ``(g_TD, g_gate_TK)`` per rank."""
+        self._check(gs_RD, "gs_RD")
+        return run_lockstep([dispatch_rows_grad_steps(b, g, gg, h)
+                             for b, g, gg, h in zip(self.buffers, gs_RD, gs_gate_N, handles)])
 
     def check(self) -> None:
         for b in self.buffers:

@@ -48,7 +48,8 @@ from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args
 from .symm_buffers import SymmBuffers
 
 __all__ = ["SymmDispatcher", "SymmHandle", "ep_buffers", "expanded_rows", "dispatch_steps", "combine_steps",
-           "dispatch_grad_steps", "combine_grad_steps", "run_steps"]
+           "dispatch_grad_steps", "combine_grad_steps", "combine_rows_steps", "combine_rows_grad_steps",
+           "dispatch_rows_grad_steps", "run_steps"]
 
 Capacity = Union[str, float, int]
 
@@ -229,16 +230,30 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, start_E, gate_TK, with_m
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
 
 
-def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool):
+def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
+            n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
+            dgate_given: bool = False, wait_rows: bool = True):
+    """``_expand_kernel``; ``copy=False`` (with ``n_exp`` expanded rows, ``out_ND`` unused) is the
+    fused-EP form: only the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden)
     c = _common(bufs)
+    extra = {}
+    if gate_N is not None:
+        extra.update(gate_n_ptr=gate_N, GATE_N=True)
+    if not copy:
+        extra.update(COPY=False)
+    if dgate_given:
+        extra.update(DGATE_GIVEN=True)
+    if not wait_rows:
+        extra.update(WAIT_ROWS=False)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
-        bufs.rank, out_ND.shape[0], WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
-        META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate,
-        FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br, BLOCK_D=bd, num_warps=4, sends=gate_grad, **c)
+        bufs.rank, out_ND.shape[0] if n_exp is None else n_exp, WP=_next_pow2(L.world_size), K=L.top_k,
+        D=L.hidden, T_MAX=L.max_tokens, META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
+        OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate, FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br,
+        BLOCK_D=bd, num_warps=4, sends=gate_grad, **c, **extra)
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
@@ -264,8 +279,15 @@ def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int)
 
 
 def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
-                   gate_TK: Optional[torch.Tensor] = None, capacity: Capacity = "worst") -> Steps:
-    """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``."""
+                   gate_TK: Optional[torch.Tensor] = None, capacity: Capacity = "worst",
+                   rows: bool = False) -> Steps:
+    """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``.
+
+    ``rows=True`` (the fused EP pipeline) skips the expert-major copy and returns ``(recv_RD,
+    gate_N, SymmHandle)``: a copy of the receive rows ``[W*T_max, D]`` (row ``s*T_max + i`` is
+    source s's i-th token row; rows past ``rows_from_W[s]`` are unspecified and never indexed) and
+    the fp32 gate of each expanded row; ``handle.src_map_N // K`` is the receive row each expanded
+    row reads."""
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
@@ -285,13 +307,20 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     n = expanded_rows(capacity, bufs)
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
-    x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
+    x_exp = None if rows else torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
     src_map = torch.empty(n, dtype=torch.int32, device=dev)
     R = L.recv_rows
     pos_RK = torch.empty(R, K, dtype=torch.int32, device=dev)
     gate_RK = torch.empty(R, K, dtype=L.dtype, device=dev)
     tok_R = torch.empty(R, dtype=torch.int32, device=dev)
-    _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False)
+    if rows:
+        recv = bufs.recv_rows()
+        gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
+        _expand(bufs, recv, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+                n_exp=n, gate_N=gate_N, copy=False)
+        x_exp = recv.clone()  # the kernel waited for every row; the region is reused by the next op
+    else:
+        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
         offsets_e=offsets_e if capacity == "exact" else offsets_e.clamp(max=n),
@@ -299,28 +328,49 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs)
-    return x_exp, handle
+    return (x_exp, gate_N, handle) if rows else (x_exp, handle)
 
 
-def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool) -> Steps:
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> None:
     L, k = bufs.layout, _kernels(bufs.device)
-    wait = _barrier(bufs, None)
-    yield
-    wait()
-    y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
+    y = y if y.is_contiguous() else y.contiguous()
     br, bd = _tiles(L.hidden)
     _send_launch(bufs, k._reduce_send_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4)
-    yield
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}))
+
+
+def _reduce_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
+    L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
+    br, bd = _tiles(L.hidden)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
     k._reduce_recv_kernel[_grid(-(-T // br), bufs.device)](
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, D=L.hidden, OFF_COMB=L.off_comb,
         BLOCK_T=br, BLOCK_D=bd, num_warps=4, **_common(bufs))
     return out
+
+
+def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
+    L, k = bufs.layout, _kernels(bufs.device)
+    S = h.num_tokens * h.top_k
+    g_gate = torch.empty(S, dtype=_acc_dtype(L.dtype), device=bufs.device)
+    k._gate_grad_recv_kernel[_grid(-(-S // 1024), bufs.device)](
+        g_gate, h.rows_to_W, bufs.peers, bufs.rank, S, W=L.world_size, OFF_STATE=L.off_state,
+        OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(),
+        BLOCK=1024)
+    return g_gate.view(h.num_tokens, h.top_k)
+
+
+def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
+    wait = _barrier(bufs, None)
+    yield
+    wait()
+    _reduce_send(bufs, y_ND, h, gated, rows)
+    yield
+    return _reduce_recv(bufs, h)
 
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
@@ -348,13 +398,49 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
     _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True)
     yield
-    S = h.num_tokens * h.top_k
-    g_gate = torch.empty(S, dtype=_acc_dtype(L.dtype), device=bufs.device)
-    k._gate_grad_recv_kernel[_grid(-(-S // 1024), bufs.device)](
-        g_gate, h.rows_to_W, bufs.peers, bufs.rank, S, W=L.world_size, OFF_STATE=L.off_state,
-        OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(),
-        BLOCK=1024)
-    return g_y, g_gate.view(h.num_tokens, h.top_k)
+    return g_y, _gate_grad_recv(bufs, h)
+
+
+def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Steps:
+    """Fused-EP combine: row r of ``part_RD`` (``[W*T_max, D]``, the gate-weighted sum over this
+    rank's experts of receive row r) goes home; returns ``out_TD[t] = sum over ranks`` (fp32, one
+    rounding)."""
+    return (yield from _reduce_steps(bufs, part_RD, h, gated=False, rows=True))
+
+
+def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle) -> Steps:
+    """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]`` on every rank r
+    went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
+    L = bufs.layout
+    wait = _barrier(bufs, None)
+    yield
+    wait()
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
+    yield
+    recv = bufs.recv_rows()
+    scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
+    _expand(bufs, recv, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
+            gate_grad=False, n_exp=h.num_recv_rows, copy=False)  # waits for every row (indices go to scratch)
+    return recv.clone()
+
+
+def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Optional[torch.Tensor],
+                             h: SymmHandle) -> Steps:
+    """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
+    and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
+    returns ``(g_TD, g_gate_TK or None)``."""
+    wait = _barrier(bufs, None)
+    yield
+    wait()
+    if g_gate_N is not None:
+        scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
+        g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
+        _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
+                gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
+    _reduce_send(bufs, g_RD, h, gated=False, rows=True)
+    yield
+    g_TD = _reduce_recv(bufs, h)
+    return g_TD, (_gate_grad_recv(bufs, h) if g_gate_N is not None else None)
 
 
 def run_steps(steps: Steps):
@@ -395,6 +481,35 @@ class _Combine(torch.autograd.Function):
         h = ctx.h
         g_y, g_gate = run_steps(dispatch_grad_steps(h.buffers, g_TD.contiguous(), y_ND, h))
         return g_y, (g_gate.to(ctx.gate_dtype) if ctx.gate_dtype is not None else None), None
+
+
+class _DispatchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity):
+        recv_RD, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True))
+        ctx.h, ctx.gate_dtype = h, gate_TK.dtype
+        return recv_RD, gate_N, h
+
+    @staticmethod
+    def backward(ctx, g_RD, g_gate_N, _g_handle):
+        h = ctx.h
+        if g_RD is None:
+            g_RD = torch.zeros(h.buffers.layout.recv_rows, h.buffers.layout.hidden, dtype=h.buffers.layout.dtype,
+                               device=h.buffers.device)
+        g_TD, g_gate = run_steps(dispatch_rows_grad_steps(h.buffers, g_RD, g_gate_N, h))
+        return g_TD, (g_gate.to(ctx.gate_dtype) if g_gate is not None else None), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, part_RD, h):
+        ctx.h = h
+        return run_steps(combine_rows_steps(h.buffers, part_RD, h))
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        h = ctx.h
+        return run_steps(combine_rows_grad_steps(h.buffers, g_TD.contiguous(), h)), None
 
 
 _EP_BUFFERS: dict = {}
@@ -469,6 +584,36 @@ class SymmDispatcher(Dispatcher):
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
         return _Dispatch.apply(x_TD, idx_TK, gate_TK, bufs, self.capacity)
+
+    def dispatch_rows(self, x_TD, idx_TK, gate_TK):
+        """The fused EP pipeline's dispatch: the token rows cross once per destination rank and
+        stay as received (no expert-major copy). Returns ``(recv_RD, src_N, gate_N, handle)``:
+        ``recv_RD`` ``[W*T_max, D]`` receive rows, ``src_N`` ``[N]`` int32 receive row of each
+        expanded (expert-major) row, ``gate_N`` ``[N]`` fp32 its gate, differentiable back to
+        ``x_TD`` and ``gate_TK``; ``handle.offsets_e`` are the local experts' end rows. Feed them to
+        :func:`tlx_dist.fused.fused_experts_rows` with ``dst_N = src_N`` and
+        ``num_dst = recv_RD.shape[0]``, then :meth:`combine_rows`."""
+        check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
+        if not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
+            raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
+                             f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
+        K = idx_TK.shape[1]
+        bufs = self._buffers_for(x_TD, K)
+        recv_RD, gate_N, h = _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity)
+        src_N = torch.div(h.src_map_N, K, rounding_mode="floor")
+        return recv_RD, src_N, gate_N, h
+
+    def combine_rows(self, part_RD, handle):
+        """``out_TD[t] = sum over the ranks t went to of part_RD[row of t there]`` (fp32, one
+        rounding); differentiable in ``part_RD``. ``part_RD``: ``[W*T_max, D]``, row r the
+        gate-weighted sum of this rank's experts for receive row r."""
+        if not isinstance(handle, SymmHandle):
+            raise TypeError(f"handle must come from SymmDispatcher.dispatch_rows, got {type(handle).__name__}")
+        L = handle.buffers.layout
+        if not isinstance(part_RD, torch.Tensor) or part_RD.shape != (L.recv_rows, L.hidden) or part_RD.dtype != L.dtype:
+            raise ValueError(f"part_RD must be [{L.recv_rows}, {L.hidden}] {L.dtype}, got "
+                             f"{tuple(getattr(part_RD, 'shape', ()))} {getattr(part_RD, 'dtype', type(part_RD))}")
+        return _CombineRows.apply(part_RD, handle)
 
     def combine(self, y_ND, handle):
         raise NotImplementedError("SymmDispatcher returns one row per token (the gate-weighted sum over its "

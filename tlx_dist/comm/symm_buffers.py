@@ -272,6 +272,14 @@ class SymmBuffers:
         self._check_open()
         return self._mem[off: off + nbytes]
 
+    def recv_rows(self) -> torch.Tensor:
+        """``[W*T_max, D]`` view of this rank's receive region: block s holds source s's token rows
+        (the first ``rows_from[s]`` of ``T_max`` are valid after a dispatch). Overwritten by the
+        next op: clone what must outlive it."""
+        L = self.layout
+        return self._region(L.off_recv, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(
+            L.recv_rows, L.hidden)
+
     def state(self) -> torch.Tensor:
         """``[3]`` int64: ops started (epoch), overflow flag, error word (``op << 16 | peer``)."""
         return self._region(self.layout.off_state, 24).view(torch.int64)

@@ -1,0 +1,211 @@
+"""The fused EP pipeline's exchange (``SymmDispatcher.dispatch_rows`` / ``combine_rows``) on CPU: the
+real tlx/comm kernels under TRITON_INTERPRET=1, in an emulated world of W virtual ranks and on one
+rank with autograd, against a brute-force fp64 MoE written from the definition.
+
+The row form keeps the token rows where they arrived: each expanded (expert-major) row reads its
+receive row by index, the experts' gate-weighted outputs are summed per receive row on the owner
+and one partial row per (token, rank) goes home. Per rank the expert math here is
+``tlx_dist.fused.reference`` (what the fused kernels compute); the exchange is the kernels'.
+Run by tests/test_symm_interpreted.py in a child pytest (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from symm_interpreted_cases import _close, _kind_routing  # noqa: E402
+from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
+from tlx_dist.comm.symm import SymmDispatcher, SymmHandle  # noqa: E402
+from tlx_dist.fused import fused_experts, fused_experts_rows  # noqa: E402
+from tlx_dist.fused.reference import fused_backward_ref, fused_forward_ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
+
+
+def _moe_brute(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
+    """out[t] = sum_k gate[t, k] * SwiGLU-expert_{idx[t, k]}(x[t]), one slot at a time (fp64)."""
+    Fe = w2_EFD.shape[1]
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(idx_TK.shape[1]):
+            e = int(idx_TK[t, k])
+            h = x_TD[t] @ w13_EDF2[e]
+            out[t] = out[t] + gate_TK[t, k] * ((F.silu(h[:Fe]) * h[Fe:]) @ w2_EFD[e])
+    return out
+
+
+# W = 4 with a rank of 0 tokens: its receive blocks are empty, it still answers every barrier.
+# heavy_imbalance: every slot goes to rank 0's experts (other ranks receive nothing);
+# zero_token_experts: odd experts get no rows (empty segments inside offsets_e).
+# rpn: ranks per emulated node -- peers on other nodes are reached by the (emulated) NVSHMEM route:
+# staged puts of the partial rows and of the given gate gradients.
+@pytest.mark.parametrize("Ts,kind,rpn", [([5, 3], "random", None), ([4, 4], "heavy_imbalance", None),
+                                         ([6, 2], "zero_token_experts", None), ([4, 0, 6, 2], "random", None),
+                                         ([3, 5, 2, 4], "heavy_imbalance", None), ([5, 3], "random", 1),
+                                         ([4, 0, 6, 2], "random", 2)])
+def test_rows_world_matches_brute_force(Ts, kind, rpn):
+    W, E, K, D, Fe = len(Ts), 12, 3, 8, 4
+    e = E // W
+    dt = torch.float64
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(T, D, generator=gen, dtype=dt) for T in Ts]
+    idxs = [_kind_routing(20 + s, T, K, E, W, kind) if T else torch.zeros(0, K, dtype=torch.long)
+            for s, T in enumerate(Ts)]
+    gates = [torch.rand(T, K, generator=gen, dtype=dt) for T in Ts]
+    w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=dt) * 0.5
+    w2 = torch.randn(E, Fe, D, generator=gen, dtype=dt) * 0.5
+    w13s, w2s = [w13[d * e:(d + 1) * e] for d in range(W)], [w2[d * e:(d + 1) * e] for d in range(W)]
+
+    world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, dt, device="cpu", ranks_per_node=rpn)
+    res = world.dispatch_rows(xs, idxs, gates)
+    fwd = []
+    for d, (recv, src, gate_N, h) in enumerate(res):
+        assert isinstance(h, SymmHandle) and recv.shape == (W * world.buffers[d].layout.max_tokens, D)
+        assert gate_N.dtype == dt and src.dtype == torch.int32
+        n = int(h.offsets_e[-1])
+        # every expanded row reads the receive row its token arrived in, with that slot's gate
+        m = h.src_map_N[:n].long()
+        assert torch.equal(src[:n].long(), m // K)
+        assert torch.equal(gate_N[:n], h.gate_RK.reshape(-1)[m])
+        fwd.append(fused_forward_ref(recv, src, src, gate_N, w13s[d], w2s[d], h.offsets_e, recv.shape[0]))
+    outs = world.combine_rows([p for p, _ in fwd], [h for *_, h in res])
+
+    # the reference, with autograd for the backward
+    leaves = [t.clone().requires_grad_(True) for t in xs + gates] + [w13.clone().requires_grad_(True),
+                                                                      w2.clone().requires_grad_(True)]
+    rx, rg, rw13, rw2 = leaves[:W], leaves[W:2 * W], leaves[2 * W], leaves[2 * W + 1]
+    ref = [_moe_brute(rx[s], idxs[s], rg[s], rw13, rw2) for s in range(W)]
+    for s in range(W):
+        assert outs[s].shape == (Ts[s], D)
+        _close(outs[s], ref[s].detach(), f"{kind}: output on rank {s}")
+
+    gs = [torch.randn(T, D, generator=gen, dtype=dt) for T in Ts]
+    torch.autograd.backward([r for r in ref if r.numel()], [g for g, r in zip(gs, ref) if r.numel()])
+    g_parts = world.combine_rows_grad(gs, [h for *_, h in res])
+    bwd = [fused_backward_ref(g_parts[d], recv, src, src, gate_N, w13s[d], w2s[d], h.offsets_e, fwd[d][1])
+           for d, (recv, src, gate_N, h) in enumerate(res)]
+    back = world.dispatch_rows_grad([b[0] for b in bwd], [b[1] for b in bwd], [h for *_, h in res])
+    for s in range(W):
+        g_x, g_gate = back[s]
+        _close(g_x, rx[s].grad if rx[s].grad is not None else torch.zeros_like(xs[s]), f"{kind}: dx on rank {s}")
+        _close(g_gate, rg[s].grad if rg[s].grad is not None else torch.zeros_like(gates[s]),
+               f"{kind}: dgate on rank {s}")
+    for d in range(W):
+        _close(bwd[d][2], rw13.grad[d * e:(d + 1) * e], f"{kind}: dw13 on rank {d}")
+        _close(bwd[d][3], rw2.grad[d * e:(d + 1) * e], f"{kind}: dw2 on rank {d}")
+    world.check()
+    world.close()
+
+
+def test_rows_interleave_with_the_copying_ops():
+    """Row-form and expanded-form ops on the same buffers, alternating: epochs, arrival counters and
+    the gate-gradient region are shared, so a mistake in either shows up in the other."""
+    W, E, K, D, T = 2, 4, 2, 8, 6
+    world = EmulatedWorld(W, T, D, K, E, torch.float64, device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for _ in range(W)]
+    idxs = [_kind_routing(5 + s, T, K, E, W, "random") for s in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=torch.float64) for _ in range(W)]
+    for _ in range(2):
+        rows = world.dispatch_rows(xs, idxs, gates)
+        # identity "experts": each rank's partial is sum over its slots of gate * x
+        parts = []
+        for recv, src, gate_N, h in rows:
+            n = int(h.offsets_e[-1])
+            p = torch.zeros_like(recv)
+            p.index_add_(0, src[:n].long(), gate_N[:n, None] * recv[src[:n].long()])
+            parts.append(p)
+        out_rows = world.combine_rows(parts, [h for *_, h in rows])
+        exp = world.dispatch(xs, idxs, gates)
+        out_exp = world.combine([x for x, _ in exp], [h for _, h in exp])
+        for s in range(W):
+            _close(out_rows[s], (gates[s].sum(1, keepdim=True) * xs[s]), "rows: identity experts")
+            _close(out_exp[s], out_rows[s], "expanded vs rows")
+        g = [torch.randn(T, D, generator=gen, dtype=torch.float64) for _ in range(W)]
+        gp = world.combine_rows_grad(g, [h for *_, h in rows])
+        for d, (recv, src, gate_N, h) in enumerate(rows):
+            valid = [s * T + i for s in range(W) for i in range(int(h.rows_from_W[s]))]
+            tok = h.tok_R.long()
+            for r in valid:  # each received row's gradient is its token's output gradient at home
+                assert torch.equal(gp[d][r], g[r // T][tok[r]])
+    world.check()
+    world.close()
+
+
+def test_single_rank_rows_autograd_matches_fused_local():
+    """W = 1 (no process group, "local" buffers): dispatch_rows -> fused_experts_rows ->
+    combine_rows under autograd vs the one-rank fused_experts, output and every gradient, fp64."""
+    E, K, D, Fe, T = 6, 2, 8, 4, 9
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    gate = torch.rand(T, K, generator=gen, dtype=torch.float64)
+    idx = _kind_routing(9, T, K, E, 1, "zero_token_experts")
+    w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(E, Fe, D, generator=gen, dtype=torch.float64)
+    a = [t.clone().requires_grad_(True) for t in (x, gate, w13, w2)]
+    b = [t.clone().requires_grad_(True) for t in (x, gate, w13, w2)]
+    sd = SymmDispatcher(E, max_tokens=16, capacity="worst")
+    recv, src, gate_N, h = sd.dispatch_rows(a[0], idx, a[1])
+    part = fused_experts_rows(recv, src, src, gate_N, a[2], a[3], h.offsets_e, recv.shape[0], backend="reference")
+    out = sd.combine_rows(part, h)
+    ref = fused_experts(b[0], idx, b[1], b[2], b[3], backend="reference")
+    _close(out, ref, "output")
+    g = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    for name, ta, tb in zip(("dx", "dgate", "dw13", "dw2"), a, b):
+        _close(ta.grad, tb.grad, name)
+    sd.check()
+
+
+def test_moe_layer_fused_ep_matches_separate():
+    """MoELayer(pipeline="fused", dispatcher="symm") on one rank vs the separate local layer:
+    output, dx and every parameter gradient (fp64)."""
+    from _util import make_cfg
+    from tlx_dist import MoELayer
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(make_cfg(), dtype="float64")
+    a = MoELayer(cfg, dispatcher="local", pipeline="separate")
+    b = MoELayer(cfg, dispatcher="symm", pipeline="fused")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 5, cfg.dim, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = a(xa), b(xb)
+    _close(yb, ya, "output")
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    _close(xb.grad, xa.grad, "dx")
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        _close(pb.grad, pa.grad, n)
+    assert isinstance(b.dispatcher, SymmDispatcher) and b._fused(xb.reshape(-1, cfg.dim))
+
+
+def test_rows_bad_input():
+    E, K, D, T = 4, 2, 8, 5
+    sd = SymmDispatcher(E, max_tokens=8, capacity="worst")
+    x = torch.randn(T, D, dtype=torch.float64)
+    idx = _kind_routing(1, T, K, E, 1, "random")
+    gate = torch.rand(T, K, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gate_TK must be a float tensor"):
+        sd.dispatch_rows(x, idx, None)
+    with pytest.raises(ValueError, match="gate_TK must be a float tensor"):
+        sd.dispatch_rows(x, idx, gate[:, :1])
+    recv, src, gate_N, h = sd.dispatch_rows(x, idx, gate)
+    with pytest.raises(ValueError, match=r"part_RD must be \[8, 8\]"):
+        sd.combine_rows(recv[:3], h)
+    with pytest.raises(ValueError, match="part_RD must be"):
+        sd.combine_rows(recv.float(), h)
+    with pytest.raises(TypeError, match="handle must come from SymmDispatcher.dispatch_rows"):
+        sd.combine_rows(recv, object())
+    from _util import make_cfg
+    from tlx_dist import MoELayer
+    with pytest.raises(ValueError, match="pipeline='fused' runs its own gather/scatter GEMMs"):
+        MoELayer(make_cfg(), dispatcher="local", pipeline="fused", gemm_backend="torch")
