@@ -134,6 +134,14 @@ def test_emulated_edge_shapes():
     _check_world(2, 6, 6, [5, 3], 7, "random", torch.float16)
 
 
+def test_emulated_many_route_blocks():
+    """E = 64, K = 8: the layout kernels tile 32 tokens per block, so T = 100 / 70 spans 4 / 3 blocks
+    with a ragged last one -- the prefix sum over blocks (hist is [counts, blocks], scanned along
+    the blocks) must carry every block's slots into the next."""
+    _check_world(2, 64, 8, [100, 70], 4, "random")
+    _check_world(2, 64, 8, [97, 33], 4, "heavy_imbalance")
+
+
 def test_repeated_ops_reuse_buffers():
     """Several layers share one world: back-to-back dispatches without a combine in between
     (double-buffered counts, epochs, each handle keeps its own copy of the metadata), then the

@@ -48,7 +48,7 @@ def _specs(amd: bool = False):
             dict(W=W, WP=8, E=E, EP=E, E_LOCAL=E // W, NC=E + W, HAS_COUNTS=True, **wait,
                  **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
         "_route_hist_kernel": ("_route_hist_kernel",
-            dict(idx_ptr="*i64", hist_ptr="*i32", T="i32"),
+            dict(idx_ptr="*i64", hist_ptr="*i32", T="i32", NB="i32"),
             dict(K=K, KP=8, E=E, EP=E, W=W, E_LOCAL=E // W, NC=E + W, BLOCK_T=8)),
         "_route_rank_kernel": ("_route_rank_kernel",
             dict(idx_ptr="*i64", hist_ptr="*i32", incl_ptr="*i64", q_ptr="*i32", dest_ptr="*i32",

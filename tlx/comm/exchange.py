@@ -659,19 +659,21 @@ def _route_tile(idx_ptr, b, T, K: tl.constexpr, KP: tl.constexpr, E: tl.constexp
 
 
 @triton.jit
-def _route_hist_kernel(idx_ptr, hist_ptr, T,
+def _route_hist_kernel(idx_ptr, hist_ptr, T, NB,
                        K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                        W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``hist[c, b]`` (column b = token block b, ``[NC, NB]`` so that the prefix sum over blocks is
+    a row scan): slots of block b per expert (c < E), token rows of block b per destination rank."""
     b = tl.program_id(0)
     t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
     ei = tl.arange(0, EP)
     flat = tl.reshape(g, [BLOCK_T * KP])
     per_e = tl.sum((flat[:, None] == ei[None, :]).to(tl.int32), axis=0)
-    tl.store(hist_ptr + b * NC + ei, per_e, mask=ei < E)
+    tl.store(hist_ptr + ei * NB + b, per_e, mask=ei < E)
     dest = g // E_LOCAL
     for d in range(W):
         sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
-        tl.store(hist_ptr + b * NC + E + d, tl.sum(sent))
+        tl.store(hist_ptr + (E + d) * NB + b, tl.sum(sent))
 
 
 @triton.jit
@@ -682,8 +684,8 @@ def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_pt
     b = tl.program_id(0)
     t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
     ei = tl.arange(0, EP)
-    row = incl_ptr + b * NC
-    excl_E = tl.load(row + ei, mask=ei < E, other=0) - tl.load(hist_ptr + b * NC + ei, mask=ei < E, other=0)
+    excl_E = (tl.load(incl_ptr + ei * NB + b, mask=ei < E, other=0)
+              - tl.load(hist_ptr + ei * NB + b, mask=ei < E, other=0))
     flat = tl.reshape(g, [BLOCK_T * KP])
     onehot = (flat[:, None] == ei[None, :]).to(tl.int32)
     within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1       # earlier slots, same expert
@@ -696,9 +698,9 @@ def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_pt
     tm = t < T
     for d in range(W):
         sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
-        base = tl.load(row + E + d) - tl.load(hist_ptr + b * NC + E + d)
+        base = tl.load(incl_ptr + (E + d) * NB + b) - tl.load(hist_ptr + (E + d) * NB + b)
         r = tl.where(sent > 0, base.to(tl.int32) + tl.cumsum(sent, axis=0) - 1, -1)
         tl.store(send_row_ptr + t * W + d, r, mask=tm)
     if b == NB - 1:
         ci = tl.arange(0, NCP)
-        tl.store(counts_ptr + ci, tl.load(row + ci, mask=ci < NC, other=0), mask=ci < NC)
+        tl.store(counts_ptr + ci, tl.load(incl_ptr + ci * NB + b, mask=ci < NC, other=0), mask=ci < NC)
