@@ -36,7 +36,8 @@ reaching its output and leaving its input. Each interval is attributed to the in
 The phases of a step sum to its instrumented time exactly (a partition of the timeline). Work the
 autograd engine interleaves between two markers counts toward the interval it falls in.
 
-Project (no GPU, no torch.distributed; ``bench/scaling_model.py``):
+Project (no GPU, no torch.distributed; the model is ``bench/scaling_model.py``, the report
+``bench/scaling_report.py``):
 
     python bench/scaling.py --project [--plot out.png] [--measured run.json ...] [--json proj.json]
 """
@@ -542,7 +543,7 @@ def main(argv=None) -> int:
         except ValueError:
             ap.error(f"--symm-capacity={args.symm_capacity!r} must be exact, worst or a float")
     if args.project:
-        from scaling_model import project_main
+        from scaling_report import project_main
         return project_main(args)
     if args.plot or args.measured:
         ap.error("--plot and --measured go with --project")

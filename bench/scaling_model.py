@@ -3,30 +3,58 @@ parameters (issue 11). Pure Python: runs on a CPU from ``bench/scaling_calibrati
 
 What it predicts: for a training recipe (``configs/*.toml``), a device (``HARDWARE``), a GPU count G,
 an expert-parallel degree ``ep`` (dp = G / ep) and an exchange design (``PRESETS``), the time of one
-training step of one GPU, split into the categories of the measured H200 profile:
+training step of one GPU, split into the phases the harness measures (``bench/scaling.py``;
+``HARNESS_PHASES`` maps its phase labels onto these categories), so that every projected category
+can stand beside a measured one:
 
-    expert GEMMs      18·T·K·D·F per MoE layer / (eta_exp · peak)
-    other GEMMs       6·T·(dense active params) / (eta_mm · peak)   attention projections, router,
-                      shared experts, dense MLPs, head
-    attention         6·T·L·H·Dh·S (causal half of torchtitan's 12·L·H·Dh·S) / (eta_attn · peak)
-    elementwise/casts T·sum_layers A_layer · beta / HBM bandwidth; A = K·(3F + D) + 12·D elements
-                      per token of an MoE layer (per-slot h, a, y rows; ~12 D-wide tensors: norms,
-                      residuals, RoPE'd q/k, casts) + 3·Fs for shared experts; 3·Fd + 12·D for a
-                      dense layer. The fused expert pipeline removes the K·(3F + D) term (SwiGLU,
-                      permutation and combine passes move into GEMM prologues/epilogues).
-    optimizer         params held by this GPU (FSDP shard) · bytes/param / HBM bandwidth
-    FSDP copies       params this GPU computes with (unsharded: non-expert + E/ep experts) ·
-                      bytes/param / HBM bandwidth (FSDP2's casts and copy-in/out, chunk_cat)
-    exchange          4 exchanges per MoE layer (dispatch, combine, and their backwards): bytes
-                      over the scale-up link (same NVLink/xGMI domain) and over the NIC, each at
-                      link_efficiency x datasheet bandwidth, the slower of the two + a latency;
-                      + extra HBM row passes of the path; + a host sync per forward dispatch when
-                      the path has one. With overlap, each layer's link time hides behind that
-                      layer's expert GEMMs (the fused design: GEMMs consume rows as they arrive).
-    grad reduction    FSDP2 all-gathers (bf16, forward and backward) and reduce-scatters (fp32) as
-                      rings (bytes·(n-1)/n over the slowest link crossed + (n-1) hop latencies),
-                      hidden behind compute except what exceeds it and one unit's worth;
-                      + the EP all-reduce of router/shared gradients + the grad-norm all-reduce.
+    attention       attention.*: a block minus its FFN (QKV/out projections, SDPA, norms, RoPE):
+                    (6·T·L·(4·D² + 2·D) + 6·T·L·H·Dh·S causal) / (eta_attn · peak)
+    route           route.*: T·L_moe·(D + E) elements · bytes per element / HBM
+    experts         experts.* + dense_ffn.*: 18·T·K·D·F per MoE layer / (eta · peak), eta of the fused
+                    pipeline (its on-rank permutation and combine included) or of separate expert
+                    ops; shared experts and dense FFN layers at the separate eta; + the bf16->fp32
+                    gradient casts of the MoE parameters kept outside FSDP2
+    exchange        dispatch.* + combine.* (below)
+    grad reduction  grad_reduce: global-norm read of the local gradients; at ep > 1 the in-place
+                    division of the expert gradients, the EP all-reduce of router/shared gradients
+                    and the norm all-reduce; + the exposed part of FSDP2's all-gathers and
+                    reduce-scatters (rings overlapped with compute; the harness sees it in fwd/bwd)
+    optimizer       optimizer: parameters this GPU holds (FSDP shard) · bytes/param / HBM
+    rest            fwd + bwd + other: embedding, head, loss (T·(D + V) elements) + the fp32->bf16
+                    refresh of the parameters kept outside FSDP2 (train/mixed_precision.py)
+    FSDP copies     no harness phase of its own (FSDP2's hooks run inside fwd/bwd): casts,
+                    copy-in/out and chunk_cat of the parameters FSDP2 manages on a mesh of > 1 rank
+
+Calibration (``Calibration``; every input is marked measured or assumed in the JSON, and
+``describe_assumptions`` prints the rates derived from it):
+  * the fused profile (one H200, the fused one-rank pipeline, per-phase CUDA-event times from the
+    harness) gives every rate: eta_attn, eta_fused, route and rest bytes per element, optimizer
+    and norm bytes per parameter, after removing the parameter casts it contains (A3);
+  * the separate profile (the same GPU and run, AllToAllDispatcher on a one-rank group, separate
+    expert ops) gives eta_sep and the one-rank all-to-all exchange (``a2a_passes``: read+write
+    passes of the expanded rows per MoE layer at the copy rate);
+  * the exchange profile (``bench/dispatch.py`` at W=2 on two H200s, GPU time per kernel) gives
+    the scale-up link efficiency (``_send_tokens_kernel``, the only kernel crossing NVLink) and
+    the rates of the symmetric exchange's local kernels.
+The two one-GPU points are therefore reproduced by construction; every point at more GPUs is a
+check that feeds no parameter.
+
+Exchange per MoE layer and step (4 ops: dispatch, combine and their backwards), per GPU; X =
+T·K·D·2 bytes of expanded (expert-major) rows, Y = T·D·2 bytes of token rows; link(rows) = bytes over
+the scale-up fabric and over the NIC at link efficiency x datasheet bandwidth, the slower of the
+two, + a latency:
+    reference      AllToAllDispatcher (NCCL): a2a_passes·2·X / copy rate (measured at ep=1: the
+                   one-rank all_to_all copy, permutations, gate weighting, its host syncs)
+                   + 4·link(per_slot rows)
+    dedup          SymmDispatcher + separate expert ops, the kernels of the W=2 profile at their
+                   measured rates: 2 send_tokens = link(rank_dedup rows); 2 expand = X / rate (the
+                   backward one also reads X for the gate gradients); 2 reduce_send = max(X / rate,
+                   link); 2 reduce_recv = (2 + rows)·Y / rate; 4 barrier waits; the forward layout
+                   (route kernels per (token, k) slot, one cumsum per histogram row); one host sync
+                   per forward dispatch (capacity="exact")
+    fused          4·link(rank_dedup rows) + 4 barrier waits + 2 reduce_recv: the gather and scatter
+                   are inside eta_fused (projected: the fused pipeline has no EP path yet)
+    fused+overlap  as fused, each layer's link time hidden behind that layer's expert time
 
 Traffic per token per exchange (``traffic_rows``), for E experts, top-K, ep ranks in domains of g
 ranks (n = ep/g domains), e = E/ep experts per rank, routing uniform over experts; with node-limited
@@ -41,18 +69,21 @@ those M·g·e:
                p_d = 1 - C(E'-g·e, K)/C(E', K), (n-1)·(M/n)·p_d rows, then forwarded inside the
                receiving domain over NVLink.
 
-Assumptions (each is a field of ``Calibration.assumptions`` with its status, "measured" or
-"assumed", and its source; ``describe_assumptions`` prints them):
+Assumptions (the JSON's ``assumptions`` hold the numbers, each "measured" or "assumed" with its source):
   A1 GEMM and attention efficiencies (fraction of peak) measured on the H200 carry over to other
-     shapes and devices (B200 and MI300X kernels have never run: this is the largest uncertainty);
-  A2 memory-bound categories scale with the datasheet HBM bandwidth;
-  A3 FSDP2's parameter copies are ``fsdp_copy_bytes_per_param`` bytes through ``aten::copy_`` per
-     step at the measured copy rate (counted from FSDP2's cast, copy-in and copy-out, forward and
-     backward); the rest of the profile's ``copy_`` time is per token;
-  A4 exchanges and collectives reach ``link_efficiency_*`` of the datasheet bandwidth;
-  A5 routing is uniform over experts and ranks receive equal rows (``imbalance`` scales GEMMs);
+     shapes and devices (B200 and MI300X kernels have never run: the largest uncertainty);
+  A2 memory-bound categories (route, rest, optimizer, norm, the exchange's local kernels) scale
+     with the datasheet HBM bandwidth;
+  A3 parameter casts and copies are the bytes counted from the code (``*_bytes_per_param``) at the
+     measured copy rate;
+  A4 NCCL's all-to-all reaches the scale-up link efficiency measured on the symmetric send kernel;
+     NICs reach ``link_efficiency_out``;
+  A5 routing is uniform over experts and ranks receive equal rows (``imbalance`` scales the
+     expert time);
   A6 the NIC is shared by nothing else (no contention between exchange and FSDP traffic);
-  A7 activation memory is not checked (a projected point may not fit).
+  A7 activation memory is not checked (a projected point may not fit);
+  A8 the symmetric kernels' W=2 rates (per byte) hold at other D and W, and the barrier wait
+     measured at W=2 is a fixed cost per op at any W.
 Everything is per GPU and per optimizer step; weak scaling (tokens per GPU fixed by the recipe).
 """
 
@@ -67,11 +98,24 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "scaling_calibration.json"
 
-__all__ = ["Hardware", "HARDWARE", "PRESETS", "RECIPE_HARDWARE", "Calibration", "load_calibration",
-           "Workload", "workload", "Traffic", "traffic_rows", "Scenario", "Projection", "project",
-           "check_measurements", "scaling_rows", "describe_assumptions", "GPU_COUNTS"]
+__all__ = ["Hardware", "HARDWARE", "PRESETS", "RECIPE_HARDWARE", "HARNESS_PHASES", "CATEGORIES", "Calibration",
+           "load_calibration", "group_phases", "Workload", "workload", "Traffic", "traffic_rows", "Scenario",
+           "Projection", "project", "check_measurements", "scaling_rows", "describe_assumptions", "GPU_COUNTS"]
 
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+# The harness's phase labels (bench/scaling.py) behind each projected category. "FSDP copies" has
+# no phase of its own: compared with the harness, it is counted with "rest".
+HARNESS_PHASES = {
+    "attention": ("attention.fwd", "attention.bwd"),
+    "route": ("route.fwd", "route.bwd"),
+    "experts": ("experts.fwd", "experts.bwd", "dense_ffn.fwd", "dense_ffn.bwd"),
+    "exchange": ("dispatch.fwd", "dispatch.bwd", "combine.fwd", "combine.bwd"),
+    "grad reduction": ("grad_reduce",),
+    "optimizer": ("optimizer",),
+    "rest": ("fwd", "bwd", "other"),
+}
+CATEGORIES = tuple(HARNESS_PHASES) + ("FSDP copies",)
 
 
 # ------------------------------------------------------------------------------------------ devices
@@ -145,17 +189,16 @@ RECIPE_HARDWARE = {"h200_8gpu_ep8": "H200", "b200_multinode": "B200", "mi300x_mu
 
 # ------------------------------------------------------------------------------------ exchange designs
 
-# traffic: rows per token (see the module docstring). dispatcher: "all_to_all" adds an expert-major
-# permutation pass per exchange; host_sync: one .cpu() per forward dispatch (split sizes, or
-# capacity="exact"). pipeline: "fused" drops the per-slot elementwise term. overlap: link time of a
-# layer hidden behind that layer's expert GEMMs.
+# traffic: rows per token (module docstring). dispatcher: which exchange model applies. pipeline:
+# "fused" takes the fused expert rate. overlap: link time of a layer hidden behind that layer's
+# expert time. host_sync: one host read per forward dispatch not already inside a measured rate.
 PRESETS = {
     "reference": dict(traffic="per_slot", dispatcher="all_to_all", pipeline="separate", overlap=False,
-                      host_sync=True, doc="NCCL all_to_all_single, one row per (token, k); measured path"),
+                      host_sync=False, doc="NCCL all_to_all_single, one row per (token, k), separate expert ops (measured)"),
     "dedup": dict(traffic="rank_dedup", dispatcher="symm", pipeline="separate", overlap=False,
-                  host_sync=True, doc="symmetric exchange, a token crosses to a rank once (capacity='exact')"),
+                  host_sync=True, doc="symmetric exchange, a token crosses to a rank once, separate expert ops (measured)"),
     "fused": dict(traffic="rank_dedup", dispatcher="symm", pipeline="fused", overlap=False,
-                  host_sync=False, doc="+ fused expert pipeline (projected: the fused layer has not run at EP>1)"),
+                  host_sync=False, doc="fused expert pipeline with the deduplicated exchange (projected at EP>1)"),
     "fused+overlap": dict(traffic="rank_dedup", dispatcher="symm", pipeline="fused", overlap=True,
                           host_sync=False, doc="+ exchange overlapped with the expert GEMMs (projected)"),
 }
@@ -168,14 +211,17 @@ TRAFFIC = ("per_slot", "rank_dedup", "node_dedup")
 class Calibration:
     """The committed calibration (``scaling_calibration.json``), validated on load.
 
-    hardware: device of the profile. profile: dict with ``recipe``, ``overrides``, ``step_ms`` and
-    ``categories_ms`` (raw per-step categories of the measured profile). assumptions: name ->
-    {"value", "status", "source"}. measurements: measured points ({"id", "hardware", "gpus",
-    "recipe", "overrides", "preset", "tokens_per_s_per_gpu", "mfu", "use", "source"}).
+    hardware: device of the profiles. profile: ``recipe``, ``overrides`` and the ids of the
+    measurements whose phases calibrate the rates (``fused``, ``separate``). exchange: the W=2
+    kernel profile (``world``, ``tokens``, ``dim``, ``experts``, ``top_k``, ``kernels_us``).
+    assumptions: name -> {"value", "status", "source"}. measurements: measured points ({"id",
+    "use", "hardware", "gpus", "recipe", "overrides", "preset", "tokens_per_s_per_gpu", "source",
+    optional "mfu" and "phases_ms"}).
     """
 
     hardware: str
     profile: dict
+    exchange: dict
     assumptions: dict
     measurements: list
     path: str = ""
@@ -183,11 +229,22 @@ class Calibration:
     def value(self, name: str) -> float:
         return float(self.assumptions[name]["value"])
 
+    def measurement(self, mid: str) -> dict:
+        return next(m for m in self.measurements if m["id"] == mid)
 
-_PROFILE_CATS = ("expert GEMMs", "other GEMMs", "attention", "elementwise", "copy_", "optimizer", "FSDP chunk_cat")
-_ASSUMPTIONS = ("copy_tb_s", "fsdp_copy_bytes_per_param", "link_efficiency_up", "link_efficiency_out",
-                "host_sync_ms", "imbalance", "extra_row_passes_all_to_all", "extra_row_passes_symm")
+
+_ASSUMPTIONS = ("copy_tb_s", "local_cast_bytes_per_param", "fsdp_copy_bytes_per_param", "fsdp_chunk_cat_bytes_per_param",
+                "expert_grad_div_bytes_per_param", "link_efficiency_out", "host_sync_ms", "symm_backward_extra_reads",
+                "imbalance")
 _MEAS_FIELDS = ("id", "hardware", "gpus", "recipe", "overrides", "preset", "tokens_per_s_per_gpu", "use", "source")
+_KERNELS = ("send_tokens", "expand", "reduce_send", "reduce_recv", "barrier_wait_x2", "cumsum", "route_hist_rank")
+# Phases a profile must have: the fused one has no exchange phases (the fused pipeline runs inside experts.*).
+_PROFILE_PHASES = {"fused": ("attention", "route", "experts", "grad reduction", "optimizer", "rest"),
+                   "separate": ("experts", "exchange")}
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 def load_calibration(path=DEFAULT_CALIBRATION) -> Calibration:
@@ -197,36 +254,77 @@ def load_calibration(path=DEFAULT_CALIBRATION) -> Calibration:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"calibration {path}: not valid JSON ({e})") from None
-    for k in ("hardware", "profile", "assumptions", "measurements"):
+    where = f"calibration {path}"
+    for k in ("hardware", "profile", "exchange_profile", "assumptions", "measurements"):
         if k not in d:
-            raise ValueError(f"calibration {path}: field '{k}' is missing")
+            raise ValueError(f"{where}: field '{k}' is missing")
     if d["hardware"] not in HARDWARE:
-        raise ValueError(f"calibration {path}: hardware={d['hardware']!r} is not one of {sorted(HARDWARE)}")
-    p = d["profile"]
-    for k in ("recipe", "overrides", "step_ms", "categories_ms", "status", "source"):
-        if k not in p:
-            raise ValueError(f"calibration {path}: profile.{k} is missing")
-    for c in _PROFILE_CATS:
-        v = p["categories_ms"].get(c)
-        if not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"calibration {path}: profile.categories_ms['{c}']={v!r} must be a non-negative number")
+        raise ValueError(f"{where}: hardware={d['hardware']!r} is not one of {sorted(HARDWARE)}")
     for a in _ASSUMPTIONS:
         entry = d["assumptions"].get(a)
         if not isinstance(entry, dict) or not isinstance(entry.get("value"), (int, float)):
-            raise ValueError(f"calibration {path}: assumptions.{a}.value is missing or not a number")
+            raise ValueError(f"{where}: assumptions.{a}.value is missing or not a number")
         if entry.get("status") not in ("measured", "assumed"):
-            raise ValueError(f"calibration {path}: assumptions.{a}.status must be 'measured' or 'assumed'")
+            raise ValueError(f"{where}: assumptions.{a}.status must be 'measured' or 'assumed'")
         if not entry.get("source"):
-            raise ValueError(f"calibration {path}: assumptions.{a}.source is missing")
+            raise ValueError(f"{where}: assumptions.{a}.source is missing")
+    ids = set()
     for i, m in enumerate(d["measurements"]):
         for k in _MEAS_FIELDS:
             if k not in m:
-                raise ValueError(f"calibration {path}: measurements[{i}].{k} is missing")
+                raise ValueError(f"{where}: measurements[{i}].{k} is missing")
+        if m["id"] in ids:
+            raise ValueError(f"{where}: measurements[{i}].id={m['id']!r} is not unique")
+        ids.add(m["id"])
+        if m["use"] not in ("calibration", "check"):
+            raise ValueError(f"{where}: measurements[{i}].use={m['use']!r} must be 'calibration' or 'check'")
         if m["hardware"] not in HARDWARE:
-            raise ValueError(f"calibration {path}: measurements[{i}].hardware={m['hardware']!r} is unknown")
+            raise ValueError(f"{where}: measurements[{i}].hardware={m['hardware']!r} is unknown")
         if m["preset"] not in PRESETS:
-            raise ValueError(f"calibration {path}: measurements[{i}].preset={m['preset']!r} is not one of {sorted(PRESETS)}")
-    return Calibration(d["hardware"], p, d["assumptions"], d["measurements"], str(path))
+            raise ValueError(f"{where}: measurements[{i}].preset={m['preset']!r} is not one of {sorted(PRESETS)}")
+        if not _positive(m["tokens_per_s_per_gpu"]):
+            raise ValueError(f"{where}: measurements[{i}].tokens_per_s_per_gpu must be a positive number")
+        if "phases_ms" in m:
+            group_phases(m["phases_ms"], f"{where}: measurements[{i}].phases_ms")
+    p = d["profile"]
+    for k in ("recipe", "overrides", "fused", "separate", "status", "source"):
+        if k not in p:
+            raise ValueError(f"{where}: profile.{k} is missing")
+    by_id = {m["id"]: m for m in d["measurements"]}
+    for role, cats in _PROFILE_PHASES.items():
+        m = by_id.get(p[role])
+        if m is None:
+            raise ValueError(f"{where}: profile.{role}={p[role]!r} names no measurement")
+        # A profile point is a model input: it must be marked so, never counted as a check.
+        if m["use"] != "calibration" or m["gpus"] != 1 or "phases_ms" not in m:
+            raise ValueError(f"{where}: profile.{role}={p[role]!r} must be a one-GPU measurement with "
+                             "use='calibration' and phases_ms")
+        got = group_phases(m["phases_ms"])
+        missing = [c for c in cats if got[c] <= 0]
+        if missing:
+            raise ValueError(f"{where}: profile.{role}={p[role]!r} has no time in phases {missing}")
+    x = d["exchange_profile"]
+    for k in ("world", "tokens", "dim", "experts", "top_k", "kernels_us", "status", "source"):
+        if k not in x:
+            raise ValueError(f"{where}: exchange_profile.{k} is missing")
+    for k in _KERNELS:
+        if not _positive(x["kernels_us"].get(k)):
+            raise ValueError(f"{where}: exchange_profile.kernels_us.{k}={x['kernels_us'].get(k)!r} must be a positive number")
+    return Calibration(d["hardware"], p, x, d["assumptions"], d["measurements"], str(path))
+
+
+def group_phases(phases_ms: dict, where: str = "phases_ms") -> dict:
+    """Harness phase times (``bench/scaling.py`` labels) summed into the model's categories
+    (``HARNESS_PHASES``); "FSDP copies" is 0 (FSDP2 runs inside fwd/bwd). Unknown labels raise."""
+    label = {ph: cat for cat, phs in HARNESS_PHASES.items() for ph in phs}
+    out = {c: 0.0 for c in CATEGORIES}
+    for k, v in phases_ms.items():
+        if k not in label:
+            raise ValueError(f"{where}: phase {k!r} is not one the harness writes ({sorted(label)})")
+        if not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{where}[{k!r}]={v!r} must be a non-negative number")
+        out[label[k]] += v
+    return out
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -248,25 +346,30 @@ def load_recipe(recipe: str, overrides=()):
 class Workload:
     """Analytic per-GPU work of one step of a recipe (``train.metrics`` counts, reused).
 
-    tokens: T per GPU. flops_*: FLOPs per step per GPU. act_elems / act_elems_fused: activation
-    elements per step (elementwise model, separate / fused pipeline). params_expert / params_other:
-    global parameter counts. flops_per_token: torchtitan's count (the MFU numerator).
+    tokens: T per GPU. flops_*: FLOPs per step per GPU (fwd + bwd): routed experts, shared experts +
+    dense FFN layers, attention blocks (projections + causal SDPA). route_elems / rest_elems:
+    elements the route and rest categories scale with. expanded_bytes X / token_bytes Y: bytes of
+    the expert-major rows and of the token rows of one MoE layer (bf16). params_*: global counts of
+    expert, router + shared expert (replicated over ep), and all other parameters.
+    flops_per_token: torchtitan's count (the MFU numerator).
     """
 
     tokens: int
     moe_layers: int
-    flops_expert: float
-    flops_other: float
-    flops_attn_causal: float
-    act_elems: float
-    act_elems_fused: float
-    params_expert: int
-    params_other: int
-    flops_per_token: int
     dim: int
     top_k: int
     num_experts: int
-    moe_params_replicated: int   # router + shared experts of all MoE layers (EP all-reduce)
+    flops_expert: float
+    flops_ffn: float
+    flops_attn: float
+    route_elems: float
+    rest_elems: float
+    expanded_bytes: float
+    token_bytes: float
+    params_expert: int
+    params_rep: int
+    params_world: int
+    flops_per_token: int
     block_params: int            # attention + norms (+ dense MLP) of one block, on average
     root_params: int             # embedding + head + final norm
 
@@ -279,26 +382,21 @@ def workload(cfg) -> Workload:
     T = cfg.data.batch_size * cfg.data.seq_len
     pc = param_counts(m)
     fpt = flops_per_token(m, cfg.data.seq_len)
-    dense_active = pc.active - pc.embedding - pc.experts * moe.top_k // moe.num_experts
     L, Lm = m.n_layers, m.n_layers - m.n_dense_layers
-    D, F, K = m.dim, moe.moe_inter_dim, moe.top_k
-    per_slot = K * (3 * F + D)
-    common_moe = 12 * D + 3 * moe.shared_dim
-    dense_layer = 3 * m.dense_inter_dim + 12 * D
-    act = Lm * (per_slot + common_moe) + m.n_dense_layers * dense_layer
-    act_fused = Lm * common_moe + m.n_dense_layers * dense_layer
-    rep = Lm * (moe.num_experts * D + 3 * D * moe.shared_dim)
+    D, K, E = m.dim, moe.top_k, moe.num_experts
+    causal = 0.5 * T * (fpt - 6 * (pc.active - pc.embedding))   # half of torchtitan's 12·L·H·Dh·S per token
+    rep = Lm * (E * D + 3 * D * moe.shared_dim)
     root = 2 * m.vocab_size * D + D
-    other = pc.total - pc.experts
+    world = pc.total - pc.experts - rep
     return Workload(
-        tokens=T, moe_layers=Lm,
-        flops_expert=6.0 * T * (pc.experts * K / moe.num_experts),
-        flops_other=6.0 * T * dense_active,
-        flops_attn_causal=0.5 * T * (fpt - 6 * (pc.active - pc.embedding)),
-        act_elems=float(T * act), act_elems_fused=float(T * act_fused),
-        params_expert=pc.experts, params_other=other, flops_per_token=fpt, dim=D, top_k=K,
-        num_experts=moe.num_experts, moe_params_replicated=rep,
-        block_params=(other - rep - root) // L, root_params=root)
+        tokens=T, moe_layers=Lm, dim=D, top_k=K, num_experts=E,
+        flops_expert=6.0 * T * (pc.experts * K / E),
+        flops_ffn=6.0 * T * (Lm * 3 * D * moe.shared_dim + m.n_dense_layers * 3 * D * m.dense_inter_dim),
+        flops_attn=6.0 * T * L * (4 * D * D + 2 * D) + causal,
+        route_elems=float(T * Lm * (D + E)), rest_elems=float(T * (D + m.vocab_size)),
+        expanded_bytes=2.0 * T * K * D, token_bytes=2.0 * T * D,
+        params_expert=pc.experts, params_rep=rep, params_world=world, flops_per_token=fpt,
+        block_params=(world - root) // L, root_params=root)
 
 
 # ------------------------------------------------------------------------------------ traffic
@@ -379,7 +477,7 @@ class Scenario:
 @dataclass(frozen=True)
 class Projection:
     scenario: Scenario
-    phases_ms: dict
+    phases_ms: dict               # ms per category (CATEGORIES)
     step_ms: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -393,44 +491,91 @@ class Projection:
 
 @dataclass(frozen=True)
 class _Rates:
-    """Per-unit costs on the calibration device, derived once from the profile (A1-A3)."""
+    """Per-unit costs on the calibration device, derived once from the profiles (module docstring).
+    *_eff: rate / the calibration device's HBM bandwidth (A2 carries them to other devices)."""
 
-    eta_exp: float
-    eta_mm: float
     eta_attn: float
-    ew_bytes_per_elem: float      # effective HBM bytes per activation element
+    eta_fused: float
+    eta_sep: float
+    route_bytes_per_elem: float
+    rest_bytes_per_elem: float
     opt_bytes_per_param: float
-    fsdp_bytes_per_param: float
+    norm_bytes_per_param: float
+    a2a_passes: float             # read+write passes of the expanded rows per MoE layer, one-rank all-to-all
     copy_efficiency: float        # measured copy rate / datasheet HBM bandwidth
+    link_efficiency_up: float     # _send_tokens_kernel bytes / time / datasheet scale-up bandwidth
+    expand_eff: float
+    reduce_eff: float
+    recv_eff: float
+    barrier_s: float              # one bounded wait (one per op)
+    layout_s_per_slot: float      # route histogram + rank kernels, per (token, k) slot
+    layout_s_per_row: float       # the cumsum, per histogram row
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _route_rows(T: int, E: int, K: int) -> int:
+    """Rows of the route histogram that ``tlx_dist/comm/symm.py:_route`` scans with one cumsum:
+    ceil(T / BLOCK_T), BLOCK_T the power of two <= min(64, 16384 // (pow2(E)·pow2(K)))."""
+    bt = max(1, min(64, 16384 // (_next_pow2(E) * _next_pow2(K))))
+    return -(-T // (1 << (bt.bit_length() - 1)))
+
+
+def _row_bytes(D: int, K: int, kind: str) -> int:
+    """Bytes of one exchanged row: bf16 D, + K slots of metadata (expert slot, gate) when deduplicated."""
+    return 2 * D + (6 * K if kind != "per_slot" else 0)
 
 
 def _rates(cal: Calibration) -> _Rates:
     hw = HARDWARE[cal.hardware]
     p = cal.profile
-    c = p["categories_ms"]
-    cfg = load_recipe(p["recipe"], p["overrides"])
-    w = workload(cfg)
+    w = workload(load_recipe(p["recipe"], p["overrides"]))
+    if w.flops_ffn:
+        raise ValueError(f"profile.recipe={p['recipe']!r} has shared experts or dense FFN layers: the expert "
+                         "rates must come from a profile whose experts.* phases hold routed experts only")
     peak, hbm = hw.peak_tflops * 1e12, hw.hbm_tb_s * 1e12
-    s = 1e-3
-    copy_rate = cal.value("copy_tb_s") * 1e12
-    # A3: the parameter part of copy_ (FSDP2 casts + copy-in/out) at the measured copy rate.
-    p_compute = w.params_other + w.params_expert  # one GPU computes with every parameter
-    fsdp_copy_ms = cal.value("fsdp_copy_bytes_per_param") * p_compute / copy_rate / s
-    if fsdp_copy_ms > c["copy_"]:
-        raise ValueError(f"assumptions.fsdp_copy_bytes_per_param gives {fsdp_copy_ms:.1f} ms of parameter "
-                         f"copies, more than the profile's copy_ time {c['copy_']} ms")
-    other_ms = max(0.0, p["step_ms"] - sum(c[k] for k in _PROFILE_CATS))
-    ew_ms = c["elementwise"] + (c["copy_"] - fsdp_copy_ms) + other_ms
-    fsdp_ms = fsdp_copy_ms + c["FSDP chunk_cat"]
-    p_local = w.params_other + w.params_expert   # one rank holds every shard
+    copy = cal.value("copy_tb_s") * 1e12
+    fused = group_phases(cal.measurement(p["fused"])["phases_ms"])
+    sep = group_phases(cal.measurement(p["separate"])["phases_ms"])
+    # A3: at one GPU every parameter is outside FSDP2: one refresh (in rest) and one gradient cast
+    # (in the phase that owns the parameter) per step, removed before the per-token rates.
+    cast = cal.value("local_cast_bytes_per_param") / copy
+    moe_p, world_p = w.params_expert + w.params_rep, w.params_world
+
+    def net_s(phases: dict, cat: str, minus_s: float) -> float:
+        t = phases[cat] * 1e-3 - minus_s
+        if t <= 0:
+            raise ValueError(f"profile: {cat} {phases[cat]} ms is not more than its counted parameter casts "
+                             f"({minus_s * 1e3:.2f} ms): check assumptions.local_cast_bytes_per_param")
+        return t
+
+    x, k = cal.exchange, cal.exchange["kernels_us"]
+    Wx, Tx, Dx, Ex, Kx = (int(x[n]) for n in ("world", "tokens", "dim", "experts", "top_k"))
+    tr = traffic_rows(Ex, Kx, Wx, hw.domain, "rank_dedup")
+    link_bytes = Tx * (tr.intra + tr.inter) * _row_bytes(Dx, Kx, "rank_dedup")
+    eff_up = link_bytes / (k["send_tokens"] * 1e-6) / hw.up_bandwidth(tr.peers_intra)
+    if not 0 < eff_up <= 1:
+        raise ValueError(f"exchange_profile: send_tokens moves {link_bytes / 1e6:.0f} MB in {k['send_tokens']} us, "
+                         f"{eff_up:.2f} x the {cal.hardware} scale-up bandwidth (must be in (0, 1])")
+    Xx, Yx = 2.0 * Tx * Kx * Dx, 2.0 * Tx * Dx
     return _Rates(
-        eta_exp=w.flops_expert / (c["expert GEMMs"] * s) / peak,
-        eta_mm=w.flops_other / (c["other GEMMs"] * s) / peak,
-        eta_attn=w.flops_attn_causal / (c["attention"] * s) / peak,
-        ew_bytes_per_elem=ew_ms * s * hbm / w.act_elems,
-        opt_bytes_per_param=c["optimizer"] * s * hbm / p_local,
-        fsdp_bytes_per_param=fsdp_ms * s * hbm / p_compute,
-        copy_efficiency=copy_rate / hbm)
+        eta_attn=w.flops_attn / net_s(fused, "attention", world_p * cast) / peak,
+        eta_fused=w.flops_expert / net_s(fused, "experts", moe_p * cast) / peak,
+        eta_sep=w.flops_expert / net_s(sep, "experts", moe_p * cast) / peak,
+        route_bytes_per_elem=fused["route"] * 1e-3 * hbm / w.route_elems,
+        rest_bytes_per_elem=net_s(fused, "rest", (moe_p + world_p) * cast) * hbm / w.rest_elems,
+        opt_bytes_per_param=fused["optimizer"] * 1e-3 * hbm / (moe_p + world_p),
+        norm_bytes_per_param=fused["grad reduction"] * 1e-3 * hbm / (moe_p + world_p),
+        a2a_passes=sep["exchange"] * 1e-3 * copy / (w.moe_layers * 2 * w.expanded_bytes),
+        copy_efficiency=copy / hbm, link_efficiency_up=eff_up,
+        expand_eff=Xx / (k["expand"] * 1e-6) / hbm,
+        reduce_eff=Xx / (k["reduce_send"] * 1e-6) / hbm,
+        recv_eff=(2 + tr.intra + tr.inter) * Yx / (k["reduce_recv"] * 1e-6) / hbm,
+        barrier_s=k["barrier_wait_x2"] / 2 * 1e-6,
+        layout_s_per_slot=k["route_hist_rank"] * 1e-6 / (Tx * Kx),
+        layout_s_per_row=k["cumsum"] * 1e-6 / _route_rows(Tx, Ex, Kx))
 
 
 def _ring_s(nbytes: float, n: int, bw: float, hop_s: float) -> float:
@@ -438,6 +583,26 @@ def _ring_s(nbytes: float, n: int, bw: float, hop_s: float) -> float:
     if n <= 1:
         return 0.0
     return nbytes * (n - 1) / n / bw + (n - 1) * hop_s
+
+
+def _exchange_layer_s(w: Workload, hw: Hardware, r: _Rates, cal: Calibration, pre: dict, link: float,
+                      rows: float, ep: int) -> float:
+    """Seconds of one MoE layer's 4 exchange ops, link included (``link``: one op's link time),
+    without overlap (module docstring)."""
+    hbm, X, Y = hw.hbm_tb_s * 1e12, w.expanded_bytes, w.token_bytes
+    copy = r.copy_efficiency * hbm
+    recv = (2 + rows) * Y / (r.recv_eff * hbm)
+    if pre["dispatcher"] == "all_to_all":
+        return r.a2a_passes * 2 * X / copy + 4 * link
+    if pre["pipeline"] == "fused":
+        return 4 * link + 4 * r.barrier_s + 2 * recv if ep > 1 else 0.0
+    expand = X / (r.expand_eff * hbm)
+    reduce = max(X / (r.reduce_eff * hbm), link)
+    extra = cal.value("symm_backward_extra_reads") * X / copy
+    T, E, K = w.tokens, w.num_experts, w.top_k
+    layout = T * K * r.layout_s_per_slot + _route_rows(T, E, K) * r.layout_s_per_row
+    sync = cal.value("host_sync_ms") * 1e-3 if pre["host_sync"] else 0.0
+    return 2 * link + 2 * expand + extra + 2 * reduce + 2 * recv + 4 * r.barrier_s + layout + sync
 
 
 def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
@@ -456,40 +621,42 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     overlap = pre["overlap"] if sc.overlap is None else sc.overlap
     G, ep, dp = sc.gpus, sc.ep, sc.gpus // sc.ep
     peak, hbm = hw.peak_tflops * 1e12, hw.hbm_tb_s * 1e12
-    eff_up, eff_out = cal.value("link_efficiency_up"), cal.value("link_efficiency_out")
+    copy = r.copy_efficiency * hbm
+    eff_up, eff_out = r.link_efficiency_up, cal.value("link_efficiency_out")
+
+    # Who holds what (train/parallelize.py): the non-MoE parameters are FSDP2-sharded over all G
+    # ranks when G > 1; the MoE layers (E/ep experts + router/shared) over dp when dp > 1. Anything
+    # on a one-rank mesh stays outside FSDP2 with a persistent bf16 copy (local casts).
+    moe_p = w.params_expert / ep + w.params_rep
+    moe_fsdp, world_fsdp = dp > 1, G > 1
+    cast = cal.value("local_cast_bytes_per_param") / copy
+    local_p = (0 if moe_fsdp else moe_p) + (0 if world_fsdp else w.params_world)
+    fsdp_p = (moe_p if moe_fsdp else 0) + (w.params_world if world_fsdp else 0)
+    held_p = w.params_world / G + moe_p / dp
+
     ph: dict[str, float] = {}
+    ph["attention"] = w.flops_attn / (r.eta_attn * peak) + (0 if world_fsdp else w.params_world * cast)
+    ph["route"] = w.route_elems * r.route_bytes_per_elem / hbm
+    eta = r.eta_fused if pre["pipeline"] == "fused" else r.eta_sep
+    t_exp = w.flops_expert / (eta * peak) * cal.value("imbalance")
+    ph["experts"] = t_exp + w.flops_ffn / (r.eta_sep * peak) + (0 if moe_fsdp else moe_p * cast)
 
-    t_exp = w.flops_expert / (r.eta_exp * peak) * cal.value("imbalance")
-    ph["expert GEMMs"] = t_exp
-    ph["other GEMMs"] = w.flops_other / (r.eta_mm * peak)
-    ph["attention"] = w.flops_attn_causal / (r.eta_attn * peak)
-    act = w.act_elems_fused if pre["pipeline"] == "fused" else w.act_elems
-    ph["elementwise/casts"] = act * r.ew_bytes_per_elem / hbm
-    p_local = w.params_expert / ep / dp + w.params_other / G
-    p_compute = w.params_expert / ep + w.params_other
-    ph["optimizer"] = p_local * r.opt_bytes_per_param / hbm
-    ph["FSDP copies"] = p_compute * r.fsdp_bytes_per_param / hbm
-
-    # --- token exchange (4 per MoE layer per step)
+    # --- token exchange (4 ops per MoE layer)
     tr = traffic_rows(w.num_experts, w.top_k, ep, hw.domain, kind, sc.node_limit)
-    row = 2 * w.dim + (6 * w.top_k if kind != "per_slot" else 0)   # bf16 row (+ dedup metadata)
+    row = _row_bytes(w.dim, w.top_k, kind)
     T = w.tokens
     t_up = T * tr.intra * row / (eff_up * hw.up_bandwidth(tr.peers_intra)) if tr.intra else 0.0
     t_out = T * tr.inter * row / (eff_out * hw.out_gb_s * 1e9) if tr.inter else 0.0
     lat = (hw.out_latency_us if tr.inter else hw.up_latency_us) * 1e-6 if ep > 1 else 0.0
-    t_link_op = max(t_up, t_out) + lat
-    n_ops = 4 * w.moe_layers if ep > 1 else 0
-    link_total = n_ops * t_link_op
-    exposed_link = (w.moe_layers * max(0.0, 4 * t_link_op - t_exp / w.moe_layers) if overlap else link_total) if ep > 1 else 0.0
-    passes = cal.value("extra_row_passes_all_to_all" if pre["dispatcher"] == "all_to_all" else "extra_row_passes_symm")
-    t_pass = n_ops * passes * T * w.top_k * 2 * w.dim * 2 / (r.copy_efficiency * hbm)
-    t_sync = w.moe_layers * cal.value("host_sync_ms") * 1e-3 if (ep > 1 and pre["host_sync"]) else 0.0
-    ph["exchange"] = exposed_link + t_pass + t_sync
+    link = max(t_up, t_out) + lat if ep > 1 else 0.0
+    per_layer = _exchange_layer_s(w, hw, r, cal, pre, link, tr.intra + tr.inter, ep)
+    hidden = min(4 * link, t_exp / w.moe_layers) if overlap else 0.0
+    ph["exchange"] = w.moe_layers * (per_layer - hidden)
 
-    # --- gradient reduction: FSDP2 rings (overlapped with compute) + EP all-reduce + norm all-reduce
+    # --- gradient reduction: norm + expert-gradient division + EP all-reduce + norm all-reduce
+    #     + the exposed part of FSDP2's rings (overlapped with compute)
     def bw_lat(n: int, stride: int) -> tuple[float, float]:
-        spans = n * stride > hw.domain
-        if spans:
+        if n * stride > hw.domain:
             return eff_out * hw.out_gb_s * 1e9, hw.out_latency_us * 1e-6
         return eff_up * hw.up_bandwidth(n - 1), hw.up_latency_us * 1e-6
 
@@ -497,34 +664,39 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     bw_dp, hop_dp = bw_lat(dp, ep)
     L = cfg.model.n_layers
     units = [(w.block_params, G, bw_w, hop_w)] * L + [(w.root_params, G, bw_w, hop_w)]
-    moe_unit = w.params_expert / w.moe_layers / ep + w.moe_params_replicated / w.moe_layers
-    units += [(moe_unit, dp, bw_dp, hop_dp)] * w.moe_layers
+    units += [(moe_p / w.moe_layers, dp, bw_dp, hop_dp)] * w.moe_layers
     per_unit = [2 * _ring_s(2 * p, n, bw, hop) + _ring_s(4 * p, n, bw, hop) for p, n, bw, hop in units]
     fsdp_total = sum(per_unit)
-    compute = sum(ph[k] for k in ("expert GEMMs", "other GEMMs", "attention", "elementwise/casts"))
+    compute = ph["attention"] + ph["experts"]
     fsdp_exposed = max(0.0, fsdp_total - compute) + (max(per_unit) if fsdp_total else 0.0)
     bw_ep, hop_ep = bw_lat(ep, 1)
-    ep_ar = 2 * _ring_s(4 * w.moe_params_replicated, ep, bw_ep, hop_ep)
+    ep_ar = 2 * _ring_s(4 * w.params_rep, ep, bw_ep, hop_ep)
     norm_ar = 2 * math.ceil(math.log2(G)) * hop_w if G > 1 else 0.0
-    ph["grad reduction"] = fsdp_exposed + ep_ar + norm_ar
+    div = w.params_expert / ep / dp * cal.value("expert_grad_div_bytes_per_param") / copy if ep > 1 else 0.0
+    ph["grad reduction"] = held_p * r.norm_bytes_per_param / hbm + div + ep_ar + norm_ar + fsdp_exposed
+
+    ph["optimizer"] = held_p * r.opt_bytes_per_param / hbm
+    ph["rest"] = w.rest_elems * r.rest_bytes_per_elem / hbm + local_p * cast
+    fsdp_b = cal.value("fsdp_copy_bytes_per_param") + cal.value("fsdp_chunk_cat_bytes_per_param")
+    ph["FSDP copies"] = fsdp_p * fsdp_b / copy
 
     step = sum(ph.values())
     tps = T / step
-    exch_gb = n_ops * T * (tr.intra + tr.inter) * row / 1e9
-    detail = {"exchange_link_ms": link_total * 1e3, "exchange_link_exposed_ms": exposed_link * 1e3,
-              "exchange_hbm_passes_ms": t_pass * 1e3, "exchange_host_sync_ms": t_sync * 1e3,
+    n_ops = 4 * w.moe_layers if ep > 1 else 0
+    detail = {"exchange_link_ms": n_ops * link * 1e3, "exchange_link_hidden_ms": w.moe_layers * hidden * 1e3,
               "rows_per_token_intra": tr.intra, "rows_per_token_inter": tr.inter,
               "fsdp_comm_ms": fsdp_total * 1e3, "fsdp_exposed_ms": fsdp_exposed * 1e3,
               "dp": dp, "traffic": kind, "overlap": overlap}
-    return Projection(sc, {k: v * 1e3 for k, v in ph.items()}, step * 1e3, tps,
-                      tps * w.flops_per_token / peak, exch_gb, detail)
+    return Projection(sc, {k: v * 1e3 for k, v in ph.items()}, step * 1e3, tps, tps * w.flops_per_token / peak,
+                      n_ops * T * (tr.intra + tr.inter) * row / 1e9, detail)
 
 
 # ------------------------------------------------------------------------------------ reports
 
 def check_measurements(cal: Calibration, extra: Optional[list] = None) -> list[dict]:
     """Measured vs predicted for every measured point (calibration JSON + ``extra`` harness
-    results in the same format). ``use`` says whether the point was a calibration input."""
+    results in the same format). ``use`` says whether the point was a calibration input; points
+    with ``phases_ms`` also get ``measured_phases_ms`` (summed into the model's categories)."""
     rows = []
     for m in list(cal.measurements) + list(extra or []):
         cfg = load_recipe(m["recipe"], m["overrides"])
@@ -533,10 +705,11 @@ def check_measurements(cal: Calibration, extra: Optional[list] = None) -> list[d
         T = cfg.data.batch_size * cfg.data.seq_len
         meas_ms = T / m["tokens_per_s_per_gpu"] * 1e3
         rows.append({"id": m["id"], "use": m["use"], "hardware": m["hardware"], "gpus": m["gpus"], "ep": ep,
-                     "tokens_per_gpu": T, "measured_ms": meas_ms, "predicted_ms": pr.step_ms,
+                     "preset": m["preset"], "tokens_per_gpu": T, "measured_ms": meas_ms, "predicted_ms": pr.step_ms,
                      "error": pr.step_ms / meas_ms - 1, "measured_tps": m["tokens_per_s_per_gpu"],
                      "predicted_tps": pr.tokens_per_s_per_gpu, "measured_mfu": m.get("mfu"),
-                     "predicted_mfu": pr.mfu, "source": m["source"], "projection": pr})
+                     "predicted_mfu": pr.mfu, "source": m["source"], "projection": pr,
+                     "measured_phases_ms": group_phases(m["phases_ms"]) if "phases_ms" in m else None})
     return rows
 
 
@@ -560,15 +733,24 @@ def scaling_rows(recipe: str, hardware: str, cal: Calibration, presets=tuple(PRE
 
 
 def describe_assumptions(cal: Calibration) -> list[str]:
+    p, x = cal.profile, cal.exchange
     lines = [f"calibration: {cal.path}",
-             f"  profile [{cal.profile['status']}] {cal.profile['recipe']} {' '.join(cal.profile['overrides'])} on "
-             f"{cal.hardware}: step {cal.profile['step_ms']} ms; {cal.profile['source']}"]
+             f"  profile [{p['status']}] {p['recipe']} {' '.join(p['overrides'])} on {cal.hardware}: fused = "
+             f"{p['fused']}, separate = {p['separate']}; {p['source']}",
+             f"  exchange_profile [{x['status']}] W={x['world']} T={x['tokens']} D={x['dim']} E={x['experts']} "
+             f"K={x['top_k']}, us per pair: " + ", ".join(f"{k} {v}" for k, v in x["kernels_us"].items())
+             + f"; {x['source']}"]
     for k, a in cal.assumptions.items():
         lines.append(f"  {k} = {a['value']} [{a['status']}] {a['source']}")
     r = _rates(cal)
-    lines.append(f"  derived on {cal.hardware}: expert GEMMs at {r.eta_exp:.1%} of peak, other GEMMs {r.eta_mm:.1%}, "
-                 f"attention (causal FLOPs) {r.eta_attn:.1%}; elementwise {r.ew_bytes_per_elem:.2f} B per activation "
-                 f"element; optimizer {r.opt_bytes_per_param:.1f} B/param; FSDP copies {r.fsdp_bytes_per_param:.1f} B/param")
+    hbm = HARDWARE[cal.hardware].hbm_tb_s
+    lines.append(f"  derived on {cal.hardware}: routed experts at {r.eta_fused:.1%} of peak with the fused pipeline, "
+                 f"{r.eta_sep:.1%} as separate ops; attention blocks {r.eta_attn:.1%}; route {r.route_bytes_per_elem:.1f} "
+                 f"and rest {r.rest_bytes_per_elem:.1f} B per element; optimizer {r.opt_bytes_per_param:.1f} B/param, "
+                 f"grad norm {r.norm_bytes_per_param:.1f} B/param; one-rank all-to-all {r.a2a_passes:.1f} passes of the "
+                 f"expanded rows per MoE layer; scale-up link efficiency {r.link_efficiency_up:.3f}; symmetric kernels "
+                 f"(TB/s of expanded rows): expand {r.expand_eff * hbm:.2f}, reduce_send {r.reduce_eff * hbm:.2f}, "
+                 f"reduce_recv {r.recv_eff * hbm:.2f}; barrier wait {r.barrier_s * 1e6:.0f} us per op")
     return lines
 
 
@@ -605,152 +787,3 @@ def measured_from_harness(path) -> list[dict]:
                      "source": f"{path} ({name}: {r['dispatcher']}, pipeline {r['pipeline']})",
                      "phases_ms": r["phases_ms"]})
     return rows
-
-
-# ------------------------------------------------------------------------------------ report
-
-REPORT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_multinode", "B200"), ("b200_multinode", "GB200-NVL72"),
-                  ("mi300x_multinode", "MI300X"))
-PLOT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_multinode", "B200"), ("mi300x_multinode", "MI300X"))
-WIDE_RECIPES = PLOT_RECIPES + (("b200_multinode", "GB200-NVL72"),)
-WIDE_VARIANTS = (("per_slot", None), ("rank_dedup", None), ("rank_dedup", 4), ("node_dedup", 4))
-
-
-def format_checks(rows: list[dict]) -> list[str]:
-    out = ["| point | use | device | GPUs | EP | tokens/GPU | measured ms | projected ms | error | "
-           "measured tok/s/GPU | projected | measured MFU | projected MFU |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mm = "-" if r["measured_mfu"] is None else f"{100 * r['measured_mfu']:.1f}%"
-        out.append(f"| {r['id']} | {r['use']} | {r['hardware']} | {r['gpus']} | {r['ep']} | {r['tokens_per_gpu']} | "
-                   f"{r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {100 * r['error']:+.1f}% | "
-                   f"{r['measured_tps']:,.0f} | {r['predicted_tps']:,.0f} | {mm} | {100 * r['predicted_mfu']:.1f}% |")
-    return out
-
-
-def format_scaling(recipe: str, hardware: str, cal: Calibration) -> list[str]:
-    rows = scaling_rows(recipe, hardware, cal)
-    by = {(p.scenario.gpus, p.scenario.preset): p for p in rows}
-    presets = list(PRESETS)
-    out = [f"{recipe} on {hardware} (recipe layout: EP={rows[0].scenario.ep} inside a node, FSDP2 data parallel "
-           f"across nodes), projected tokens/s/GPU and MFU, largest category:",
-           "| GPUs | " + " | ".join(presets) + " | largest: reference -> fused+overlap | grew most since the "
-           "first row: reference / fused+overlap |",
-           "|---|" + "---|" * (len(presets) + 2)]
-    first = min(p.scenario.gpus for p in rows)
-    for G in GPU_COUNTS:
-        if (G, presets[0]) not in by:
-            continue
-        cells = [f"{by[(G, p)].tokens_per_s_per_gpu / 1e3:.1f}k {100 * by[(G, p)].mfu:.1f}%" for p in presets]
-        ref, best = by[(G, "reference")], by[(G, "fused+overlap")]
-        out.append(f"| {G} | " + " | ".join(cells) +
-                   f" | {ref.bottleneck} ({ref.phases_ms[ref.bottleneck]:.0f} ms) -> "
-                   f"{best.bottleneck} ({best.phases_ms[best.bottleneck]:.0f} ms) | "
-                   f"{_growth(by[(first, 'reference')], ref)} / {_growth(by[(first, 'fused+overlap')], best)} |")
-    return out
-
-
-def _growth(base: Projection, p: Projection) -> str:
-    """The category whose time grew most from ``base`` to ``p`` ("-" if the step grew < 2%)."""
-    if p.step_ms < 1.02 * base.step_ms:
-        return "-"
-    k = max(p.phases_ms, key=lambda c: p.phases_ms[c] - base.phases_ms[c])
-    return f"{k} +{p.phases_ms[k] - base.phases_ms[k]:.0f} ms"
-
-
-def format_wide(recipe: str, hardware: str, cal: Calibration, gpus=(16, 64, 256)) -> list[str]:
-    cfg = load_recipe(recipe)
-    E = cfg.model.moe.num_experts
-    out = [f"{recipe} on {hardware}, wide EP (ep = min(G, E={E}) across nodes): exchange per step by traffic design",
-           "| GPUs | EP | traffic | node limit M | NIC rows/token | link GB/step | link ms/step | MFU fused | MFU fused+overlap |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for G in gpus:
-        ep = math.gcd(G, E)
-        for kind, M in WIDE_VARIANTS:
-            a = project(cfg, Scenario(hardware, G, ep, "fused", traffic=kind, node_limit=M), cal)
-            b = project(cfg, Scenario(hardware, G, ep, "fused+overlap", traffic=kind, node_limit=M), cal)
-            out.append(f"| {G} | {ep} | {kind} | {M or '-'} | {a.detail['rows_per_token_inter']:.2f} | "
-                       f"{a.exchange_gb:.1f} | {a.detail['exchange_link_ms']:.0f} | {100 * a.mfu:.1f}% | {100 * b.mfu:.1f}% |")
-    return out
-
-
-def plot_projection(cal: Calibration, path: str, measured: Optional[list] = None) -> None:
-    """MFU and tokens/s/GPU against GPU count for ``PLOT_RECIPES`` (lines: projected; markers:
-    measured points of ``check_measurements``)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    styles = {"reference": ("--", "reference (NCCL all-to-all, separate ops)"),
-              "dedup": (":", "dedup exchange (today's symm path)"),
-              "fused+overlap": ("-", "fused pipeline + dedup + overlap")}
-    colors = {"H200": "tab:green", "B200": "tab:blue", "MI300X": "tab:red"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for recipe, hw in PLOT_RECIPES:
-        rows = scaling_rows(recipe, hw, cal, presets=tuple(styles))
-        for preset, (ls, label) in styles.items():
-            pts = [p for p in rows if p.scenario.preset == preset]
-            xs = [p.scenario.gpus for p in pts]
-            kw = dict(ls=ls, color=colors[hw], lw=1.6, label=f"{hw} {recipe}: {label}")
-            ax1.plot(xs, [100 * p.mfu for p in pts], **kw)
-            ax2.plot(xs, [p.tokens_per_s_per_gpu / 1e3 for p in pts], **kw)
-    for r in measured or []:
-        for ax, y, yp in ((ax1, 100 * (r["measured_mfu"] or 0), 100 * r["predicted_mfu"]),
-                          (ax2, r["measured_tps"] / 1e3, r["predicted_tps"] / 1e3)):
-            ax.plot([r["gpus"]], [y], "o", color="black", ms=5)
-            ax.plot([r["gpus"]], [yp], "x", color="black", ms=6)
-    if measured:
-        ax1.plot([], [], "o", color="black", ms=5, label="measured, 1-2 x H200 (h200_1gpu model: 8 layers, 16k-32k tok/GPU)")
-        ax1.plot([], [], "x", color="black", ms=6, label="projected at the measured points")
-    for ax, yl in ((ax1, "MFU (%)"), (ax2, "tokens/s per GPU (thousands)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel(yl)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-    ax1.set_title("projected (lines) and measured (dots)", fontsize=10)
-    ax2.set_title("weak scaling, recipe layout (EP=8 per node, FSDP2 across)", fontsize=10)
-    fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.24, 1, 1))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def project_main(args) -> int:
-    """``bench/scaling.py --project``: assumptions, measured vs projected, scaling tables, plot."""
-    cal = load_calibration(args.calibration)
-    extra = [row for p in args.measured for row in measured_from_harness(p)]
-    print("# Scaling projection (bench/scaling_model.py): every number below is PROJECTED unless marked measured\n")
-    print("\n".join(describe_assumptions(cal)))
-    checks = check_measurements(cal, extra)
-    print("\n## Measured vs projected step time ('calibration' points are model inputs; 'check' points are "
-          "predicted without being fitted)\n")
-    print("\n".join(format_checks(checks)))
-    for r in checks:
-        if "phases_ms" in next((m for m in extra if m["id"] == r["id"]), {}):
-            meas = next(m for m in extra if m["id"] == r["id"])["phases_ms"]
-            print(f"\n{r['id']}: measured phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(meas.items())))
-            print(f"{r['id']}: projected categories (ms): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in r["projection"].phases_ms.items()))
-    for recipe, hw in REPORT_RECIPES:
-        print()
-        print("\n".join(format_scaling(recipe, hw, cal)))
-    for recipe, hw in WIDE_RECIPES:
-        print()
-        print("\n".join(format_wide(recipe, hw, cal)))
-    if args.plot:
-        plot_projection(cal, args.plot, [r for r in checks if r["use"] in ("check", "calibration")])
-        print(f"\nwrote {args.plot}")
-    if args.json:
-        out = {"checks": [{k: v for k, v in r.items() if k != "projection"} for r in checks],
-               "scaling": [_projection_dict(p) for rec, hw in REPORT_RECIPES for p in scaling_rows(rec, hw, cal)]}
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _projection_dict(p: Projection) -> dict:
-    from dataclasses import asdict
-    d = asdict(p)
-    d["bottleneck"] = p.bottleneck
-    return d
