@@ -187,8 +187,12 @@ def _barrier_wait_kernel(peers_ptr, lay_ptr, offs_ptr, RANK,
         tot = tl.sum(C, axis=0)
         src_prefix = tl.sum(tl.where((si < RANK)[:, None], C, 0), axis=0)
         seg = ei // E_LOCAL
-        before = (seg[None, :] == seg[:, None]) & (ei[None, :] < ei[:, None])
-        seg_excl = tl.sum(tl.where(before, tot[None, :], 0), axis=1)
+        # exclusive prefix of tot within each rank's segment of experts: the global exclusive
+        # prefix minus the segment's start, from [W, E] tiles (an [E, E] "earlier in my segment"
+        # tile is 64K int64 elements at E = 256: spilled registers in this one-CTA kernel)
+        excl = tl.cumsum(tot, axis=0) - tot
+        seg_start = tl.sum(tl.where(seg[None, :] < si[:, None], tot[None, :], 0), axis=1)
+        seg_excl = excl - tl.sum(tl.where(si[:, None] == seg[None, :], seg_start[:, None], 0), axis=0)
         tl.store(lay_ptr + ei, seg_excl + src_prefix, mask=ei < E)
         mine = (seg == RANK) & (ei < E)
         tl.store(lay_ptr + E + ei - RANK * E_LOCAL, tot, mask=mine)
