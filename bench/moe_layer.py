@@ -15,6 +15,18 @@ operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproduci
 
     python bench/moe_layer.py [--shapes olmoe,...] [--tokens 4096,16384] [--latency-tokens 1024,4096]
                               [--providers fused,separate,torchtitan] [--reps 10] [--json out.json]
+
+Expert parallelism (under torchrun, one process per GPU; W = the world size, E experts split over W):
+
+    torchrun --nproc-per-node=2 bench/moe_layer.py [--shapes olmoe,deepseek-v3] [--tokens 16384] [--json out.json]
+
+Providers there (same router and expert weights on every provider, T tokens per rank):
+  fused_ep    MoELayer(dispatcher="symm", pipeline="fused"): dispatch_rows -> fused GEMMs reading the
+              receive rows by index -> one partial row home per (token, rank)
+  symm        MoELayer(dispatcher="symm", pipeline="separate"): deduplicated exchange, expert-major copy
+  all_to_all  MoELayer(dispatcher="all_to_all"): NCCL all_to_all_single + separate ops (the anchor)
+fwd+bwd TFLOP/s per GPU = 18*T*K*D*F / median step time (rank 0's clock, a barrier before each step);
+ratios against all_to_all; output and dx relative errors against all_to_all as a sanity check.
 """
 
 from __future__ import annotations
@@ -37,6 +49,9 @@ SHAPES = {  # name: (D, F, E, K)
     "deepseek-v3-rank": (7168, 2048, 32, 8),
 }
 PROVIDERS = ("fused", "separate", "torchtitan")
+EP_SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3-30b-a3b": (2048, 768, 128, 8),
+             "deepseek-v3": (7168, 2048, 256, 8)}  # global E: each of W ranks holds E/W
+EP_PROVIDERS = ("fused_ep", "symm", "all_to_all")
 
 
 def torchtitan_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
@@ -136,7 +151,115 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def ep_main(args) -> int:
+    """The torchrun mode (module docstring)."""
+    import os
+
+    import torch.distributed as dist
+
+    from tlx_dist import MoEConfig, MoELayer
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    W, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    kinds = {"fused_ep": dict(dispatcher="symm", pipeline="fused"), "symm": dict(dispatcher="symm", pipeline="separate"),
+             "all_to_all": dict(dispatcher="all_to_all", pipeline="separate")}
+    providers = [p for p in args.providers.split(",") if p in kinds] or list(EP_PROVIDERS)
+    shapes = [n for n in args.shapes.split(",") if n in EP_SHAPES] or ["olmoe"]
+    rows = []
+    for name in shapes:
+        D, Fe, E, K = EP_SHAPES[name]
+        if E % W:
+            continue
+        cfg = MoEConfig(dim=D, moe_inter_dim=Fe, num_experts=E, top_k=K, dtype="bfloat16", aux_loss_coef=0.0,
+                        z_loss_coef=0.0, init_std=D ** -0.5)
+        for T in sorted(int(t) for t in args.tokens.split(",") if t.strip()):
+            layers = {}
+            with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
+                for p in providers:
+                    layers[p] = MoELayer(cfg, group, device="cuda", **kinds[p])
+            first = layers[providers[0]]
+            g = torch.Generator(device="cuda").manual_seed(1234)  # the same router on every rank
+            with torch.no_grad():
+                first.router.weight.copy_(torch.randn(E, D, device="cuda", generator=g) * D ** -0.5)
+                gl = torch.Generator(device="cuda").manual_seed(100 + r)  # this rank's experts
+                first.w13.copy_(torch.randn(first.w13.shape, device="cuda", generator=gl) * D ** -0.5)
+                first.w2.copy_(torch.randn(first.w2.shape, device="cuda", generator=gl) * Fe ** -0.5)
+            for p in providers[1:]:
+                layers[p].load_state_dict(first.state_dict())
+            gx = torch.Generator(device="cuda").manual_seed(7 + r)
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gx).requires_grad_(True)
+            gy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gx)
+            row = {"shape": name, "W": W, "T": T, "D": D, "F": Fe, "E": E, "K": K}
+            flops = 18.0 * T * K * D * Fe
+            outs = {}
+            for p in providers:
+                layer = layers[p]
+                params = list(layer.parameters())
+
+                def step(layer=layer, params=params):
+                    for q in params:
+                        q.grad = None
+                    x.grad = None
+                    out = layer(x)
+                    out.backward(gy)
+                    return out
+
+                try:
+                    out = step()
+                    outs[p] = (out.detach().float(), x.grad.detach().float())
+                    for _ in range(2):
+                        step()
+                    times = []
+                    for _ in range(args.reps):
+                        torch.cuda.synchronize()
+                        dist.barrier()
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        step()
+                        b.record()
+                        b.synchronize()
+                        times.append(a.elapsed_time(b))
+                    ms = statistics.median(times)
+                    row[f"{p}_ms"], row[f"{p}_tflops"] = ms, flops / ms * 1e-9
+                    check = getattr(layer.dispatcher, "check", None)
+                    if check is not None:
+                        check()
+                except Exception as err:  # keep the other providers' numbers
+                    row[f"{p}_error"] = f"{type(err).__name__}: {err}"[:500]
+                    print(f"rank {r}: {name} T={T} {p} failed: {row[f'{p}_error']}", flush=True)
+            if "all_to_all" in outs:
+                for p in outs:
+                    if p != "all_to_all":
+                        row[f"{p}_out_relerr"] = rel_err(outs[p][0], outs["all_to_all"][0])
+                        row[f"{p}_dx_relerr"] = rel_err(outs[p][1], outs["all_to_all"][1])
+                        if f"{p}_ms" in row and "all_to_all_ms" in row:
+                            row[f"{p}/all_to_all"] = row["all_to_all_ms"] / row[f"{p}_ms"]
+            rows.append(row)
+            del layers, outs, x, gy
+            torch.cuda.empty_cache()
+    if r == 0:
+        nan = float("nan")
+        print(f"\nW={W} (torchrun): fwd+bwd per GPU, medians; x a2a = all_to_all time / time")
+        print("| shape | T/rank | " + " | ".join(f"{p} ms (TFLOP/s)" for p in providers)
+              + " | " + " | ".join(f"{p} x a2a" for p in providers if p != "all_to_all") + " | out relerr |")
+        print("|" + "---|" * (3 + len(providers) + len([p for p in providers if p != "all_to_all"])))
+        for v in rows:
+            print(f"| {v['shape']} | {v['T']} | "
+                  + " | ".join(f"{v.get(p + '_ms', nan):.2f} ({v.get(p + '_tflops', nan):.0f})" for p in providers)
+                  + " | " + " | ".join(f"{v.get(p + '/all_to_all', nan):.2f}" for p in providers if p != "all_to_all")
+                  + " | " + ", ".join(f"{p} {v[p + '_out_relerr']:.1e}" for p in providers if p + "_out_relerr" in v)
+                  + " |")
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "world": W, "rows": rows}, fh, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
+    import os
+
     import triton
 
     from tlx_dist.fused import select_fused_backend
@@ -149,6 +272,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default="bench_moe_layer.json")
     args = ap.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.providers == ",".join(PROVIDERS):
+            args.providers = ",".join(EP_PROVIDERS)
+        if args.shapes == ",".join(SHAPES):
+            args.shapes = "olmoe"
+        if args.tokens == "4096,16384":
+            args.tokens = "16384"
+        return ep_main(args)
     providers = args.providers.split(",")
     ints = lambda v: {int(t) for t in v.split(",") if t.strip()}  # noqa: E731
     lat_tokens, tflops_tokens = ints(args.latency_tokens), ints(args.tokens)

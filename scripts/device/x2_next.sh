@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Next two-GPU call (written in session 4, not yet run): the fused EP pipeline and the exchange fixes
+# that landed after the session-4 measurements. `source .carry/setup.sh && bash scripts/device/x2_next.sh`
+set -u
+out=${OUT:-/tmp/x2}; mkdir -p "$out"
+errs() { grep -hE "Error|error:|Exception" "$@" 2>/dev/null | grep -vE "elastic|ChildFailed|error_file|errors.html" \
+  | sed 's/^\[rank[0-9]*\]: //' | sort | uniq -c | sort -rn | head -n 6; }
+t0=$(date +%s)
+timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_ep_gpu.py > "$out/fused_ep_gpu.log" 2>&1
+echo "== fused EP (emulated, one GPU) rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/fused_ep_gpu.log")"; errs "$out/fused_ep_gpu.log"
+t0=$(date +%s)
+timeout 150 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_multigpu.py \
+  > "$out/t5_peer.log" 2>&1
+echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"; errs "$out/t5_peer.log"
+t0=$(date +%s)
+timeout 120 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 --experts 256 \
+  --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
+echo "== dispatch rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 12 "^W=2" "$out/dispatch_w2.log"; grep -A 6 "symm_graph E=256 D=7168 T=128 " "$out/dispatch_w2.log"
+t0=$(date +%s)
+timeout 150 torchrun --standalone --nproc-per-node=2 bench/moe_layer.py --shapes olmoe --tokens 4096,16384 \
+  --json "$out/moe_layer_w2.json" > "$out/moe_layer_w2.log" 2>&1
+echo "== moe_layer EP rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 6 "^W=2" "$out/moe_layer_w2.log"; errs "$out/moe_layer_w2.log"
+t0=$(date +%s)
+timeout 200 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config configs/h200_2gpu_ep2.toml \
+  --override train.steps=60 --override train.log_every=20 --override parallel.moe_pipeline=fused \
+  --override metrics.out_dir=/tmp/run_fused_ep > "$out/train_fused_ep.log" 2>&1
+echo "== EP=2 training, fused EP rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^step" "$out/train_fused_ep.log" | cut -c1-160 | tail -n 3
+errs "$out/train_fused_ep.log"
