@@ -387,3 +387,41 @@ def test_moe_layer_with_symm_dispatcher_matches_local():
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         _close(pb.grad, pa.grad, n)
     assert isinstance(b.dispatcher, SymmDispatcher) and b.dispatcher.buffers.layout.max_tokens == 10
+
+
+def test_launches_per_op(monkeypatch):
+    """Launches per op in steady state (issue 8 asks dispatch <= 3, combine <= 2: not yet): dispatch is
+    _route_hist, cumsum, _route_rank (+ the signal), _send_tokens (+ the wait and the layout),
+    _expand = 5; combine is _barrier_signal, _reduce_send (+ the wait), _reduce_recv = 3."""
+    from tlx.comm import exchange
+
+    launched = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self._name, self._kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self._name)
+            return self._kernel[grid]
+
+        def __getattr__(self, attr):
+            return getattr(self._kernel, attr)
+
+    for name in [n for n in dir(exchange) if n.endswith("_kernel")]:
+        monkeypatch.setattr(exchange, name, Counting(name, getattr(exchange, name)))
+    world = EmulatedWorld(2, 6, 4, 2, 4, torch.float64, device="cpu", capacity=2.0)
+    xs = [torch.randn(6, 4, dtype=torch.float64) for _ in range(2)]
+    idxs = [_kind_routing(s, 6, 2, 4, 2, "random") for s in range(2)]
+    gates = [torch.rand(6, 2, dtype=torch.float64) for _ in range(2)]
+    res = world.dispatch(xs, idxs, gates)
+    # lockstep order: phase 1 of rank 0 and rank 1, then phase 2, then phase 3 (+ one torch.cumsum
+    # per rank in phase 1, between the two route kernels: 5 launches per dispatch)
+    assert launched == (["_route_hist_kernel", "_route_rank_kernel"] * 2 + ["_send_tokens_kernel"] * 2
+                        + ["_expand_kernel"] * 2), launched
+    launched.clear()
+    world.combine([x for x, _ in res], [h for _, h in res])
+    assert launched == ["_barrier_signal_kernel"] * 2 + ["_reduce_send_kernel"] * 2 + ["_reduce_recv_kernel"] * 2, \
+        launched
+    world.check()
+    world.close()

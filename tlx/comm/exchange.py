@@ -31,13 +31,14 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
 
 One op, kernels in launch order (the emulated world launches each phase for every virtual rank
 before the next, so no kernel waits on a signal raised by a later launch):
-    dispatch:  _route_hist, cumsum, _route_rank (source layout) -> _barrier_signal (counts) |
-               _barrier_wait (+ this rank's layout) -> _send_tokens (meta)
-               | _expand (copy META out, expanded rows)
-    combine:   _barrier_signal | _barrier_wait -> _reduce_send (gated) | _reduce_recv
+    dispatch:  _route_hist, cumsum, _route_rank (source layout; its last block publishes the
+               counts: the signal) | _send_tokens (waits, computes this rank's layout, sends rows
+               + meta) | _expand (copy META out, expanded rows)               -- 5 launches
+    combine:   _barrier_signal | _reduce_send (waits, gated partial rows) | _reduce_recv   -- 3
     dispatch backward = combine without gates; combine backward:
-               _barrier_signal | _barrier_wait -> _send_tokens (dy rows) | _expand (gate-scaled
-               rows + gate gradients to their source) | _gate_grad_recv
+               _barrier_signal | _send_tokens (waits, dy rows) | _expand (gate-scaled rows + gate
+               gradients to their source) | _gate_grad_recv
+  ("|" separates phases; the waits of a phase sit at the top of its first kernel, ``_await``.)
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
@@ -115,10 +116,21 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
                            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                            OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
                            pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
-    """epoch += 1; zero my ARRIVE; [write my count vector into every peer's COUNTS]; raise
-    FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it). USE_NVSHMEM:
-    off-node peers get my COUNTS row (written to my own region as d == RANK) by a block put, then
-    one thread's signal SET after ``nvshmem_quiet``."""
+    """Phase 1 of the ops without counts (combine and the backward ops): ``_signal``."""
+    _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, BLOCK_C, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
+            HAS_COUNTS, pes_ptr, USE_NVSHMEM)
+
+
+@triton.jit
+def _signal(peers_ptr, counts_ptr, RANK,
+            W: tl.constexpr, WP3: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
+            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+            OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr, pes_ptr, USE_NVSHMEM: tl.constexpr):
+    """(One CTA.) epoch += 1; zero my ARRIVE; [write my count vector into every peer's COUNTS];
+    raise FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it).
+    USE_NVSHMEM: off-node peers get my COUNTS row (written to my own region as d == RANK) by a
+    block put, then one thread's signal SET after ``nvshmem_quiet``. The waits of the op's next
+    launch (``_await``) read the new epoch: no CTA of this launch reads it."""
     my = tl.load(peers_ptr + RANK)
     state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
     epoch = tl.load(state) + 1
@@ -160,13 +172,16 @@ def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
 
 
 @triton.jit
-def _barrier_wait_kernel(peers_ptr, lay_ptr, offs_ptr, RANK,
-                         W: tl.constexpr, WP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
-                         E_LOCAL: tl.constexpr, NC: tl.constexpr,
-                         OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
-                         HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
-    """Waits FLAGS[s] >= epoch for every s. With counts (dispatch), turns the published count
-    matrix C[s, g] (slots of source s for expert g) into this rank's layout:
+def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
+           W: tl.constexpr, WP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+           E_LOCAL: tl.constexpr, NC: tl.constexpr,
+           OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
+           HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+    """Phase 2 of every op, at the top of its first data kernel (every CTA): waits FLAGS[s] >=
+    epoch for every s (the epoch this rank's ``_signal`` set in an earlier launch). With counts
+    (dispatch), turns the published count matrix C[s, g] (slots of source s for expert g) into
+    this rank's layout -- every CTA computes and stores the same values, then reads ``start``
+    back (a benign race of identical stores):
         lay[0:E]          start[g] = first expanded row of (this source, expert g) on g's rank
                           = sum_{g' < g, same rank} sum_s C[s, g'] + sum_{s < RANK} C[s, g]
         lay[E:E+e]        rows per local expert;  offs[0:e] (int32) their cumulative ends
@@ -198,6 +213,7 @@ def _barrier_wait_kernel(peers_ptr, lay_ptr, offs_ptr, RANK,
         tl.store(lay_ptr + E + ei - RANK * E_LOCAL, tot, mask=mine)
         tl.store(offs_ptr + ei - RANK * E_LOCAL, (seg_excl + tot).to(tl.int32), mask=mine)
         tl.store(lay_ptr + E + E_LOCAL + si, tl.load(rows + E + RANK, mask=si < W, other=0), mask=si < W)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -355,12 +371,19 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         OFF_ARRIVE: tl.constexpr, OFF_META: tl.constexpr, OFF_GATES: tl.constexpr,
                         OFF_RECV: tl.constexpr, WITH_META: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_D: tl.constexpr, pes_ptr=None, OFF_SROWS: tl.constexpr = 0,
-                        OFF_SMETA: tl.constexpr = 0, OFF_SGATES: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False):
-    """Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
+                        OFF_SMETA: tl.constexpr = 0, OFF_SGATES: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
+                        offs_ptr=None, BARRIER: tl.constexpr = False, E: tl.constexpr = 1, EP: tl.constexpr = 1,
+                        NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
+                        OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
+    """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
+    ``offs``). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
     slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent.
     USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    if BARRIER:
+        _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
+               WITH_META, TIMEOUT_NS, CLOCK)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(T, BLOCK_T)
@@ -529,8 +552,10 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
-                        ROWS: tl.constexpr = False):
-    """ROWS (fused EP pipeline): row n of ``y`` (``[W*T_MAX, D]``, one row per received row,
+                        ROWS: tl.constexpr = False, BARRIER: tl.constexpr = False, OFF_STATE: tl.constexpr = 0,
+                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
+    """BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
+    (``[W*T_MAX, D]``, one row per received row,
     already summed over this rank's slots) goes home as it is. Otherwise,
     for each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
     over this rank's slots of t (products in the activation dtype, as the per-token reference
@@ -538,6 +563,9 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
     of the source's COMB. Then one release add per source of the rows sent back. USE_NVSHMEM: rows
     of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
+    if BARRIER:  # the op's phase 2 (no counts): wait for every peer's signal
+        _await(peers_ptr, peers_ptr, peers_ptr, RANK, W, WP, 1, 1, 1, 1, OFF_STATE, OFF_FLAGS, 0, False,
+               TIMEOUT_NS, CLOCK)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     wr = tl.arange(0, WP)
@@ -684,7 +712,12 @@ def _route_hist_kernel(idx_ptr, hist_ptr, T, NB,
 def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_ptr, counts_ptr, T, NB,
                        K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                        W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+                       BLOCK_T: tl.constexpr, peers_ptr=None, RANK=0, SIGNAL: tl.constexpr = False,
+                       WP3: tl.constexpr = 4, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
+                       OFF_ARRIVE: tl.constexpr = 0, OFF_COUNTS: tl.constexpr = 0,
+                       pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
+    """(See the section comment.) SIGNAL: the last block then publishes the count vector -- the
+    dispatch's ``_signal`` (phase 1 of the op), with no launch of its own."""
     b = tl.program_id(0)
     t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
     ei = tl.arange(0, EP)
@@ -708,3 +741,7 @@ def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_pt
     if b == NB - 1:
         ci = tl.arange(0, NCP)
         tl.store(counts_ptr + ci, tl.load(incl_ptr + ci * NB + b, mask=ci < NC, other=0), mask=ci < NC)
+        if SIGNAL:
+            tl.debug_barrier()  # the counts this CTA just stored are what _signal loads
+            _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, NCP, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
+                    True, pes_ptr, USE_NVSHMEM)

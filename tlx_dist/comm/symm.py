@@ -164,27 +164,21 @@ def _common(bufs: SymmBuffers) -> dict:
                 CLOCK=_clock(), ACC=tl.float64 if L.dtype == torch.float64 else tl.float32)
 
 
-def _barrier(bufs: SymmBuffers, counts_C: Optional[torch.Tensor]):
-    """Phase 1 of every op; returns the wait launcher (phase 2). With ``counts_C`` (dispatch) the
-    wait returns this rank's layout: ``lay`` int64 ``[start_E | recv_counts_e | rows_from_W]``
-    and ``offsets_e`` int32 (see ``_barrier_wait_kernel``)."""
+def _signal(bufs: SymmBuffers) -> None:
+    """Phase 1 of an op without counts (combine and the backward ops): ``_barrier_signal_kernel``.
+    The op's phase 2 waits at the top of its first data kernel (``barrier=True`` below)."""
     L, k = bufs.layout, _kernels(bufs.device)
-    W, E, NC = L.world_size, L.num_experts, L.num_counts
-    e = E // W
-    has = counts_C is not None
-    _send_launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, counts_C if has else bufs.peers, bufs.rank,
-                 W=W, WP3=_next_pow2(3 * W), NC=NC, BLOCK_C=_next_pow2(NC), OFF_STATE=L.off_state,
-                 OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=has)
+    _send_launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, bufs.peers, bufs.rank,
+                 W=L.world_size, WP3=_next_pow2(3 * L.world_size), NC=L.num_counts,
+                 BLOCK_C=_next_pow2(L.num_counts), OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags,
+                 OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=False)
 
-    def wait():
-        lay = torch.empty(E + e + W, dtype=torch.int64, device=bufs.device) if has else bufs.peers
-        offs = torch.empty(e, dtype=torch.int32, device=bufs.device) if has else bufs.peers
-        k._barrier_wait_kernel[(1,)](bufs.peers, lay, offs, bufs.rank, W=W, WP=_next_pow2(W), E=E,
-                                     EP=_next_pow2(E), E_LOCAL=e, NC=NC, OFF_STATE=L.off_state,
-                                     OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts, HAS_COUNTS=has,
-                                     TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock())
-        return (lay, offs) if has else None
-    return wait
+
+def _await_meta(bufs: SymmBuffers) -> dict:
+    """Constexprs of a kernel that starts with ``_await`` (BARRIER=True)."""
+    L = bufs.layout
+    return dict(BARRIER=True, OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, TIMEOUT_NS=bufs.timeout_ns,
+                CLOCK=_clock())
 
 
 def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
@@ -209,27 +203,35 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     q_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     dest_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     send_row_TW = torch.empty(T, W, dtype=torch.int32, device=dev)
-    counts_C = torch.zeros(NC, dtype=torch.int64, device=dev)  # T = 0: nothing sent
-    k._route_rank_kernel[(nb,)](idx, hist, incl, q_TK, dest_TK, send_row_TW, counts_C, T, nb,
-                                NCP=_next_pow2(NC), **meta)
+    counts_C = torch.empty(NC, dtype=torch.int64, device=dev)  # the last block writes all NC (zeros for T = 0)
+    # its last block also publishes the counts: the dispatch's phase 1 (signal)
+    _send_launch(bufs, k._route_rank_kernel, (nb,), idx, hist, incl, q_TK, dest_TK, send_row_TW, counts_C, T, nb,
+                 NCP=_next_pow2(NC), peers_ptr=bufs.peers, RANK=bufs.rank, SIGNAL=True, WP3=_next_pow2(3 * W),
+                 OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
+                 **meta)
     return q_TK, send_row_TW, counts_C
 
 
-def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, start_E, gate_TK, with_meta: bool):
+def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None):
+    """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
+    into ``lay`` / ``offs``), then sends the token rows (gates cast to the activation dtype here)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
         x_TD = x_TD.contiguous()
     bt, bd = _tiles(D)
     dummy = send_row_TW
+    E = L.num_experts
     _send_launch(
         bufs, k._send_tokens_kernel, _grid(-(-T // bt), bufs.device),
         x_TD, x_TD.stride(0), T, send_row_TW, idx_TK if with_meta else dummy, q_TK if with_meta else dummy,
-        start_E if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
+        lay if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
-        E_LOCAL=L.num_experts // L.world_size, D=D, T_MAX=L.max_tokens,
+        E_LOCAL=E // L.world_size, D=D, T_MAX=L.max_tokens,
         META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
-        OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+        OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
+        offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
+        **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
@@ -296,15 +298,16 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
-    q_TK, send_row_TW, counts_C = _route(bufs, idx)
-    wait = _barrier(bufs, counts_C)
+    q_TK, send_row_TW, counts_C = _route(bufs, idx)  # + the signal
     yield
-    lay, offsets_e = wait()
+    lay = torch.empty(E + e + W, dtype=torch.int64, device=dev)
+    offsets_e = torch.empty(e, dtype=torch.int32, device=dev)
     start_E, recv_counts_e, rows_from_W = lay[:E], lay[E:E + e], lay[E + e:]
-    # Gates travel in the activation dtype: the owner forms gate * y as the reference does.
-    gate_DT = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
-               else gate_TK.detach().to(L.dtype).contiguous())
-    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, start_E, gate_DT, with_meta=True)
+    # Gates travel in the activation dtype (the kernel casts them): the owner forms gate * y as the
+    # reference does.
+    gates = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
+             else gate_TK.detach() if gate_TK.is_contiguous() else gate_TK.detach().contiguous())
+    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e)
     yield
     n = expanded_rows(capacity, bufs)
     if n is None:
@@ -333,7 +336,9 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     return (x_exp, gate_N, handle) if rows else (x_exp, handle)
 
 
-def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> None:
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False,
+                 barrier: bool = True) -> None:
+    """``barrier``: the kernel opens the op's phase 2 (waits for every peer's signal first)."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd = _tiles(L.hidden)
@@ -341,7 +346,8 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}))
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}),
+        **(_await_meta(bufs) if barrier else {}))
 
 
 def _reduce_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
@@ -367,9 +373,8 @@ def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
 
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
-    wait = _barrier(bufs, None)
+    _signal(bufs)
     yield
-    wait()
     _reduce_send(bufs, y_ND, h, gated, rows)
     yield
     return _reduce_recv(bufs, h)
@@ -388,10 +393,9 @@ def combine_grad_steps(bufs: SymmBuffers, g_ND: torch.Tensor, h: SymmHandle) -> 
 def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of combine: returns ``(g_y_ND, g_gate_TK)``: ``g_y[row of (t, k)] = gate[t, k] *
     g_TD[t]`` and ``g_gate[t, k] = <g_TD[t], y[row of (t, k)]>`` (fp32; fp64 for fp64 rows)."""
-    L, k = bufs.layout, _kernels(bufs.device)
-    wait = _barrier(bufs, None)
+    L = bufs.layout
+    _signal(bufs)
     yield
-    wait()
     _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
     yield
     n = h.num_recv_rows
@@ -413,10 +417,8 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
 def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]`` on every rank r
     went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
-    L = bufs.layout
-    wait = _barrier(bufs, None)
+    _signal(bufs)
     yield
-    wait()
     _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
     yield
     recv = bufs.recv_rows()
@@ -431,15 +433,14 @@ def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Op
     """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
     and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
     returns ``(g_TD, g_gate_TK or None)``."""
-    wait = _barrier(bufs, None)
+    _signal(bufs)
     yield
-    wait()
+    _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for the signals (phase 2) first
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
         g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
         _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
                 gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
-    _reduce_send(bufs, g_RD, h, gated=False, rows=True)
     yield
     g_TD = _reduce_recv(bufs, h)
     return g_TD, (_gate_grad_recv(bufs, h) if g_gate_N is not None else None)
