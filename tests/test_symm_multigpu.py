@@ -130,3 +130,34 @@ def test_moe_layer_fused_ep_vs_all_to_all(group):
         torch.testing.assert_close(pb.grad.float(), pa.grad.float(), rtol=2e-2,
                                    atol=2e-2 * float(pa.grad.abs().max()), msg=name)
     b.dispatcher.check()
+
+
+def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
+    """Real ranks (peer pointers): rank 1 skips a dispatch. Rank 0's waits give up after timeout_s (1 s)
+    instead of hanging, its dispatch returns, and check() names the op, the waiting rank and the
+    missing peer. (Buffers of their own: the timeout is part of ep_buffers' key.)"""
+    import time
+
+    import torch.distributed as dist
+
+    from tlx_dist.comm import SymmDispatcher
+    from tlx_dist.comm.symm_buffers import ExchangeError
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    E, K, D, T = 4 * W, 2, 256, 32
+    sd = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, timeout_s=1.0, validate=False)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    gate = torch.rand(T, K, device="cuda")
+    bufs = sd._buffers_for(x, K)  # collective: every rank builds the buffers
+    dist.barrier()
+    if r == 0:
+        t0 = time.monotonic()
+        sd.dispatch(x, idx, gate)
+        torch.cuda.synchronize()
+        waited = time.monotonic() - t0
+        with pytest.raises(ExchangeError, match=r"rank 0 waited 1 s for the .* from rank 1"):
+            sd.check()
+        assert waited < 30, f"the dispatch returned after {waited:.1f} s"
+    dist.barrier()
+    bufs.close()
