@@ -13,6 +13,13 @@ timeout 150 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p
   > "$out/t5_peer.log" 2>&1
 echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"; errs "$out/t5_peer.log"
 t0=$(date +%s)
+for r in 0 1; do
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 RANK=$r LOCAL_RANK=$r GROUP_RANK=$r \
+    timeout 150 python3 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_nvshmem_multigpu.py \
+    > "$out/t5_nvshmem_rank$r.log" 2>&1 &
+done; wait
+echo "== T5 NVSHMEM [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_nvshmem_rank0.log" | tail -n 1)"
+t0=$(date +%s)
 timeout 120 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 --experts 256 \
   --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
 echo "== dispatch rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 12 "^W=2" "$out/dispatch_w2.log"; grep -A 6 "symm_graph E=256 D=7168 T=128 " "$out/dispatch_w2.log"
