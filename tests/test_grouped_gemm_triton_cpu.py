@@ -129,7 +129,7 @@ def _padded(rows, cols, fill, dtype, data=None):
 def _bad_case(counts_or_offsets, why, dtype=torch.float32, D=16, F=24):
     from tlx_dist.grouped_gemm import backends, check_offsets, offsets_flag
     from tlx_dist.grouped_gemm.reference import grouped_mm_ref, grouped_mm_wgrad_ref, safe_offsets_ref
-    from tlx_dist.grouped_gemm.triton_backend import prep_offsets
+    from tlx_dist.grouped_gemm.host import prep_offsets
 
     torch.manual_seed(3)
     off = torch.tensor(counts_or_offsets, dtype=torch.int64)
@@ -171,7 +171,7 @@ def _raw_offsets_kernel_case(offsets, why, D=16, F=24):
     """Layer 2: the kernel handed a caller's raw offsets (no prep): expert_rows' clamp alone must
     keep every load and store inside x and y."""
     from tlx.portable.grouped_gemm import _grouped_mm_kernel, _grouped_wgrad_kernel
-    from tlx_dist.grouped_gemm.triton_backend import max_m_tiles, prep_offsets, search_steps
+    from tlx_dist.grouped_gemm.host import max_m_tiles, prep_offsets, search_steps
 
     torch.manual_seed(4)
     off = torch.tensor(offsets, dtype=torch.int64)

@@ -4,7 +4,7 @@ Legend: N rows (expert-major), K reduction dim, NN output columns, E experts, BM
 BK reduction step (one k-step), NB slots in the LDS ring.
 
 One kernel runs the three forms (constexpr WGRAD, B_KMAJOR) through the tile scheduler the Hopper
-kernel uses (tlx/common/scheduler.py, via the Hopper kernel's ``_tile_any`` / ``_num_tiles``):
+kernel uses (tlx/common/scheduler.py: ``_tile_any`` / ``_num_tiles``):
   mm (fwd, dX): A = x [N, K] (the tile's rows of its expert), B = w[e] viewed [K, NN] (``B_KMAJOR``:
     the K-contiguous ``w.transpose(1, 2)`` of dX), C = y [N, NN]; tiles of the padding pseudo-expert
     store zeros.
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from tlx.hopper.grouped_gemm import _k_steps, _num_tiles, _tile_any
+from tlx.common.scheduler import _k_steps, _num_tiles, _tile_any
 from tlx.portable.grouped_gemm import _dot_acc, _to_out
 
 # LDS layouts for the register-staged path (gfx942): K fastest for both operands, the order the MFMA

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from tlx.common.scheduler import ragged_coords
-from tlx.hopper.grouped_gemm import _k_steps, _num_tiles, _tile
+from tlx.common.scheduler import _k_steps, _num_tiles, _tile, ragged_coords
 
 
 @triton.jit

@@ -26,7 +26,7 @@ the descriptor is 4-D with dims ``[2^31-ish, 2^31-ish, 2^30, C]`` and strides ``
 (``s`` the row stride in elements); the coordinates ``(2^30, lo + cnt, 2^30 - cnt + row, col)`` land on
 row ``lo + row`` (the leading term wraps to zero modulo 2^64) and the third coordinate runs out of
 bounds exactly at ``row >= cnt``, so TMA zero-fills loads and drops stores past the expert's end.
-The host side builds it (``tlx_dist.grouped_gemm.triton_backend.ragged_descriptor``).
+The host side builds it (``tlx_dist.grouped_gemm.host.ragged_descriptor``).
 
 Memory safety. Offsets come from the caller and are never read on the host (that would sync), so
 the device guards them, in two layers. (1) The prep kernel (one program, run before every launch)
@@ -210,3 +210,49 @@ def ragged_coords(lo, cnt, row):
     """The three leading coordinates of a ragged 4-D descriptor for row ``row`` of the slice
     ``[lo, lo + cnt)`` (see the module docstring)."""
     return RAGGED_BILLION, lo + cnt, RAGGED_BILLION - cnt + row
+
+
+# ---------------------------------------------------------------- one kernel for fwd / dX / dW
+# The tile walk every persistent grouped-GEMM kernel shares (Hopper, Blackwell, AMD), per form:
+# WGRAD (dW: E x M-tiles x N-tiles, K = the expert's rows) or mm (fwd / dX: tile_cum binary search).
+
+@triton.jit
+def _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM: tl.constexpr,
+          WGRAD: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    if WGRAD:
+        e, lo, cnt, mt, nt = wgrad_tile(t, offsets_ptr, E, N_ROWS, tl.cdiv(M_DIM, BM), tiles_n)
+    else:
+        e, lo, cnt, mt, nt = mm_tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS)
+    return e, lo, cnt, mt, nt
+
+
+@triton.jit
+def _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM: tl.constexpr, WGRAD: tl.constexpr):
+    if WGRAD:
+        n = E * tl.cdiv(M_DIM, BM) * tiles_n
+    else:
+        n = mm_num_tiles(tile_cum_ptr, E, tiles_n)
+    return n
+
+
+@triton.jit
+def _k_steps(e, cnt, E, K_DIM, BK: tl.constexpr, WGRAD: tl.constexpr):
+    # mm: the padding pseudo-expert loads nothing; wgrad: the K range is the expert's rows.
+    if WGRAD:
+        n = tl.cdiv(cnt, BK)
+    else:
+        n = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
+    return n
+
+
+@triton.jit
+def _tile_any(t, tile_cum_ptr, offsets_ptr, order_ptr, E, N_ROWS, M_DIM, tiles_n, BM: tl.constexpr,
+              WGRAD: tl.constexpr, DYNAMIC: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
+    if WGRAD and DYNAMIC:
+        e, lo, cnt, mt, nt = wgrad_tile_lpt(t, order_ptr, offsets_ptr, E, N_ROWS, tl.cdiv(M_DIM, BM), tiles_n,
+                                            GROUP_M)
+    elif WGRAD or GROUP_M == 1:
+        e, lo, cnt, mt, nt = _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM, WGRAD, SEARCH_STEPS)
+    else:
+        e, lo, cnt, mt, nt = mm_tile_grouped(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
+    return e, lo, cnt, mt, nt

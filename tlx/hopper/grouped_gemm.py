@@ -36,49 +36,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from tlx.common.scheduler import mm_num_tiles, mm_tile, mm_tile_grouped, ragged_coords, wgrad_tile, wgrad_tile_lpt
-
-
-@triton.jit
-def _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM: tl.constexpr,
-          WGRAD: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    if WGRAD:
-        e, lo, cnt, mt, nt = wgrad_tile(t, offsets_ptr, E, N_ROWS, tl.cdiv(M_DIM, BM), tiles_n)
-    else:
-        e, lo, cnt, mt, nt = mm_tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS)
-    return e, lo, cnt, mt, nt
-
-
-@triton.jit
-def _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM: tl.constexpr, WGRAD: tl.constexpr):
-    if WGRAD:
-        n = E * tl.cdiv(M_DIM, BM) * tiles_n
-    else:
-        n = mm_num_tiles(tile_cum_ptr, E, tiles_n)
-    return n
-
-
-@triton.jit
-def _k_steps(e, cnt, E, K_DIM, BK: tl.constexpr, WGRAD: tl.constexpr):
-    # mm: the padding pseudo-expert loads nothing; wgrad: the K range is the expert's rows.
-    if WGRAD:
-        n = tl.cdiv(cnt, BK)
-    else:
-        n = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
-    return n
-
-
-@triton.jit
-def _tile_any(t, tile_cum_ptr, offsets_ptr, order_ptr, E, N_ROWS, M_DIM, tiles_n, BM: tl.constexpr,
-              WGRAD: tl.constexpr, DYNAMIC: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
-    if WGRAD and DYNAMIC:
-        e, lo, cnt, mt, nt = wgrad_tile_lpt(t, order_ptr, offsets_ptr, E, N_ROWS, tl.cdiv(M_DIM, BM), tiles_n,
-                                            GROUP_M)
-    elif WGRAD or GROUP_M == 1:
-        e, lo, cnt, mt, nt = _tile(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM, WGRAD, SEARCH_STEPS)
-    else:
-        e, lo, cnt, mt, nt = mm_tile_grouped(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
-    return e, lo, cnt, mt, nt
+from tlx.common.scheduler import _k_steps, _num_tiles, _tile_any, ragged_coords
 
 
 @triton.jit

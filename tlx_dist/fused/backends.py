@@ -138,13 +138,13 @@ class _Portable:
 
     @staticmethod
     def _flags(x: torch.Tensor) -> dict:
-        from ..grouped_gemm.triton_backend import interpret_mode
+        from ..grouped_gemm.host import interpret_mode
 
         return dict(IEEE=x.dtype == torch.float32, NO_DOT=interpret_mode())
 
     @staticmethod
     def tile_cum(offsets_E, n_rows, x):
-        from ..grouped_gemm.triton_backend import prep_tile_cum
+        from ..grouped_gemm.host import prep_tile_cum
 
         return prep_tile_cum(offsets_E, n_rows, _Portable._blocks(x)[0]) if n_rows else None
 
@@ -157,7 +157,7 @@ class _Portable:
             part=None):
         from tlx.portable.fused_moe import _fused_mm_kernel
 
-        from ..grouped_gemm.triton_backend import max_m_tiles, search_steps
+        from ..grouped_gemm.host import max_m_tiles, search_steps
 
         N = src.shape[0] if src is not None else a.shape[0]  # expert-major rows
         E, K = w_EKN.shape[0], w_EKN.shape[1]
@@ -226,7 +226,7 @@ def _portable_supports(x_RD, w13_EDF2, w2_EFD) -> Optional[str]:
     if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {x_RD.dtype} (needs bfloat16, float16 or float32)"
     if x_RD.device.type == "cpu":
-        from ..grouped_gemm.triton_backend import interpret_mode
+        from ..grouped_gemm.host import interpret_mode
 
         return None if interpret_mode() else "CPU tensors (set TRITON_INTERPRET=1 to run the kernels interpreted)"
     if x_RD.device.type != "cuda":

@@ -174,7 +174,7 @@ class _Hopper:
 
     @staticmethod
     def tile_cum(offsets_E, n_rows, x=None):
-        from ..grouped_gemm.triton_backend import prep_tile_cum
+        from ..grouped_gemm.host import prep_tile_cum
 
         return prep_tile_cum(offsets_E, n_rows, 128) if n_rows else None
 
@@ -191,7 +191,7 @@ class _Hopper:
 
         from tlx.hopper.fused_moe import _fused_mm_hopper_kernel
 
-        from ..grouped_gemm.triton_backend import max_m_tiles, search_steps
+        from ..grouped_gemm.host import max_m_tiles, search_steps
 
         cfg = fused_config(form, nn)
         w, shape, strides = w_desc_args
@@ -255,7 +255,7 @@ class _Hopper:
 
         from tlx.hopper.fused_moe import _fused_wgrad_hopper_kernel
 
-        from ..grouped_gemm.triton_backend import ragged_descriptor
+        from ..grouped_gemm.host import ragged_descriptor
 
         E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]
         N = (ia_N if ia_N is not None else a).shape[0]
@@ -287,7 +287,7 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg: Optional[
     GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1, w13^T
     K-major), ``dswiglu``, ``wgrad_a`` (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer and
     pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64)."""
-    from ..grouped_gemm.triton_backend import search_steps
+    from ..grouped_gemm.host import search_steps
 
     base = "scatter" if form == "scatter_t" else "wgrad" if form.startswith("wgrad") else form
     cfg = cfg or FORMS[base]

@@ -13,7 +13,7 @@ Shared with ``tlx_backend.py`` (one implementation of each): the operand checks 
 multiples of 8, 16-byte aligned bases and row strides -- the kernel's 16-byte vector loads assume
 them), the tile-config dataclass and its choice (``pick_config``: ``TLX_DIST_GROUPED_MM_CONFIG`` pins
 one, ``TLX_DIST_GROUPED_MM_AUTOTUNE=1`` times the candidates; here with AMD's LDS budget), the dW
-order and schedule switch; with ``triton_backend.py`` the device tile-count prep and search depth.
+order and schedule switch; with ``host.py`` the device tile-count prep and search depth.
 Operands those checks refuse fall back to the portable kernel, as on NVIDIA. Nothing reads device
 values on the host.
 
@@ -38,7 +38,7 @@ import tlx
 from .backends import Backend, register_backend
 from .tlx_backend import (GroupedGemmConfig, TileSpec, _dw_schedule, _lpt_order, _num_sms, _tma_2d_reason,
                           operand_reason, pick_config)
-from .triton_backend import max_m_tiles, prep_tile_cum, search_steps
+from .host import max_m_tiles, prep_tile_cum, search_steps
 
 __all__ = ["CANDIDATES", "LDS_BYTES", "lds_bytes", "tile_spec", "kernel_signature"]
 

@@ -96,7 +96,7 @@ def guard_offsets(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
         from tlx import triton_available
 
         if triton_available():
-            from .triton_backend import prep_offsets
+            from .host import prep_offsets
 
             return prep_offsets(offsets_E, n_rows)[0]
     safe, bits = safe_offsets_ref(offsets_E, n_rows)

@@ -236,7 +236,7 @@ def _c_cols(cc: int, cfg: GroupedGemmConfig) -> int:
 
 def _launch(cc, cfg, wgrad, b_kmajor, a_desc, b_desc, c_desc, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN,
             n_tiles_bound, device, order=None):
-    from .triton_backend import search_steps
+    from .host import search_steps
 
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     grid = (max(1, min(sms, n_tiles_bound)),)
@@ -274,7 +274,7 @@ def _lpt_order(offsets: torch.Tensor) -> torch.Tensor:
 def _mm_with(cfg: GroupedGemmConfig, cc: int, x_ND, w_EDF, offsets, y_NF):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_backend import max_m_tiles, prep_offsets, ragged_descriptor
+    from .host import max_m_tiles, prep_offsets, ragged_descriptor
 
     N, K = x_ND.shape
     E, _, NN = w_EDF.shape
@@ -312,7 +312,7 @@ def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> tor
 def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_backend import ragged_descriptor
+    from .host import ragged_descriptor
 
     N, D = x_ND.shape
     F = dy_NF.shape[1]
@@ -336,7 +336,7 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
         from .triton_backend import _wgrad as portable_wgrad
 
         return portable_wgrad(x_ND, dy_NF, offsets_E)
-    from .triton_backend import prep_offsets
+    from .host import prep_offsets
 
     dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
     cc = _arch_cc()
@@ -350,7 +350,7 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
 def kernel_signature(cc: int, wgrad: bool, b_kmajor: bool, cfg: Optional[GroupedGemmConfig] = None,
                      E: int = 64, dtype: str = "bf16", dynamic: Optional[bool] = None):
     """(kernel, signature, constexprs, options) for ``triton.compile`` without a GPU (tests)."""
-    from .triton_backend import search_steps
+    from .host import search_steps
 
     cfg = cfg or CANDIDATES[cc][0]
     ar, cc_cols = _a_rows(cc, cfg), _c_cols(cc, cfg)

@@ -1,0 +1,75 @@
+"""Host helpers every grouped-GEMM kernel backend shares (portable Triton, TLX Hopper/Blackwell, AMD,
+and the fused pipeline): the device tile-count prep (``tile_cum``, one launch of the scheduler's prep
+kernel, which also clamps the offsets), the binary-search depth, the tile bound, the ragged TMA
+descriptor. Nothing here reads device values on the host: every launch is CUDA-graph safe.
+
+Legend: N rows, E experts, ``offsets_E`` cumulative end rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .reference import check_num_experts
+
+__all__ = ["prep_offsets", "prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def search_steps(n_experts: int) -> int:
+    """Binary-search depth over the E + 1 entries of ``tile_cum`` (one spare step)."""
+    return max(1, math.ceil(math.log2(n_experts + 1)) + 1)
+
+
+def max_m_tiles(n_rows: int, n_experts: int, block_m: int) -> int:
+    """Upper bound of BM-row tiles over E experts + the padding pseudo-expert, from shapes only:
+    sum_e cdiv(rows_e, BM) <= N / BM + (E + 1)."""
+    return n_rows // block_m + n_experts + 1
+
+
+def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0):
+    """(``safe_E`` ``[E]`` int32, ``tile_cum`` ``[E + 1]`` int32 or None) on the device, from one
+    launch of the scheduler's prep kernel: the offsets clamped into ``[0, n_rows]`` and made
+    non-decreasing (the device offsets flag records what was out of range; see ``guard.py``), and,
+    with ``block_m``, the inclusive cumsum of BM-row tiles per expert (+ padding). ``offsets_E``
+    may be int32 or int64; ``E >= 1``."""
+    import triton
+
+    from tlx.common.scheduler import _grouped_tile_prep_kernel
+
+    from .guard import offsets_flag
+
+    E = offsets_E.shape[0]
+    check_num_experts(E, "offsets_E")
+    dev = offsets_E.device
+    safe = torch.empty(E, dtype=torch.int32, device=dev)
+    tile_cum = torch.empty(E + 1, dtype=torch.int32, device=dev) if block_m else None
+    _grouped_tile_prep_kernel[(1,)](offsets_E.contiguous(), safe, safe if tile_cum is None else tile_cum,
+                                    offsets_flag(dev), E, n_rows, BM=max(block_m, 1),
+                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m))
+    return safe, tile_cum
+
+
+def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.Tensor:
+    """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding),
+    over the safe offsets (``prep_offsets``, whose ``safe_E`` the kernel should also be given)."""
+    return prep_offsets(offsets_E, n_rows, block_m)[1]
+
+
+def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):
+    """A 4-D TMA descriptor over a row-major ``[R, C]`` tensor whose loads/stores can be bounded to
+    any row slice (tlx/common/scheduler.py explains the coordinates)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    R, C = t_RC.shape
+    s = t_RC.stride(0)
+    if R > (1 << 30):
+        raise ValueError(f"ragged descriptor: {R} rows exceed 2**30")
+    big = 0x7FFF0000
+    return TensorDescriptor(t_RC, [big, big, 1 << 30, C], [(1 << 34) - s, s, s, 1], [1, 1, block_rows, block_cols])
