@@ -14,6 +14,8 @@ side by side in one process, alternating round by round on the same model:
   fast       EP=1: the one-rank path (LocalDispatcher; the fused TLX pipeline where it runs);
              EP>1 on CUDA inside one node: SymmDispatcher (``--symm-capacity``; default "exact").
              Elsewhere (CPU, an EP group spanning nodes) it is skipped, unless ``--paths symm``.
+  fused_ep   SymmDispatcher + MoELayer(pipeline="fused"): the fused pipeline over the exchange's row
+             form (CUDA, one node); its dispatch/combine phases are dispatch_rows / combine_rows.
   reference  AllToAllDispatcher: ``all_to_all_single`` over the EP group (NCCL on GPU, gloo on CPU),
              separate expert ops -- also at EP=1 (a one-rank group).
 Per path it reports the step time of plain steps (no per-step sync, as the training loop runs),
@@ -184,6 +186,23 @@ def instrument_dispatcher(disp, clock: Clock) -> None:
         return _bwd_mark(clock, out, "+", "combine")
 
     disp.dispatch, disp.combine_weighted = timed_dispatch, timed_combine
+    if hasattr(disp, "dispatch_rows"):  # the fused EP pipeline's exchange
+        dispatch_rows = type(disp).dispatch_rows.__get__(disp)
+        combine_rows = type(disp).combine_rows.__get__(disp)
+
+        def timed_dispatch_rows(x_TD, idx_TK, gate_TK):
+            clock.mark("+", "dispatch")
+            recv, src, gate_N, handle = dispatch_rows(_bwd_mark(clock, x_TD, "-", "dispatch"), idx_TK, gate_TK)
+            clock.mark("-", "dispatch")
+            return _bwd_mark(clock, recv, "+", "dispatch"), src, gate_N, handle
+
+        def timed_combine_rows(part_RD, handle):
+            clock.mark("+", "combine")
+            out = combine_rows(_bwd_mark(clock, part_RD, "-", "combine"), handle)
+            clock.mark("-", "combine")
+            return _bwd_mark(clock, out, "+", "combine")
+
+        disp.dispatch_rows, disp.combine_rows = timed_dispatch_rows, timed_combine_rows
 
 
 def watch_fused(moe_layers, seen: set) -> None:
@@ -232,8 +251,10 @@ def build_path(moe_layers, kind: str, group, symm_capacity) -> dict:
         make, pipeline = (lambda: LocalDispatcher(E, validate=False)), "auto"
     elif kind == "symm":
         make, pipeline = (lambda: SymmDispatcher(E, group, capacity=symm_capacity, validate=False)), "separate"
+    elif kind == "fused_ep":  # the fused pipeline over the exchange's row form
+        make, pipeline = (lambda: SymmDispatcher(E, group, capacity=symm_capacity, validate=False)), "fused"
     else:
-        raise ValueError(f"path kind={kind!r} must be 'local', 'symm' or 'reference'")
+        raise ValueError(f"path kind={kind!r} must be 'local', 'symm', 'fused_ep' or 'reference'")
     disps = [make() for _ in moe_layers]
     return {"dispatchers": disps, "pipeline": pipeline, "dispatcher": type(disps[0]).__name__}
 
@@ -437,6 +458,11 @@ def _paths(args, ep: int, device, single_node: bool) -> tuple[dict, dict]:
                 skipped[p] = kind
         elif p == "symm":
             paths[p] = {"kind": "symm"}
+        elif p == "fused_ep":
+            if device.type == "cuda" and single_node:
+                paths[p] = {"kind": "fused_ep"}
+            else:
+                skipped[p] = "the fused EP pipeline needs CUDA GPUs of one node (the symmetric exchange)"
     return paths, skipped
 
 
@@ -521,7 +547,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "debug_cpu.toml"))
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--mode", choices=("step", "layer", "both"), default="both")
-    ap.add_argument("--paths", default="fast,reference", help="fast, reference, symm (comma-separated)")
+    ap.add_argument("--paths", default="fast,reference", help="fast, reference, symm, fused_ep (comma-separated)")
     ap.add_argument("--steps", type=int, default=5, help="steps per round and path (plain, then instrumented)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
@@ -534,9 +560,9 @@ def main(argv=None) -> int:
             ap.error(f"--{name}={getattr(args, name)} must be at least 1")
     if args.warmup < 0 or args.tokens < 0:
         ap.error("--warmup and --tokens must be non-negative")
-    bad = [p for p in args.paths.split(",") if p not in ("fast", "reference", "symm")]
+    bad = [p for p in args.paths.split(",") if p not in ("fast", "reference", "symm", "fused_ep")]
     if bad or not args.paths:
-        ap.error(f"--paths={args.paths!r}: each entry must be fast, reference or symm")
+        ap.error(f"--paths={args.paths!r}: each entry must be fast, reference, symm or fused_ep")
     if args.symm_capacity not in ("exact", "worst"):
         try:
             args.symm_capacity = float(args.symm_capacity)

@@ -33,3 +33,8 @@ timeout 200 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config 
   --override metrics.out_dir=/tmp/run_fused_ep > "$out/train_fused_ep.log" 2>&1
 echo "== EP=2 training, fused EP rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^step" "$out/train_fused_ep.log" | cut -c1-160 | tail -n 3
 errs "$out/train_fused_ep.log"
+t0=$(date +%s)
+timeout 150 torchrun --standalone --nproc-per-node=2 bench/scaling.py --config configs/h200_1gpu.toml \
+  --override parallel.ep=2 --mode step --paths fused_ep,fast,reference --steps 5 --rounds 2 --warmup 3 \
+  --json "$out/scaling_n2.json" > "$out/scaling_n2.log" 2>&1
+echo "== scaling N=2 rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A1 "^\[step\]" "$out/scaling_n2.log" | cut -c1-400
