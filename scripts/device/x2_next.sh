@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Next two-GPU call (written in session 4, not yet run): the fused EP pipeline and the exchange fixes
-# that landed after the session-4 measurements. `source .carry/setup.sh && bash scripts/device/x2_next.sh`
+# that landed after the session-4 measurements. Two calls of < 10 min each:
+#   source .carry/setup.sh && bash scripts/device/x2_next.sh 1    # tests (GPU tier, T5 x 2 routes), dispatch bench
+#   source .carry/setup.sh && bash scripts/device/x2_next.sh 2    # layer bench, EP=2 training, scaling point
 set -u
 out=${OUT:-/tmp/x2}; mkdir -p "$out"
 errs() { grep -hE "Error|error:|Exception" "$@" 2>/dev/null | grep -vE "elastic|ChildFailed|error_file|errors.html" \
   | sed 's/^\[rank[0-9]*\]: //' | sort | uniq -c | sort -rn | head -n 6; }
+if [ "${1:-1}" = 1 ]; then
 t0=$(date +%s)
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_ep_gpu.py > "$out/fused_ep_gpu.log" 2>&1
 echo "== fused EP (emulated, one GPU) rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/fused_ep_gpu.log")"; errs "$out/fused_ep_gpu.log"
@@ -23,6 +26,8 @@ t0=$(date +%s)
 timeout 120 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 --experts 256 \
   --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
 echo "== dispatch rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 12 "^W=2" "$out/dispatch_w2.log"; grep -A 6 "symm_graph E=256 D=7168 T=128 " "$out/dispatch_w2.log"
+fi
+[ "${1:-1}" = 1 ] && exit 0
 t0=$(date +%s)
 timeout 150 torchrun --standalone --nproc-per-node=2 bench/moe_layer.py --shapes olmoe --tokens 4096,16384 \
   --json "$out/moe_layer_w2.json" > "$out/moe_layer_w2.log" 2>&1
