@@ -45,7 +45,7 @@ op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are 
 the overflow flag, and count as zero in the combine: never silently.
 
 Peers on other nodes (``USE_NVSHMEM``, only in the kernels that send: ``_barrier_signal``,
-``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
+``_route_rank`` (its signal), ``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
 ``pes[d]`` is their NVSHMEM PE. A sender stages what would have been peer stores in its own
 symmetric region (COUNTS row RANK, which it writes anyway, or the staging regions above), then
 every thread of the CTA calls one block-collective ``nvshmemx_putmem_block`` per row (per run of
@@ -671,14 +671,14 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
 #
 # Replaces the sort-based layout: two kernels around one torch.cumsum over blocks.
 #   _route_hist_kernel:  per block of BLOCK_T tokens, slots per expert and tokens per destination
-#                        rank -> hist[b, :E], hist[b, E:E+W]
-#   (torch.cumsum over b -> incl)
+#                        rank -> hist[:E, b], hist[E:E+W, b]   ([counts, blocks])
+#   (torch.cumsum along the blocks -> incl)
 #   _route_rank_kernel:  q[t, k] = rank of slot (t, k) among this rank's slots of its expert, in
 #                        slot order; send_row[t, d] = rank of token t among this rank's tokens
 #                        sent to d (-1: none); dest[t, k] = owning rank; the last block writes the
-#                        count vector [counts_E | rows_to_W] the barrier publishes.
-# After the barrier, _barrier_wait_kernel turns every rank's count vector into this rank's
-# start_E (first expanded row of (this source, expert g) on g's rank) and its offsets_e.
+#                        count vector [counts_E | rows_to_W] and publishes it (the signal).
+# Then _send_tokens (``_await``) turns every rank's count vector into this rank's start_E (first
+# expanded row of (this source, expert g) on g's rank) and its offsets_e.
 
 
 @triton.jit
