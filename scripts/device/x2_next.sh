@@ -3,6 +3,8 @@
 # that landed after the session-4 measurements. Two calls of < 10 min each:
 #   source .carry/setup.sh && bash scripts/device/x2_next.sh 1    # tests (GPU tier, T5 x 2 routes), dispatch bench
 #   source .carry/setup.sh && bash scripts/device/x2_next.sh 2    # layer bench, EP=2 training, scaling point
+# (each part leaves <= 8 files in $OUT: the device tool returns at most 8; keep checkpoints and
+# metrics out of $OUT -- an EP=2 checkpoint is ~40 GB)
 set -u
 out=${OUT:-/tmp/x2}; mkdir -p "$out"
 errs() { grep -hE "Error|error:|Exception" "$@" 2>/dev/null | grep -vE "elastic|ChildFailed|error_file|errors.html" \
