@@ -43,14 +43,11 @@ def _specs(amd: bool = False):
             dict(peers_ptr="*i64", counts_ptr="*i64", RANK="i32"),
             dict(W=W, WP3=32, NC=E + W, BLOCK_C=512, HAS_COUNTS=True,
                  **o("OFF_STATE", "OFF_FLAGS", "OFF_ARRIVE", "OFF_COUNTS"))),
-        "_route_hist_kernel": ("_route_hist_kernel",
-            dict(idx_ptr="*i64", hist_ptr="*i32", T="i32", NB="i32"),
-            dict(K=K, KP=8, E=E, EP=E, W=W, E_LOCAL=E // W, NC=E + W, BLOCK_T=8)),
-        "_route_rank_kernel": ("_route_rank_kernel",
-            dict(idx_ptr="*i64", hist_ptr="*i32", incl_ptr="*i64", q_ptr="*i32", dest_ptr="*i32",
-                 send_row_ptr="*i32", counts_ptr="*i64", T="i32", NB="i32", peers_ptr="*i64", RANK="i32"),
-            dict(K=K, KP=8, E=E, EP=E, W=W, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=8, SIGNAL=True, WP3=32,
-                 USE_NVSHMEM=False, **o("OFF_STATE", "OFF_FLAGS", "OFF_ARRIVE", "OFF_COUNTS"))),
+        "_route_kernel": ("_route_kernel",
+            dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
+                 counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
+            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=8, WP3=32,
+                 USE_NVSHMEM=False, AGG_ONLY=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_ARRIVE", "OFF_COUNTS"))),
         "_send_tokens_kernel": ("_send_tokens_kernel",
             dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                  start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32"),
@@ -147,12 +144,13 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert info["binary"] > 0, name
     # Producers publish with release atomics at system scope; consumers poll with acquire, and
     # every poll is bounded by the device clock (%globaltimer; s_memrealtime on AMD).
-    for name in ("_barrier_signal_kernel", "_route_rank_kernel", "_send_tokens_kernel", "_reduce_send_kernel",
+    for name in ("_barrier_signal_kernel", "_route_kernel", "_send_tokens_kernel", "_reduce_send_kernel",
                  "_expand_kernel[grad]"):
         assert compiled[name]["release"] > 0 and compiled[name]["atomic"] > 0, f"{name}: no release atomic"
-    # the barrier's waits open the op's first data kernel (send_tokens, reduce_send)
-    for name in ("_send_tokens_kernel", "_reduce_send_kernel", "_expand_kernel", "_reduce_recv_kernel",
-                 "_gate_grad_recv_kernel"):
+    # the barrier's waits open the op's first data kernel (send_tokens, reduce_send); the route
+    # kernel's look-back polls are bounded too
+    for name in ("_route_kernel", "_send_tokens_kernel", "_reduce_send_kernel", "_expand_kernel",
+                 "_reduce_recv_kernel", "_gate_grad_recv_kernel"):
         assert compiled[name]["acquire"] > 0, f"{name}: no acquire poll"
         assert compiled[name]["timer"] > 0, f"{name}: wait not bounded by the device clock"
     for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):

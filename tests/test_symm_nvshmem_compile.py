@@ -68,7 +68,7 @@ def _nvshmem_specs():
     nvshmem = {
         "_barrier_signal_kernel": variant("_barrier_signal_kernel"),
         "_barrier_signal_kernel[nocounts]": variant("_barrier_signal_kernel", HAS_COUNTS=False),
-        "_route_rank_kernel": variant("_route_rank_kernel"),  # its last block publishes the dispatch counts
+        "_route_kernel": variant("_route_kernel"),  # its last block publishes the dispatch counts
         "_send_tokens_kernel": variant("_send_tokens_kernel"),
         "_send_tokens_kernel[grad]": variant("_send_tokens_kernel", WITH_META=False),  # combine's backward: dy rows
         "_expand_kernel[grad]": variant("_expand_kernel[grad]"),
@@ -282,7 +282,7 @@ def compiled(request):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-SENDERS = ("_barrier_signal_kernel", "_barrier_signal_kernel[nocounts]", "_route_rank_kernel", "_send_tokens_kernel",
+SENDERS = ("_barrier_signal_kernel", "_barrier_signal_kernel[nocounts]", "_route_kernel", "_send_tokens_kernel",
            "_send_tokens_kernel[grad]", "_expand_kernel[grad]", "_reduce_send_kernel", "_reduce_send_kernel[rows]",
            "_expand_kernel[rows_dgate]")
 

@@ -13,7 +13,6 @@ from .exchange import (  # noqa: F401
     _gate_grad_recv_kernel,
     _reduce_recv_kernel,
     _reduce_send_kernel,
-    _route_hist_kernel,
-    _route_rank_kernel,
+    _route_kernel,
     _send_tokens_kernel,
 )

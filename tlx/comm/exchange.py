@@ -31,9 +31,9 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
 
 One op, kernels in launch order (the emulated world launches each phase for every virtual rank
 before the next, so no kernel waits on a signal raised by a later launch):
-    dispatch:  _route_hist, cumsum, _route_rank (source layout; its last block publishes the
-               counts: the signal) | _send_tokens (waits, computes this rank's layout, sends rows
-               + meta) | _expand (copy META out, expanded rows)               -- 5 launches
+    dispatch:  _route (single-pass source layout; its last block publishes the counts: the
+               signal) | _send_tokens (waits, computes this rank's layout, sends rows + meta)
+               | _expand (copy META out, expanded rows)                        -- 3 launches
     combine:   _barrier_signal | _reduce_send (waits, gated partial rows) | _reduce_recv   -- 3
     dispatch backward = combine without gates; combine backward:
                _barrier_signal | _send_tokens (waits, dy rows) | _expand (gate-scaled rows + gate
@@ -78,6 +78,7 @@ OP_BARRIER = tl.constexpr(1)
 OP_TOKENS = tl.constexpr(2)
 OP_COMBINE = tl.constexpr(3)
 OP_GATE_GRAD = tl.constexpr(4)
+OP_ROUTE = tl.constexpr(5)  # a route block waiting for an earlier block of its own launch (look-back)
 
 
 @triton.jit
@@ -669,14 +670,11 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
 
 # ---------------------------------------------------------------- routing layout (source side)
 #
-# Replaces the sort-based layout: two kernels around one torch.cumsum over blocks.
-#   _route_hist_kernel:  per block of BLOCK_T tokens, slots per expert and tokens per destination
-#                        rank -> hist[:E, b], hist[E:E+W, b]   ([counts, blocks])
-#   (torch.cumsum along the blocks -> incl)
-#   _route_rank_kernel:  q[t, k] = rank of slot (t, k) among this rank's slots of its expert, in
-#                        slot order; send_row[t, d] = rank of token t among this rank's tokens
-#                        sent to d (-1: none); dest[t, k] = owning rank; the last block writes the
-#                        count vector [counts_E | rows_to_W] and publishes it (the signal).
+# Replaces the sort-based layout, in one launch (_route_kernel), per block of BLOCK_T tokens:
+#   q[t, k] = rank of slot (t, k) among this rank's slots of its expert, in slot order;
+#   send_row[t, d] = rank of token t among this rank's tokens sent to d (-1: none);
+#   dest[t, k] = owning rank; the last block writes the count vector [counts_E | rows_to_W] and
+#   publishes it (the signal). The prefix over blocks is a decoupled look-back (single-pass scan).
 # Then _send_tokens (``_await``) turns every rank's count vector into this rank's start_E (first
 # expanded row of (this source, expert g) on g's rank) and its offsets_e.
 
@@ -691,57 +689,92 @@ def _route_tile(idx_ptr, b, T, K: tl.constexpr, KP: tl.constexpr, E: tl.constexp
 
 
 @triton.jit
-def _route_hist_kernel(idx_ptr, hist_ptr, T, NB,
-                       K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
-                       W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``hist[c, b]`` (column b = token block b, ``[NC, NB]`` so that the prefix sum over blocks is
-    a row scan): slots of block b per expert (c < E), token rows of block b per destination rank."""
+def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_ptr, T, NB_MAX, peers_ptr, RANK,
+                  K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, WP3: tl.constexpr, OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr,
+                  OFF_ARRIVE: tl.constexpr, OFF_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
+                  pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, AGG_ONLY: tl.constexpr = False):
+    """The dispatch's source-side layout and its signal, one launch (see the section comment).
+    Block b of BLOCK_T tokens: its histogram (slots per expert, token rows per destination rank),
+    its exclusive prefix over blocks 0..b-1 by decoupled look-back, then q / dest / send_row; the
+    last block writes the count vector and publishes it (``_signal``).
+
+    Look-back (``scratch``, int64, owned by this rank's buffers, zeroed once): ``status[b]`` is
+    ``tag + 1`` once block b's aggregate is in ``agg[b]``, ``tag + 2`` once its inclusive prefix is in
+    ``incl[b]``; ``tag = 4 * this op's epoch``, so what earlier dispatches left there reads as "not
+    ready" and nothing is reset. Block b adds predecessors' aggregates from b-1 down until one has
+    its inclusive prefix. Progress needs blocks to start in index order (as every single-pass GPU
+    scan assumes); the interpreter runs them in order. Every poll is bounded (``OP_ROUTE``).
+    AGG_ONLY (tests): blocks after 0 never mark their inclusive prefix, so every look-back walks the
+    aggregates down to block 0 -- the path concurrent blocks take on a GPU, which the in-order
+    interpreter would otherwise never reach."""
     b = tl.program_id(0)
+    nb = tl.cdiv(T, BLOCK_T)
+    my = tl.load(peers_ptr + RANK)
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    tag = (tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64))) + 1) * 4   # this op's epoch (the
+    # last block raises the state to it only after every other block has published, hence read it)
+    RW: tl.constexpr = EP + WP
+    status_ptr = scratch_ptr                        # [NB_MAX]
+    agg_ptr = scratch_ptr + NB_MAX                  # [NB_MAX, RW]: experts (EP), then ranks (WP)
+    incl_ptr = scratch_ptr + NB_MAX + NB_MAX * RW   # [NB_MAX, RW]
     t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
     ei = tl.arange(0, EP)
-    flat = tl.reshape(g, [BLOCK_T * KP])
-    per_e = tl.sum((flat[:, None] == ei[None, :]).to(tl.int32), axis=0)
-    tl.store(hist_ptr + ei * NB + b, per_e, mask=ei < E)
-    dest = g // E_LOCAL
-    for d in range(W):
-        sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
-        tl.store(hist_ptr + (E + d) * NB + b, tl.sum(sent))
-
-
-@triton.jit
-def _route_rank_kernel(idx_ptr, hist_ptr, incl_ptr, q_ptr, dest_ptr, send_row_ptr, counts_ptr, T, NB,
-                       K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
-                       W: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, peers_ptr=None, RANK=0, SIGNAL: tl.constexpr = False,
-                       WP3: tl.constexpr = 4, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
-                       OFF_ARRIVE: tl.constexpr = 0, OFF_COUNTS: tl.constexpr = 0,
-                       pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
-    """(See the section comment.) SIGNAL: the last block then publishes the count vector -- the
-    dispatch's ``_signal`` (phase 1 of the op), with no launch of its own."""
-    b = tl.program_id(0)
-    t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
-    ei = tl.arange(0, EP)
-    excl_E = (tl.load(incl_ptr + ei * NB + b, mask=ei < E, other=0)
-              - tl.load(hist_ptr + ei * NB + b, mask=ei < E, other=0))
+    wi = tl.arange(0, WP)
     flat = tl.reshape(g, [BLOCK_T * KP])
     onehot = (flat[:, None] == ei[None, :]).to(tl.int32)
+    h_E = tl.where(ei < E, tl.sum(onehot, axis=0), 0).to(tl.int64)
+    dest = g // E_LOCAL
+    h_W = tl.zeros([WP], tl.int64)
+    for d in range(W):
+        sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
+        h_W = tl.where(wi == d, tl.sum(sent).to(tl.int64), h_W)
+    x_E = tl.zeros([EP], tl.int64)
+    x_W = tl.zeros([WP], tl.int64)
+    if b > 0:
+        tl.store(agg_ptr + b * RW + ei, h_E)
+        tl.store(agg_ptr + b * RW + EP + wi, h_W)
+        tl.debug_barrier()
+        tl.atomic_xchg(status_ptr + b, tag + 1, sem="release", scope="gpu")
+        j = b - 1
+        done = 0
+        while done == 0:
+            _wait_geq(status_ptr + j, tag + 1, err_ptr, OP_ROUTE, j % 65536, TIMEOUT_NS, CLOCK)
+            st = tl.atomic_add(status_ptr + j, 0, sem="acquire", scope="gpu")
+            full = st >= tag + 2
+            row = scratch_ptr + tl.where(full, NB_MAX + NB_MAX * RW, NB_MAX) + j * RW
+            ready = st >= tag + 1
+            x_E += tl.load(row + ei, mask=ready, other=0)
+            x_W += tl.load(row + EP + wi, mask=ready, other=0)
+            j -= 1
+            done = (full | (j < 0) | (st < tag + 1)).to(tl.int32)   # (not ready: the wait gave up)
+    i_E = x_E + h_E
+    i_W = x_W + h_W
+    tl.store(incl_ptr + b * RW + ei, i_E)
+    tl.store(incl_ptr + b * RW + EP + wi, i_W)
+    tl.debug_barrier()
+    if AGG_ONLY:
+        if b == 0:
+            tl.atomic_xchg(status_ptr + b, tag + 2, sem="release", scope="gpu")
+    else:
+        tl.atomic_xchg(status_ptr + b, tag + 2, sem="release", scope="gpu")
+
     within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1       # earlier slots, same expert
-    q = within + tl.sum(onehot * excl_E[None, :].to(tl.int32), axis=1)
+    q = within + tl.sum(onehot * x_E[None, :].to(tl.int32), axis=1)
     sl = tl.reshape(t[:, None] * K + kk[None, :], [BLOCK_T * KP])
     ok = tl.reshape(m, [BLOCK_T * KP])
     tl.store(q_ptr + sl, q, mask=ok)
-    dest = g // E_LOCAL
     tl.store(dest_ptr + t[:, None] * K + kk[None, :], dest, mask=m)
     tm = t < T
     for d in range(W):
         sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
-        base = tl.load(incl_ptr + (E + d) * NB + b) - tl.load(hist_ptr + (E + d) * NB + b)
+        base = tl.sum(tl.where(wi == d, x_W, 0))
         r = tl.where(sent > 0, base.to(tl.int32) + tl.cumsum(sent, axis=0) - 1, -1)
         tl.store(send_row_ptr + t * W + d, r, mask=tm)
-    if b == NB - 1:
-        ci = tl.arange(0, NCP)
-        tl.store(counts_ptr + ci, tl.load(incl_ptr + ci * NB + b, mask=ci < NC, other=0), mask=ci < NC)
-        if SIGNAL:
-            tl.debug_barrier()  # the counts this CTA just stored are what _signal loads
-            _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, NCP, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
-                    True, pes_ptr, USE_NVSHMEM)
+    if b == tl.maximum(nb, 1) - 1:
+        tl.store(counts_ptr + ei, i_E, mask=ei < E)
+        tl.store(counts_ptr + E + wi, i_W, mask=wi < W)
+        tl.debug_barrier()  # the counts this CTA just stored are what _signal loads
+        _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, NCP, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
+                True, pes_ptr, USE_NVSHMEM)

@@ -182,34 +182,32 @@ def _await_meta(bufs: SymmBuffers) -> dict:
 
 
 def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
-    """Source-side layout in two kernels around one cumsum (``tlx/comm/exchange.py``): returns
-    ``q_TK`` (rank of each slot among this rank's slots of its expert), ``send_row_TW``,
-    ``counts_C`` = ``[slots per expert | token rows per rank]`` (int64)."""
+    """Source-side layout and the dispatch's signal in one launch (``_route_kernel``, a single-pass
+    scan over token blocks): returns ``q_TK`` (rank of each slot among this rank's slots of its
+    expert), ``send_row_TW``, ``counts_C`` = ``[slots per expert | token rows per rank]`` (int64)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, K = idx_TK.shape
     W, E, NC = L.world_size, L.num_experts, L.num_counts
     dev = idx_TK.device
-    EP, KP = _next_pow2(E), _next_pow2(K)
+    EP, KP, WP = _next_pow2(E), _next_pow2(K), _next_pow2(W)
     bt = max(1, min(64, 16384 // (EP * KP)))  # the [BLOCK_T*K, E] one-hot tile stays ~16K elements
     bt = 1 << (bt.bit_length() - 1)
     nb = max(1, -(-T // bt))
+    nb_max = max(1, -(-L.max_tokens // bt))
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
-    hist = torch.empty(NC, nb, dtype=torch.int32, device=dev)
-    meta = dict(K=K, KP=KP, E=E, EP=EP, W=W, E_LOCAL=E // W, NC=NC, BLOCK_T=bt)
-    k._route_hist_kernel[(nb,)](idx, hist, T, nb, **meta)
-    # a row scan: [NC, nb] with the blocks innermost (a column scan of [nb, NC] took 392 us at
-    # T=16384, E=256 on an H200 -- torch's outer-dim scan walks the blocks one by one)
-    incl = torch.cumsum(hist, 1)
     q_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     dest_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     send_row_TW = torch.empty(T, W, dtype=torch.int32, device=dev)
     counts_C = torch.empty(NC, dtype=torch.int64, device=dev)  # the last block writes all NC (zeros for T = 0)
-    # its last block also publishes the counts: the dispatch's phase 1 (signal)
-    _send_launch(bufs, k._route_rank_kernel, (nb,), idx, hist, incl, q_TK, dest_TK, send_row_TW, counts_C, T, nb,
-                 NCP=_next_pow2(NC), peers_ptr=bufs.peers, RANK=bufs.rank, SIGNAL=True, WP3=_next_pow2(3 * W),
-                 OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
-                 **meta)
+    _send_launch(bufs, k._route_kernel, (nb,), idx, bufs.route_scratch(nb_max, EP + WP), q_TK, dest_TK, send_row_TW,
+                 counts_C, T, nb_max, bufs.peers, bufs.rank, K=K, KP=KP, E=E, EP=EP, W=W, WP=WP, E_LOCAL=E // W,
+                 NC=NC, NCP=_next_pow2(NC), BLOCK_T=bt, WP3=_next_pow2(3 * W), OFF_STATE=L.off_state,
+                 OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
+                 TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(), **({"AGG_ONLY": True} if _ROUTE_AGG_ONLY else {}))
     return q_TK, send_row_TW, counts_C
+
+
+_ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through every aggregate
 
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None):

@@ -46,6 +46,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
 _OPS = {1: "barrier (op start)", 2: "token rows of a dispatch", 3: "combine partial rows",
         4: "gate gradients of combine's backward"}
+_OP_ROUTE = 5  # a block of the dispatch's route kernel waiting for an earlier block (look-back)
 
 
 class ExchangeError(RuntimeError):
@@ -272,6 +273,17 @@ class SymmBuffers:
         self._check_open()
         return self._mem[off: off + nbytes]
 
+    def route_scratch(self, n_blocks: int, row_words: int) -> torch.Tensor:
+        """The route kernel's look-back scratch (``tlx/comm/exchange.py`` ``_route_kernel``): int64
+        ``[n_blocks * (1 + 2 * row_words)]``, this rank's own (not symmetric), zeroed once and kept:
+        its status words carry the op's epoch, so no later dispatch resets it."""
+        need = n_blocks * (1 + 2 * row_words)
+        s = getattr(self, "_route_scratch", None)
+        if s is None or s.numel() < need:
+            s = torch.zeros(need, dtype=torch.int64, device=self.device)
+            self._route_scratch = s
+        return s
+
     def recv_rows(self) -> torch.Tensor:
         """``[W*T_max, D]`` view of this rank's receive region: block s holds source s's token rows
         (the first ``rows_from[s]`` of ``T_max`` are valid after a dispatch). Overwritten by the
@@ -294,6 +306,11 @@ class SymmBuffers:
         overflow, err = (int(v) for v in st[1:3].tolist())
         if err:
             op, peer = err >> 16, err & 0xFFFF
+            if op == _OP_ROUTE:
+                raise ExchangeError(
+                    f"symmetric exchange: on rank {self.rank} a block of the dispatch's route kernel waited "
+                    f"{self.timeout_s:g} s for block {peer} of the same launch (look-back); thread blocks did not "
+                    f"make progress in index order on this device. The exchange state is inconsistent; restart.")
             raise ExchangeError(
                 f"symmetric exchange: rank {self.rank} waited {self.timeout_s:g} s for the "
                 f"{_OPS.get(op, f'op {op}')} from rank {peer}, which never arrived (a rank skipped, "
