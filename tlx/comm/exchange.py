@@ -45,7 +45,7 @@ op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are 
 the overflow flag, and count as zero in the combine: never silently.
 
 Peers on other nodes (``USE_NVSHMEM``, only in the kernels that send: ``_barrier_signal``,
-``_route_rank`` (its signal), ``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
+``_route`` (its signal), ``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
 ``pes[d]`` is their NVSHMEM PE. A sender stages what would have been peer stores in its own
 symmetric region (COUNTS row RANK, which it writes anyway, or the staging regions above), then
 every thread of the CTA calls one block-collective ``nvshmemx_putmem_block`` per row (per run of
