@@ -53,7 +53,7 @@ two, + a latency:
                    (route kernels per (token, k) slot, one cumsum per histogram row); one host sync
                    per forward dispatch (capacity="exact")
     fused          4·link(rank_dedup rows) + 4 barrier waits + 2 reduce_recv: the gather and scatter
-                   are inside eta_fused (projected: the fused pipeline has no EP path yet)
+                   are inside eta_fused (projected: the fused EP path exists but has not run on GPUs)
     fused+overlap  as fused, each layer's link time hidden behind that layer's expert time
 
 Traffic per token per exchange (``traffic_rows``), for E experts, top-K, ep ranks in domains of g
@@ -517,8 +517,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _route_rows(T: int, E: int, K: int) -> int:
-    """Rows of the route histogram that ``tlx_dist/comm/symm.py:_route`` scans with one cumsum:
-    ceil(T / BLOCK_T), BLOCK_T the power of two <= min(64, 16384 // (pow2(E)·pow2(K)))."""
+    """Token blocks of the route layout: ceil(T / BLOCK_T), BLOCK_T the power of two <= min(64, 16384 //
+    (pow2(E)·pow2(K))). The calibration profile timed the measured code's cumsum over them (since
+    replaced by the single-pass route kernel, ``tlx/comm/exchange.py``; not re-measured)."""
     bt = max(1, min(64, 16384 // (_next_pow2(E) * _next_pow2(K))))
     return -(-T // (1 << (bt.bit_length() - 1)))
 
