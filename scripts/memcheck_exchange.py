@@ -6,8 +6,9 @@
 Emulated worlds on one GPU (every virtual rank's symmetric region is a slice of one allocation, so
 memcheck sees accesses outside the world's memory and outside every local operand): W = 1, 2, 4 with
 random routing, all slots to one rank, zero-token experts, a rank with no tokens, odd D, and an
-expanded-row capacity that overflows; dispatch, combine and both gradient ops. Results are checked
-against the oracles (dispatch rows exactly). Ends with "memcheck exchange cases: all ok".
+expanded-row capacity that overflows, E = 256 over many route blocks; dispatch, combine and both
+gradient ops, and the fused EP row form (dispatch_rows, combine_rows and their gradients). Dispatch
+rows are checked against the oracle exactly. Ends with "memcheck exchange cases: all ok".
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main() -> int:
 
     cases = [(1, 8, 2, 256, [37], "random", "worst"), (2, 8, 4, 256, [33, 0], "random", "worst"),
              (2, 8, 2, 130, [20, 17], "one_rank", "worst"), (4, 16, 4, 256, [9, 31, 1, 16], "zero_experts", "worst"),
-             (4, 16, 4, 256, [32, 32, 32, 32], "one_rank", 40)]   # 40 rows: rank 0 overflows
+             (4, 16, 4, 256, [32, 32, 32, 32], "one_rank", 40),   # 40 rows: rank 0 overflows
+             (2, 256, 8, 128, [600, 257], "random", "worst")]     # 75 / 33 route blocks: the look-back
     for W, E, K, D, Ts, kind, cap in cases:
         world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, torch.bfloat16, capacity=cap, device=dev, timeout_s=5)
         xs = [torch.randn(T, D, device=dev, generator=g).bfloat16() for T in Ts]
@@ -51,6 +53,12 @@ def main() -> int:
         world.combine(ys, [h for _, h in res])
         back = world.dispatch_grad([torch.randn_like(x) for x in xs], ys, [h for _, h in res])
         world.combine_grad([gy for gy, _ in back], [h for _, h in res])
+        # the fused EP pipeline's row form: index pass, partial rows home, and both gradients
+        rows = world.dispatch_rows(xs, idxs, gates)
+        parts = [recv * 2 for recv, *_ in rows]
+        world.combine_rows(parts, [h for *_, h in rows])
+        g_parts = world.combine_rows_grad([torch.randn_like(x) for x in xs], [h for *_, h in rows])
+        world.dispatch_rows_grad(g_parts, [torch.rand_like(gate_N) for _, _, gate_N, _ in rows], [h for *_, h in rows])
         torch.cuda.synchronize()
         overflowed = []
         for b in world.buffers:
