@@ -10,7 +10,8 @@ Providers (all share one router and one set of expert weights; no shared experts
 Each step is forward + backward (dx and every parameter gradient). fwd+bwd TFLOP/s = 18*T*K*D*F /
 median step time (eager, one sync per step). Latency: median eager and CUDA-graph-replayed step time
 at the --latency-tokens sizes (each graph captured in a child process: an invalidated capture leaves
-the CUDA context unusable, and session 3's in-process captures failed in cascade). Ratios are taken in the same process. The JSON keeps every number;
+the CUDA context unusable, and session 3's in-process captures failed in cascade). Ratios are taken
+in the same process. The JSON keeps every number;
 fused/separate and fused/torchtitan relative errors of the output and of dw13 on the benchmarked
 operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproducible).
 
