@@ -180,7 +180,7 @@ def test_repeated_ops_reuse_buffers():
         outs = world.combine([r for r, _ in res], [h for _, h in res])
         for s in range(W):
             _close(outs[s], xs[s] * K, "gates default to 1")
-    assert [int(b.state()[0]) for b in world.buffers] == [6] * W
+    assert [int(b.state()[0]) for b in world.buffers] == [7] * W  # the next op: 1 + the 6 done
     world.check()  # no overflow, no timeout
 
 
@@ -411,9 +411,9 @@ def test_moe_layer_with_symm_dispatcher_matches_local():
 
 def test_launches_per_op(monkeypatch):
     """Launches per op in steady state (issue 8 asks dispatch <= 3, combine <= 2): dispatch is
-    _route (single-pass scan + the signal), _send_tokens (+ the wait and the layout), _expand = 3 and
-    nothing else (no torch op either); combine is _barrier_signal, _reduce_send (+ the wait),
-    _reduce_recv = 3 (one over: the signal cannot share a launch with the wait in the emulated world)."""
+    _route (single-pass scan + posting the counts), _send_tokens (+ the wait and the layout),
+    _expand (+ the readiness for the next op) = 3 and nothing else (no torch op either); combine is
+    _reduce_send (+ the wait), _reduce_recv (+ the readiness) = 2."""
     from tlx.comm import exchange
 
     launched = []
@@ -440,7 +440,6 @@ def test_launches_per_op(monkeypatch):
     assert launched == ["_route_kernel"] * 2 + ["_send_tokens_kernel"] * 2 + ["_expand_kernel"] * 2, launched
     launched.clear()
     world.combine([x for x, _ in res], [h for _, h in res])
-    assert launched == ["_barrier_signal_kernel"] * 2 + ["_reduce_send_kernel"] * 2 + ["_reduce_recv_kernel"] * 2, \
-        launched
+    assert launched == ["_reduce_send_kernel"] * 2 + ["_reduce_recv_kernel"] * 2, launched
     world.check()
     world.close()

@@ -83,34 +83,76 @@ def test_emulated_put_refuses_non_symmetric_source():
 
 
 def _counters(b):
+    """(FLAGS, CFLAGS, token rows, partial rows, gate-gradient rows) of buffers ``b``."""
     L, W = b.layout, b.world_size
-    st = b._region(L.off_flags, 8 * W).view(torch.int64).tolist()
+    fl = b._region(L.off_flags, 16 * W).view(torch.int64).tolist()
     arrive = b._region(L.off_arrive, 24 * W).view(torch.int64).tolist()
-    return st, arrive[:W], arrive[W:2 * W], arrive[2 * W:]
+    return fl[:W], fl[W:], arrive[:W], arrive[W:2 * W], arrive[2 * W:]
+
+
+def _step(gens, n):
+    """Every rank's next ``n`` phases (lockstep), short of the op's last one."""
+    for _ in range(n):
+        for g in gens:
+            next(g)
+
+
+def _finish(gens):
+    out = []
+    for g in gens:
+        with pytest.raises(StopIteration) as stop:
+            next(g)
+        out.append(stop.value.value)
+    return out
 
 
 def test_signals_count_exactly_once():
-    """After each op every counter holds exactly what was sent, whichever route it came by: FLAGS =
-    the epoch, ARRIVE = rows (a signal issued per thread, as the old route did, would overcount;
-    an overcount never hangs, so only this catches it)."""
+    """Inside each op (before its last kernel, which consumes and zeroes them) every counter holds
+    exactly what was sent, whichever route it came by: ARRIVE = rows, CFLAGS = the dispatch's
+    epoch; after it, FLAGS = the next op's epoch on every rank (the readiness the op's last kernel
+    raised) and ARRIVE = 0. A signal issued per thread, as the old route did, would overcount; an
+    overcount never hangs, so only this catches it."""
+    from tlx_dist.comm.symm import combine_steps, dispatch_grad_steps, dispatch_steps
     W, n, E, K, D = 4, 2, 8, 2, 5
+    e = E // W
     world = EmulatedWorld(W, 6, D, K, E, torch.float64, device="cpu", ranks_per_node=n)
+    bufs = world.buffers
     xs = [torch.randn(T, D, dtype=torch.float64) for T in (6, 2, 5, 0)]
     idxs = [cases._routing(s, x.shape[0], K, E, "random") if x.shape[0] else torch.zeros(0, K, dtype=torch.long)
             for s, x in enumerate(xs)]
     gates = [torch.rand(x.shape[0], K, dtype=torch.float64) for x in xs]
-    res = world.dispatch(xs, idxs, gates)
+    # rows_to[s][d]: token rows rank s sends to rank d (once per token)
+    rows_to = [[int((i // e == d).any(1).sum()) for d in range(W)] for i in idxs]
+    rows_from = [[rows_to[s][d] for s in range(W)] for d in range(W)]
+
+    def after(epoch):
+        for d, b in enumerate(bufs):
+            flags, _, tokens, partials, dgates = _counters(b)
+            assert flags == [epoch] * W and tokens == partials == dgates == [0] * W, (d, _counters(b))
+            assert int(b.state()[0]) == epoch
+
+    after(1)  # a fresh region: everyone ready for op 1
+    gens = [dispatch_steps(b, x, i, g, "worst") for b, x, i, g in zip(bufs, xs, idxs, gates)]
+    _step(gens, 2)  # counts posted, token rows sent; expand not run
+    for d, b in enumerate(bufs):
+        flags, cflags, tokens, _, _ = _counters(b)
+        assert cflags == [1] * W and tokens == rows_from[d], (d, _counters(b))
+    res = _finish(gens)
+    after(2)
     hs = [h for _, h in res]
-    for b, h in zip(world.buffers, hs):
-        flags, tokens, _, _ = _counters(b)
-        assert flags == [1] * W and tokens == h.rows_from_W.tolist()
     ys = [x for x, _ in res]
-    world.combine(ys, hs)
-    for b, h in zip(world.buffers, hs):
-        flags, _, partials, _ = _counters(b)
-        assert flags == [2] * W and partials == h.rows_to_W.tolist()
-    world.dispatch_grad([torch.randn(x.shape, dtype=torch.float64) for x in xs], ys, hs)
-    for b, h in zip(world.buffers, hs):
-        flags, tokens, _, dgates = _counters(b)
-        assert flags == [3] * W and tokens == h.rows_from_W.tolist() and dgates == h.rows_to_W.tolist()
+    gens = [combine_steps(b, y, h) for b, y, h in zip(bufs, ys, hs)]
+    _step(gens, 1)  # partial rows sent; reduce_recv not run
+    for d, b in enumerate(bufs):
+        assert _counters(b)[3] == rows_to[d], (d, _counters(b))
+    _finish(gens)
+    after(3)
+    gens = [dispatch_grad_steps(b, torch.randn(x.shape, dtype=torch.float64), y, h)
+            for b, x, y, h in zip(bufs, xs, ys, hs)]
+    _step(gens, 2)  # dy rows sent, gate gradients answered; gate_grad_recv not run
+    for d, b in enumerate(bufs):
+        _, _, tokens, _, dgates = _counters(b)
+        assert tokens == rows_from[d] and dgates == rows_to[d], (d, _counters(b))
+    _finish(gens)
+    after(4)
     world.check()

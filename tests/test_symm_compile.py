@@ -36,13 +36,9 @@ def _specs(amd: bool = False):
                    rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
-                  COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True,
-                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE"))
+                  COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32,
+                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     return {
-        "_barrier_signal_kernel": ("_barrier_signal_kernel",
-            dict(peers_ptr="*i64", counts_ptr="*i64", RANK="i32"),
-            dict(W=W, WP3=32, NC=E + W, BLOCK_C=512, HAS_COUNTS=True,
-                 **o("OFF_STATE", "OFF_FLAGS", "OFF_ARRIVE", "OFF_COUNTS"))),
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
@@ -54,11 +50,11 @@ def _specs(amd: bool = False):
             dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                  BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, **tiles, **wait,
                  **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
-        "_expand_kernel": ("_expand_kernel", exp_sig, dict(FROM_META=True, GATE_GRAD=False, **exp_cx)),
+        "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32"),
-                                 dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True)),
+                                 dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),
@@ -74,10 +70,12 @@ def _specs(amd: bool = False):
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_recv_kernel": ("_reduce_recv_kernel",
             dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
-            dict(W=W, D=D, ACC=tl.float32, BLOCK_T=8, **tiles, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB"))),
+            dict(W=W, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, **tiles, **wait,
+                 **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS"))),
         "_gate_grad_recv_kernel": ("_gate_grad_recv_kernel",
             dict(out_ptr="*fp32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),
-            dict(W=W, BLOCK=1024, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_DGATE"))),
+            dict(W=W, BLOCK=1024, END=True, WP3=32, USE_NVSHMEM=False, **wait,
+                 **o("OFF_STATE", "OFF_ARRIVE", "OFF_DGATE", "OFF_FLAGS"))),
     }
 
 
@@ -144,8 +142,9 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert info["binary"] > 0, name
     # Producers publish with release atomics at system scope; consumers poll with acquire, and
     # every poll is bounded by the device clock (%globaltimer; s_memrealtime on AMD).
-    for name in ("_barrier_signal_kernel", "_route_kernel", "_send_tokens_kernel", "_reduce_send_kernel",
-                 "_expand_kernel[grad]"):
+    # the route kernel posts the counts; every op's last kernel raises the readiness for the next
+    for name in ("_route_kernel", "_send_tokens_kernel", "_reduce_send_kernel", "_expand_kernel[grad]",
+                 "_expand_kernel", "_reduce_recv_kernel", "_gate_grad_recv_kernel"):
         assert compiled[name]["release"] > 0 and compiled[name]["atomic"] > 0, f"{name}: no release atomic"
     # the barrier's waits open the op's first data kernel (send_tokens, reduce_send); the route
     # kernel's look-back polls are bounded too

@@ -66,8 +66,6 @@ def _nvshmem_specs():
                                                    **{k: v for k, v in offs.items() if k in args})
 
     nvshmem = {
-        "_barrier_signal_kernel": variant("_barrier_signal_kernel"),
-        "_barrier_signal_kernel[nocounts]": variant("_barrier_signal_kernel", HAS_COUNTS=False),
         "_route_kernel": variant("_route_kernel"),  # its last block publishes the dispatch counts
         "_send_tokens_kernel": variant("_send_tokens_kernel"),
         "_send_tokens_kernel[grad]": variant("_send_tokens_kernel", WITH_META=False),  # combine's backward: dy rows
@@ -76,8 +74,12 @@ def _nvshmem_specs():
         # the fused EP pipeline's row form: partial rows home, given gate gradients home
         "_reduce_send_kernel[rows]": variant("_reduce_send_kernel[rows]"),
         "_expand_kernel[rows_dgate]": variant("_expand_kernel[rows_dgate]"),
+        # every op's last kernel raises the readiness for the next op on every peer
+        "_expand_kernel[end]": variant("_expand_kernel"),
+        "_reduce_recv_kernel[end]": variant("_reduce_recv_kernel"),
+        "_gate_grad_recv_kernel[end]": variant("_gate_grad_recv_kernel"),
     }
-    quiet = {"_expand_kernel[dispatch]": variant("_expand_kernel")}  # FROM_META: sends nothing
+    quiet = {"_expand_kernel[dispatch]": variant("_expand_kernel", END=False)}  # FROM_META, no END: sends nothing
     return nvshmem, quiet, base
 
 
@@ -282,7 +284,11 @@ def compiled(request):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-SENDERS = ("_barrier_signal_kernel", "_barrier_signal_kernel[nocounts]", "_route_kernel", "_send_tokens_kernel",
+# the op's last kernels of the dispatch (FROM_META expand) and of the reductions: the readiness
+# signal of _end_op and nothing to put
+SIGNAL_ONLY = ("_expand_kernel[end]", "_reduce_recv_kernel[end]", "_gate_grad_recv_kernel[end]")
+SENDERS = ("_route_kernel", "_send_tokens_kernel", "_expand_kernel[end]", "_reduce_recv_kernel[end]",
+           "_gate_grad_recv_kernel[end]",
            "_send_tokens_kernel[grad]", "_expand_kernel[grad]", "_reduce_send_kernel", "_reduce_send_kernel[rows]",
            "_expand_kernel[rows_dgate]")
 
@@ -316,7 +322,7 @@ def test_signals_are_issued_by_one_thread(compiled):
 
 def test_puts_are_block_collective_from_symmetric_staging(compiled):
     for name in SENDERS:
-        if name == "_barrier_signal_kernel[nocounts]":
+        if name in SIGNAL_ONLY:
             assert not any(c["fn"] in BLOCK for c in compiled[name]["calls"]), name  # nothing to put
             continue
         puts = [c for c in compiled[name]["calls"] if c["fn"] in BLOCK]

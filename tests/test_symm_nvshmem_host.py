@@ -73,11 +73,12 @@ def test_nvshmem_meta_only_when_a_peer_has_no_pointer(monkeypatch, tmp_path):
                         extern_libs=lib)
     assert set(b.nvshmem_meta(exchange._reduce_send_kernel)) == {"pes_ptr", "USE_NVSHMEM", "OFF_SCOMB", "extern_libs"}
     assert set(b.nvshmem_meta(exchange._expand_kernel)) == {"pes_ptr", "USE_NVSHMEM", "OFF_SDGATE", "extern_libs"}
-    assert set(b.nvshmem_meta(exchange._barrier_signal_kernel)) == {"pes_ptr", "USE_NVSHMEM", "extern_libs"}
+    for k in (exchange._route_kernel, exchange._reduce_recv_kernel, exchange._gate_grad_recv_kernel):
+        assert set(b.nvshmem_meta(k)) == {"pes_ptr", "USE_NVSHMEM", "extern_libs"}  # counts / readiness
     # The module-init hook is installed by the first NVSHMEM launch.
     assert triton.knobs.runtime.jit_post_compile_hook is sb._nvshmem_module_init_hook
-    with pytest.raises(TypeError, match="_reduce_recv_kernel has no USE_NVSHMEM parameter"):
-        b.nvshmem_meta(exchange._reduce_recv_kernel)
+    with pytest.raises(TypeError, match="_wait_geq has no USE_NVSHMEM parameter"):
+        b.nvshmem_meta(exchange._wait_geq)  # not a sending kernel
 
 
 def test_module_init_only_for_modules_holding_nvshmem_state(monkeypatch):

@@ -8,7 +8,6 @@ autograd live in ``tlx_dist.comm.symm``.
 """
 
 from .exchange import (  # noqa: F401
-    _barrier_signal_kernel,
     _expand_kernel,
     _gate_grad_recv_kernel,
     _reduce_recv_kernel,

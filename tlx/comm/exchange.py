@@ -9,8 +9,11 @@ read, and the combine sums a token's local expert outputs on the owning rank and
 back per (token, rank).
 
 Symmetric region of every rank (byte offsets are constexprs from the host; ``peers[d]`` + offset):
-    STATE  [8]      int64  [0] epoch (ops started here), [1] sticky overflow flag, [2] error word
-    FLAGS  [W]      int64  barrier: FLAGS[s] = last epoch rank s signalled to me
+    STATE  [8]      int64  [0] epoch (this rank's current op, from 1), [1] sticky overflow flag,
+                           [2] error word, [3] done counter of the op's last kernel (``_end_op``)
+    FLAGS  [2W]     int64  [0:W) FLAGS[s] = the op rank s is ready for (raised when it ended the
+                           one before; 1 at creation), [W:2W) CFLAGS[s] = the dispatch whose counts
+                           rank s posted here
     ARRIVE [3W]     int64  [0:W) token rows from src s, [W:2W) combine rows from rank d,
                            [2W:3W) gate-gradient rows from rank d
     COUNTS [2,W,NC] int64  per-source count vectors (NC = E + W: slots per global expert, then
@@ -31,28 +34,31 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
 
 One op, kernels in launch order (the emulated world launches each phase for every virtual rank
 before the next, so no kernel waits on a signal raised by a later launch):
-    dispatch:  _route (single-pass source layout; its last block publishes the counts: the
-               signal) | _send_tokens (waits, computes this rank's layout, sends rows + meta)
-               | _expand (copy META out, expanded rows)                        -- 3 launches
-    combine:   _barrier_signal | _reduce_send (waits, gated partial rows) | _reduce_recv   -- 3
+    dispatch:  _route (single-pass source layout; its last block posts the counts) | _send_tokens
+               (waits for every peer's counts, computes this rank's layout, sends rows + meta)
+               | _expand (copy META out, expanded rows; ends the op)            -- 3 launches
+    combine:   _reduce_send (waits for every peer's readiness, gated partial rows) | _reduce_recv
+               (ends the op)                                                    -- 2 launches
     dispatch backward = combine without gates; combine backward:
-               _barrier_signal | _send_tokens (waits, dy rows) | _expand (gate-scaled rows + gate
-               gradients to their source) | _gate_grad_recv
-  ("|" separates phases; the waits of a phase sit at the top of its first kernel, ``_await``.)
+               _send_tokens (waits, dy rows) | _expand (gate-scaled rows + gate gradients to
+               their source) | _gate_grad_recv (ends the op)
+  ("|" separates phases; the waits of a phase sit at the top of its first kernel, ``_await``; the
+  op's last kernel raises this rank's readiness for its next op, ``_end_op``.)
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
 the overflow flag, and count as zero in the combine: never silently.
 
-Peers on other nodes (``USE_NVSHMEM``, only in the kernels that send: ``_barrier_signal``,
-``_route`` (its signal), ``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD): their ``peers[d]`` is 0 and
+Peers on other nodes (``USE_NVSHMEM``, only in the kernels that send: ``_route`` (the counts),
+``_send_tokens``, ``_reduce_send``, ``_expand`` with GATE_GRAD, and every op's last kernel (the
+readiness signal of ``_end_op``)): their ``peers[d]`` is 0 and
 ``pes[d]`` is their NVSHMEM PE. A sender stages what would have been peer stores in its own
 symmetric region (COUNTS row RANK, which it writes anyway, or the staging regions above), then
 every thread of the CTA calls one block-collective ``nvshmemx_putmem_block`` per row (per run of
 gate-gradient slots) from the staged copy to the same symmetric offset on the peer; after a CTA
 barrier ONE thread (``tlx/comm/nvshmem.py: one_thread``) makes the CTA's stores visible system-wide,
 calls ``nvshmem_quiet`` (every put complete) and raises the same counter the peer-pointer route
-raises: ``nvshmemx_signal_op`` SET epoch on FLAGS[RANK], ADD rows on ARRIVE. Receivers poll their own
+raises: ``nvshmemx_signal_op`` SET epoch on FLAGS / CFLAGS[RANK], ADD rows on ARRIVE. Receivers poll their own
 memory the same way on both routes. With USE_NVSHMEM=False (default) none of this is compiled.
 """
 
@@ -112,64 +118,79 @@ def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.
 
 
 @triton.jit
-def _barrier_signal_kernel(peers_ptr, counts_ptr, RANK,
-                           W: tl.constexpr, WP3: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
-                           OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
-                           OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                           pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
-    """Phase 1 of the ops without counts (combine and the backward ops): ``_signal``."""
-    _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, BLOCK_C, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
-            HAS_COUNTS, pes_ptr, USE_NVSHMEM)
-
-
-@triton.jit
-def _signal(peers_ptr, counts_ptr, RANK,
-            W: tl.constexpr, WP3: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
-            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr,
-            OFF_COUNTS: tl.constexpr, HAS_COUNTS: tl.constexpr, pes_ptr, USE_NVSHMEM: tl.constexpr):
-    """(One CTA.) epoch += 1; zero my ARRIVE; [write my count vector into every peer's COUNTS];
-    raise FLAGS[RANK] = epoch on every peer (release: my zeroing and counts precede it).
+def _post_counts(peers_ptr, counts_ptr, RANK, epoch,
+                 W: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
+                 OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr, pes_ptr, USE_NVSHMEM: tl.constexpr):
+    """(One CTA; the dispatch's phase 1.) Writes my count vector into every peer's COUNTS (row
+    RANK of the buffer ``epoch % 2``), then raises CFLAGS[RANK] = epoch on every peer (release).
     USE_NVSHMEM: off-node peers get my COUNTS row (written to my own region as d == RANK) by a
-    block put, then one thread's signal SET after ``nvshmem_quiet``. The waits of the op's next
-    launch (``_await``) read the new epoch: no CTA of this launch reads it."""
+    block put, then one thread's signal SET after ``nvshmem_quiet``. A peer writes my COUNTS only
+    once it is in this op, so it has finished the op that last read this buffer (two ops ago)."""
     my = tl.load(peers_ptr + RANK)
-    state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
-    epoch = tl.load(state) + 1
-    tl.store(state, epoch)
-    wi = tl.arange(0, WP3)
-    tl.store((my + OFF_ARRIVE).to(tl.pointer_type(tl.int64)) + wi, tl.zeros([WP3], tl.int64), mask=wi < 3 * W)
-    if HAS_COUNTS:
-        ci = tl.arange(0, BLOCK_C)
-        cm = ci < NC
-        c = tl.load(counts_ptr + ci, mask=cm, other=0)
-        row_off = OFF_COUNTS + ((epoch % 2) * W + RANK) * (NC * 8)
-        for d in range(W):
-            base = tl.load(peers_ptr + d)
-            if USE_NVSHMEM:
-                if base != 0:
-                    tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
-            else:
-                tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
-        if USE_NVSHMEM:  # my own row (d == RANK above) is the symmetric source of the puts
-            tl.debug_barrier()
-            nv.fence_sys()
-            for d in range(W):
-                base = tl.load(peers_ptr + d)
-                pe = tl.load(pes_ptr + d)
-                if base == 0:
-                    nv.putmem_block(my + row_off, my + row_off, tl.full([], NC * 8, tl.int64), pe)
-    tl.debug_barrier()
+    ci = tl.arange(0, BLOCK_C)
+    cm = ci < NC
+    c = tl.load(counts_ptr + ci, mask=cm, other=0)
+    row_off = OFF_COUNTS + ((epoch % 2) * W + RANK) * (NC * 8)
     for d in range(W):
         base = tl.load(peers_ptr + d)
         if USE_NVSHMEM:
             if base != 0:
-                flag = (base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64))
-                tl.atomic_max(flag, epoch, sem="release", scope="sys")
+                tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
         else:
-            tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
-    if USE_NVSHMEM:  # epoch >= 1: every off-node peer gets FLAGS[RANK] = epoch
-        _nvshmem_signal(tl.zeros([WP3], tl.int64) + epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W, WP3,
+            tl.store((base + row_off).to(tl.pointer_type(tl.int64)) + ci, c, mask=cm)
+    if USE_NVSHMEM:  # my own row (d == RANK above) is the symmetric source of the puts
+        tl.debug_barrier()
+        nv.fence_sys()
+        for d in range(W):
+            base = tl.load(peers_ptr + d)
+            pe = tl.load(pes_ptr + d)
+            if base == 0:
+                nv.putmem_block(my + row_off, my + row_off, tl.full([], NC * 8, tl.int64), pe)
+    tl.debug_barrier()
+    cflag = OFF_FLAGS + (W + RANK) * 8
+    for d in range(W):
+        base = tl.load(peers_ptr + d)
+        if USE_NVSHMEM:
+            if base != 0:
+                tl.atomic_max((base + cflag).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+        else:
+            tl.atomic_max((base + cflag).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+    if USE_NVSHMEM:
+        _nvshmem_signal(tl.zeros([BLOCK_C], tl.int64) + epoch, peers_ptr, pes_ptr, my + cflag, W, BLOCK_C,
                         nv.SIGNAL_SET)
+
+
+@triton.jit
+def _end_op(peers_ptr, RANK, W: tl.constexpr, WP3: tl.constexpr, OFF_STATE: tl.constexpr,
+            OFF_FLAGS: tl.constexpr, OFF_ARRIVE: tl.constexpr, pes_ptr, USE_NVSHMEM: tl.constexpr):
+    """At the end of an op's last kernel, every CTA: the last CTA to finish (a done counter in
+    STATE[3]) moves this rank to the next op -- epoch += 1, ARRIVE zeroed -- and raises
+    FLAGS[RANK] = the new epoch on every peer (release): "ready for my next op", the barrier that
+    the next op's first kernel waits for. So no op launches a signal of its own, and the signal is
+    raised by an earlier launch than the wait, as the emulated world needs."""
+    my = tl.load(peers_ptr + RANK)
+    state = (my + OFF_STATE).to(tl.pointer_type(tl.int64))
+    tl.debug_barrier()  # this CTA's reads of ARRIVE and its stores are done
+    old = tl.atomic_add(state + 3, 1, sem="acq_rel", scope="gpu")
+    if old == tl.num_programs(0) - 1:
+        tl.atomic_xchg(state + 3, 0, sem="relaxed", scope="gpu")
+        epoch = tl.load(state) + 1
+        tl.store(state, epoch)
+        wi = tl.arange(0, WP3)
+        tl.store((my + OFF_ARRIVE).to(tl.pointer_type(tl.int64)) + wi, tl.zeros([WP3], tl.int64), mask=wi < 3 * W)
+        tl.debug_barrier()
+        for d in range(W):
+            base = tl.load(peers_ptr + d)
+            if USE_NVSHMEM:
+                if base != 0:
+                    tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release",
+                                  scope="sys")
+            else:
+                tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release",
+                              scope="sys")
+        if USE_NVSHMEM:  # epoch >= 2: every off-node peer gets FLAGS[RANK] = epoch
+            _nvshmem_signal(tl.zeros([WP3], tl.int64) + epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W,
+                            WP3, nv.SIGNAL_SET)
 
 
 @triton.jit
@@ -178,8 +199,10 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
            E_LOCAL: tl.constexpr, NC: tl.constexpr,
            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
            HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
-    """Phase 2 of every op, at the top of its first data kernel (every CTA): waits FLAGS[s] >=
-    epoch for every s (the epoch this rank's ``_signal`` set in an earlier launch). With counts
+    """At the top of every op's first data kernel (every CTA): waits FLAGS[s] >= epoch for every
+    s (peer s finished its previous op: ``_end_op``) -- or, with counts (dispatch), CFLAGS[s] >=
+    epoch (peer s posted this op's counts, ``_post_counts``, which it does only once in this op).
+    ``epoch`` = STATE[0], this rank's current op, stable while the op runs. With counts
     (dispatch), turns the published count matrix C[s, g] (slots of source s for expert g) into
     this rank's layout -- every CTA computes and stores the same values, then reads ``start``
     back (a benign race of identical stores):
@@ -190,8 +213,9 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
     my = tl.load(peers_ptr + RANK)
     epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    flags = OFF_FLAGS + W * 8 if HAS_COUNTS else OFF_FLAGS   # CFLAGS (counts posted) or FLAGS (ready)
     for s in range(W):
-        _wait_geq((my + OFF_FLAGS + s * 8).to(tl.pointer_type(tl.int64)), epoch, err_ptr,
+        _wait_geq((my + flags + s * 8).to(tl.pointer_type(tl.int64)), epoch, err_ptr,
                   OP_BARRIER, s, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     if HAS_COUNTS:
@@ -453,7 +477,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                    pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
-                   DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True):
+                   DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
+                   WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -545,6 +570,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
         tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     if GATE_GRAD:
         _publish(hist, peers_ptr, OFF_ARRIVE + (2 * W + RANK) * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    if END:  # the op's last kernel: ready for the next op
+        _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
 
 
 @triton.jit
@@ -618,7 +645,9 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
 def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                         W: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                         OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                        CLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        CLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        END: tl.constexpr = False, WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0,
+                        pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
     """Waits for ``rows_to[d]`` rows back from every rank d, then ``out[t] = sum_d COMB[t, d]``
     over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -644,13 +673,16 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                 acc += tl.load(comb + (t64 * W + d)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
                                other=0.0).to(ACC)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(DT), mask=tm[:, None] & cm)
+    if END:  # the op's last kernel: ready for the next op
+        _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
 
 
 @triton.jit
 def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
                            W: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                            OFF_DGATE: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, END: tl.constexpr = False, WP3: tl.constexpr = 4,
+                           OFF_FLAGS: tl.constexpr = 0, pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
     """Waits until every rank d answered the ``rows_to[d]`` token rows it got, then copies
     DGATE[:S] (S = T*K gate gradients, in ``out``'s dtype ACC) out."""
     pid = tl.program_id(0)
@@ -666,6 +698,8 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
         i = b * BLOCK + tl.arange(0, BLOCK)
         m = i < S
         tl.store(out_ptr + i, tl.load(src + i, mask=m, other=0.0), mask=m)
+    if END:  # the op's last kernel: ready for the next op
+        _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
 
 
 # ---------------------------------------------------------------- routing layout (source side)
@@ -698,7 +732,7 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     """The dispatch's source-side layout and its signal, one launch (see the section comment).
     Block b of BLOCK_T tokens: its histogram (slots per expert, token rows per destination rank),
     its exclusive prefix over blocks 0..b-1 by decoupled look-back, then q / dest / send_row; the
-    last block writes the count vector and publishes it (``_signal``).
+    last block writes the count vector and publishes it (``_post_counts``).
 
     Look-back (``scratch``, int64, owned by this rank's buffers, zeroed once): ``status[b]`` is
     ``tag + 1`` once block b's aggregate is in ``agg[b]``, ``tag + 2`` once its inclusive prefix is in
@@ -713,8 +747,8 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     nb = tl.cdiv(T, BLOCK_T)
     my = tl.load(peers_ptr + RANK)
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
-    tag = (tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64))) + 1) * 4   # this op's epoch (the
-    # last block raises the state to it only after every other block has published, hence read it)
+    epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))   # this op's (stable while it runs)
+    tag = epoch * 4
     RW: tl.constexpr = EP + WP
     status_ptr = scratch_ptr                        # [NB_MAX]
     agg_ptr = scratch_ptr + NB_MAX                  # [NB_MAX, RW]: experts (EP), then ranks (WP)
@@ -775,6 +809,5 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     if b == tl.maximum(nb, 1) - 1:
         tl.store(counts_ptr + ei, i_E, mask=ei < E)
         tl.store(counts_ptr + E + wi, i_W, mask=wi < W)
-        tl.debug_barrier()  # the counts this CTA just stored are what _signal loads
-        _signal(peers_ptr, counts_ptr, RANK, W, WP3, NC, NCP, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, OFF_COUNTS,
-                True, pes_ptr, USE_NVSHMEM)
+        tl.debug_barrier()  # the counts this CTA just stored are what _post_counts loads
+        _post_counts(peers_ptr, counts_ptr, RANK, epoch, W, NC, NCP, OFF_FLAGS, OFF_COUNTS, pes_ptr, USE_NVSHMEM)

@@ -164,21 +164,18 @@ def _common(bufs: SymmBuffers) -> dict:
                 CLOCK=_clock(), ACC=tl.float64 if L.dtype == torch.float64 else tl.float32)
 
 
-def _signal(bufs: SymmBuffers) -> None:
-    """Phase 1 of an op without counts (combine and the backward ops): ``_barrier_signal_kernel``.
-    The op's phase 2 waits at the top of its first data kernel (``barrier=True`` below)."""
-    L, k = bufs.layout, _kernels(bufs.device)
-    _send_launch(bufs, k._barrier_signal_kernel, (1,), bufs.peers, bufs.peers, bufs.rank,
-                 W=L.world_size, WP3=_next_pow2(3 * L.world_size), NC=L.num_counts,
-                 BLOCK_C=_next_pow2(L.num_counts), OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags,
-                 OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts, HAS_COUNTS=False)
-
-
 def _await_meta(bufs: SymmBuffers) -> dict:
-    """Constexprs of a kernel that starts with ``_await`` (BARRIER=True)."""
+    """Constexprs of a kernel that starts with ``_await`` (BARRIER=True): an op's first data kernel."""
     L = bufs.layout
     return dict(BARRIER=True, OFF_STATE=L.off_state, OFF_FLAGS=L.off_flags, TIMEOUT_NS=bufs.timeout_ns,
                 CLOCK=_clock())
+
+
+def _end_meta(bufs: SymmBuffers) -> dict:
+    """Constexprs of an op's last kernel (END=True): its last CTA raises this rank's readiness for
+    the next op (``_end_op``), which the next op's first kernel waits for on every peer."""
+    L = bufs.layout
+    return dict(END=True, WP3=_next_pow2(3 * L.world_size), OFF_FLAGS=L.off_flags)
 
 
 def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
@@ -234,7 +231,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
-            dgate_given: bool = False, wait_rows: bool = True):
+            dgate_given: bool = False, wait_rows: bool = True, end: bool = False):
     """``_expand_kernel``; ``copy=False`` (with ``n_exp`` expanded rows, ``out_ND`` unused) is the
     fused-EP form: only the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move."""
     L, k = bufs.layout, _kernels(bufs.device)
@@ -249,13 +246,15 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(DGATE_GIVEN=True)
     if not wait_rows:
         extra.update(WAIT_ROWS=False)
+    if end:
+        extra.update(_end_meta(bufs))
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
         bufs.rank, out_ND.shape[0] if n_exp is None else n_exp, WP=_next_pow2(L.world_size), K=L.top_k,
         D=L.hidden, T_MAX=L.max_tokens, META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate, FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br,
-        BLOCK_D=bd, num_warps=4, sends=gate_grad, **c, **extra)
+        BLOCK_D=bd, num_warps=4, sends=gate_grad or end, **c, **extra)
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
@@ -320,10 +319,11 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         recv = bufs.recv_rows()
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         _expand(bufs, recv, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False)
+                n_exp=n, gate_N=gate_N, copy=False, end=True)
         x_exp = recv.clone()  # the kernel waited for every row; the region is reused by the next op
     else:
-        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False)
+        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+                end=True)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
         offsets_e=offsets_e if capacity == "exact" else offsets_e.clamp(max=n),
@@ -348,32 +348,30 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         **(_await_meta(bufs) if barrier else {}))
 
 
-def _reduce_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
+def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Tensor:
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
     br, bd = _tiles(L.hidden)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
-    k._reduce_recv_kernel[_grid(-(-T // br), bufs.device)](
+    _send_launch(bufs, k._reduce_recv_kernel, _grid(-(-T // br), bufs.device),
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, D=L.hidden, OFF_COMB=L.off_comb,
-        BLOCK_T=br, BLOCK_D=bd, num_warps=4, **_common(bufs))
+        BLOCK_T=br, BLOCK_D=bd, num_warps=4, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}))
     return out
 
 
-def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle) -> torch.Tensor:
+def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Tensor:
     L, k = bufs.layout, _kernels(bufs.device)
     S = h.num_tokens * h.top_k
     g_gate = torch.empty(S, dtype=_acc_dtype(L.dtype), device=bufs.device)
-    k._gate_grad_recv_kernel[_grid(-(-S // 1024), bufs.device)](
+    _send_launch(bufs, k._gate_grad_recv_kernel, _grid(-(-S // 1024), bufs.device),
         g_gate, h.rows_to_W, bufs.peers, bufs.rank, S, W=L.world_size, OFF_STATE=L.off_state,
         OFF_ARRIVE=L.off_arrive, OFF_DGATE=L.off_dgate, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(),
-        BLOCK=1024)
+        BLOCK=1024, sends=end, **(_end_meta(bufs) if end else {}))
     return g_gate.view(h.num_tokens, h.top_k)
 
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
-    _signal(bufs)
-    yield
-    _reduce_send(bufs, y_ND, h, gated, rows)
+    _reduce_send(bufs, y_ND, h, gated, rows)  # waits for every peer's readiness first
     yield
     return _reduce_recv(bufs, h)
 
@@ -392,9 +390,7 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     """Backward of combine: returns ``(g_y_ND, g_gate_TK)``: ``g_y[row of (t, k)] = gate[t, k] *
     g_TD[t]`` and ``g_gate[t, k] = <g_TD[t], y[row of (t, k)]>`` (fp32; fp64 for fp64 rows)."""
     L = bufs.layout
-    _signal(bufs)
-    yield
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)  # waits first
     yield
     n = h.num_recv_rows
     g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
@@ -415,14 +411,12 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
 def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]`` on every rank r
     went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
-    _signal(bufs)
-    yield
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)  # waits first
     yield
     recv = bufs.recv_rows()
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
     _expand(bufs, recv, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
-            gate_grad=False, n_exp=h.num_recv_rows, copy=False)  # waits for every row (indices go to scratch)
+            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True)  # waits for every row (indices: scratch)
     return recv.clone()
 
 
@@ -431,16 +425,14 @@ def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Op
     """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
     and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
     returns ``(g_TD, g_gate_TK or None)``."""
-    _signal(bufs)
-    yield
-    _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for the signals (phase 2) first
+    _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
         g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
         _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
                 gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
     yield
-    g_TD = _reduce_recv(bufs, h)
+    g_TD = _reduce_recv(bufs, h, end=g_gate_N is None)
     return g_TD, (_gate_grad_recv(bufs, h) if g_gate_N is not None else None)
 
 

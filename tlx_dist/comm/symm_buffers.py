@@ -128,7 +128,7 @@ class SymmLayout:
             raise ValueError(f"world_size*max_tokens*top_k={world_size * max_tokens * top_k} must be < 2**31")
         W, row = world_size, hidden * dtype.itemsize
         off, offs = 0, {}
-        for name, size in (("state", 64), ("flags", 8 * W), ("arrive", 24 * W),
+        for name, size in (("state", 64), ("flags", 16 * W), ("arrive", 24 * W),
                            ("counts", 16 * W * (num_experts + W)),
                            ("meta", 4 * W * max_tokens * (top_k + 1)),
                            ("gates", dtype.itemsize * W * max_tokens * top_k), ("recv", row * W * max_tokens),
@@ -145,6 +145,14 @@ class SymmLayout:
         return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
                    offs["gates"], offs["recv"], offs["comb"], offs["dgate"], off, staging=staging, **st)
+
+
+def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
+    """A zeroed region's protocol start (``tlx/comm/exchange.py``): STATE[0] = 1 (the first op is
+    epoch 1) and FLAGS[s] = 1 for every s (every peer is ready for op 1: nothing ran before)."""
+    W = layout.world_size
+    mem[layout.off_state: layout.off_state + 8].view(torch.int64).fill_(1)
+    mem[layout.off_flags: layout.off_flags + 8 * W].view(torch.int64).fill_(1)
 
 
 def _timeout_s(timeout_s: Optional[float]) -> float:
@@ -185,6 +193,7 @@ class SymmBuffers:
                 raise ValueError(f"backend={backend!r} needs a process group")
             layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype)
             mem = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+            _start_protocol(mem, layout)
             self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout)
             return
         topo = Topology.from_group(group)
@@ -203,6 +212,10 @@ class SymmBuffers:
             _use_nvshmem_backend(symm_mem, device)
         mem = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
         mem.zero_()
+        _start_protocol(mem, layout)
+        # Every rank's region must be initialised before any rank's first op runs: a peer that
+        # returned from the rendezvous may send at once (it finds my FLAGS "ready for op 1").
+        torch.cuda.synchronize(device)
         handle = symm_mem.rendezvous(mem, group)
         ptrs = [int(p) for p in handle.buffer_ptrs]
         if backend == "nvshmem":
@@ -293,7 +306,7 @@ class SymmBuffers:
             L.recv_rows, L.hidden)
 
     def state(self) -> torch.Tensor:
-        """``[3]`` int64: ops started (epoch), overflow flag, error word (``op << 16 | peer``)."""
+        """``[3]`` int64: the current op (epoch, from 1), overflow flag, error word (``op << 16 | peer``)."""
         return self._region(self.layout.off_state, 24).view(torch.int64)
 
     # ---- checks ----
@@ -365,6 +378,8 @@ class SymmBuffers:
             raise ValueError(f"ranks_per_node={ranks_per_node} emulates NVSHMEM, which only the Triton interpreter "
                              f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group")
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
+        for v in range(world_size):
+            _start_protocol(mem[v * layout.nbytes:(v + 1) * layout.nbytes], layout)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
         if nodes:
             from tlx.comm.nvshmem import emulate_heaps
