@@ -36,7 +36,7 @@ def _specs(amd: bool = False):
                    rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
-                  COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32,
+                  COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     return {
         "_route_kernel": ("_route_kernel",
@@ -54,7 +54,8 @@ def _specs(amd: bool = False):
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32"),
-                                 dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True)),
+                                 dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
+                                      RECV_COPY=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),

@@ -478,7 +478,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
-                   WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0):
+                   WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -493,7 +493,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     expanded row's gate into ``gate_n[pos]`` (in ``gate_n``'s dtype); ``DGATE_GIVEN`` (with
     GATE_GRAD, COPY=False) sends the gate gradients ``y[pos]`` computed elsewhere (``y`` is then
     the ``[N]`` fp32 gradient of those gates) instead of ``<recv[n], y[pos]>``; ``WAIT_ROWS=False``
-    skips the wait for token rows (an op that sent none this epoch)."""
+    skips the wait for token rows (an op that sent none this epoch); ``RECV_COPY`` copies every
+    received row n to ``out[n]`` (``out`` is then ``[W*T_MAX, D]``) -- inside the op, before END
+    lets a peer's next op overwrite the region."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -519,6 +521,12 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             tl.store(tok_ptr + n, tok, mask=inr)
         else:
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
+        if RECV_COPY:  # the receive rows themselves, out of the shared region before the op ends
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = valid[:, None] & (cols < D)[None, :]
+                rows = n.to(tl.int64)[:, None] * D + cols[None, :]
+                tl.store(out_ptr + rows, tl.load(recv + rows, mask=cm, other=0.0), mask=cm)
         if GATE_GRAD:
             hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)

@@ -231,7 +231,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
-            dgate_given: bool = False, wait_rows: bool = True, end: bool = False):
+            dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False):
     """``_expand_kernel``; ``copy=False`` (with ``n_exp`` expanded rows, ``out_ND`` unused) is the
     fused-EP form: only the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move."""
     L, k = bufs.layout, _kernels(bufs.device)
@@ -248,6 +248,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(WAIT_ROWS=False)
     if end:
         extra.update(_end_meta(bufs))
+    if recv_copy:
+        extra.update(RECV_COPY=True)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
@@ -316,11 +318,12 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     gate_RK = torch.empty(R, K, dtype=L.dtype, device=dev)
     tok_R = torch.empty(R, dtype=torch.int32, device=dev)
     if rows:
-        recv = bufs.recv_rows()
+        # the receive rows, copied out by the kernel before it ends the op (a peer's next op may
+        # overwrite the region as soon as it has)
+        x_exp = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev)
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
-        _expand(bufs, recv, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True)
-        x_exp = recv.clone()  # the kernel waited for every row; the region is reused by the next op
+        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True)
     else:
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 end=True)
@@ -413,11 +416,13 @@ def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle
     went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
     _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)  # waits first
     yield
-    recv = bufs.recv_rows()
+    L = bufs.layout
+    g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
-    _expand(bufs, recv, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
-            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True)  # waits for every row (indices: scratch)
-    return recv.clone()
+    # waits for every row, copies them out, then ends the op (indices go to scratch)
+    _expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
+            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True)
+    return g_part
 
 
 def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Optional[torch.Tensor],
