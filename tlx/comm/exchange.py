@@ -734,8 +734,8 @@ def _route_tile(idx_ptr, b, T, K: tl.constexpr, KP: tl.constexpr, E: tl.constexp
 def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_ptr, T, NB_MAX, peers_ptr, RANK,
                   K: tl.constexpr, KP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
-                  BLOCK_T: tl.constexpr, WP3: tl.constexpr, OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr,
-                  OFF_ARRIVE: tl.constexpr, OFF_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
+                  BLOCK_T: tl.constexpr, OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr,
+                  OFF_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
                   pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, AGG_ONLY: tl.constexpr = False):
     """The dispatch's source-side layout and its signal, one launch (see the section comment).
     Block b of BLOCK_T tokens: its histogram (slots per expert, token rows per destination rank),

@@ -89,9 +89,8 @@ class EmulatedWorld:
         """Returns ``[(recv_RD, src_N, gate_N, SymmHandle)]`` per rank (no expert-major copy)."""
         for v, n in ((xs_TD, "xs_TD"), (idxs_TK, "idxs_TK"), (gates_TK, "gates_TK")):
             self._check(v, n)
-        out = run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True)
-                            for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
-        return [(r, torch.div(h.src_map_N, h.top_k, rounding_mode="floor"), g, h) for r, g, h in out]
+        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True)
+                             for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
 
     def combine_rows(self, parts_RD: Sequence[torch.Tensor], handles: Sequence):
         self._check(parts_RD, "parts_RD")

@@ -198,8 +198,8 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     counts_C = torch.empty(NC, dtype=torch.int64, device=dev)  # the last block writes all NC (zeros for T = 0)
     _send_launch(bufs, k._route_kernel, (nb,), idx, bufs.route_scratch(nb_max, EP + WP), q_TK, dest_TK, send_row_TW,
                  counts_C, T, nb_max, bufs.peers, bufs.rank, K=K, KP=KP, E=E, EP=EP, W=W, WP=WP, E_LOCAL=E // W,
-                 NC=NC, NCP=_next_pow2(NC), BLOCK_T=bt, WP3=_next_pow2(3 * W), OFF_STATE=L.off_state,
-                 OFF_FLAGS=L.off_flags, OFF_ARRIVE=L.off_arrive, OFF_COUNTS=L.off_counts,
+                 NC=NC, NCP=_next_pow2(NC), BLOCK_T=bt, OFF_STATE=L.off_state,
+                 OFF_FLAGS=L.off_flags, OFF_COUNTS=L.off_counts,
                  TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(), **({"AGG_ONLY": True} if _ROUTE_AGG_ONLY else {}))
     return q_TK, send_row_TW, counts_C
 
@@ -232,8 +232,9 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False):
-    """``_expand_kernel``; ``copy=False`` (with ``n_exp`` expanded rows, ``out_ND`` unused) is the
-    fused-EP form: only the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move."""
+    """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
+    the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
+    only with ``recv_copy`` (the receive rows ``[W*T_max, D]``); ``end``: the op's last kernel."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden)
     c = _common(bufs)
@@ -286,11 +287,10 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
                    rows: bool = False) -> Steps:
     """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``.
 
-    ``rows=True`` (the fused EP pipeline) skips the expert-major copy and returns ``(recv_RD,
+    ``rows=True`` (the fused EP pipeline) skips the expert-major copy and returns ``(recv_RD, src_N,
     gate_N, SymmHandle)``: a copy of the receive rows ``[W*T_max, D]`` (row ``s*T_max + i`` is
-    source s's i-th token row; rows past ``rows_from_W[s]`` are unspecified and never indexed) and
-    the fp32 gate of each expanded row; ``handle.src_map_N // K`` is the receive row each expanded
-    row reads."""
+    source s's i-th token row; rows past ``rows_from_W[s]`` are unspecified and never indexed), the
+    receive row each expanded row reads (``src_map_N // K``, int32) and its fp32 gate."""
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
@@ -311,7 +311,6 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     n = expanded_rows(capacity, bufs)
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
-    x_exp = None if rows else torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
     src_map = torch.empty(n, dtype=torch.int32, device=dev)
     R = L.recv_rows
     pos_RK = torch.empty(R, K, dtype=torch.int32, device=dev)
@@ -325,6 +324,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True)
     else:
+        x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 end=True)
     handle = SymmHandle(
@@ -334,12 +334,13 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs)
-    return (x_exp, gate_N, handle) if rows else (x_exp, handle)
+    if rows:
+        return x_exp, torch.div(src_map, K, rounding_mode="floor"), gate_N, handle
+    return x_exp, handle
 
 
-def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False,
-                 barrier: bool = True) -> None:
-    """``barrier``: the kernel opens the op's phase 2 (waits for every peer's signal first)."""
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> None:
+    """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd = _tiles(L.hidden)
@@ -347,8 +348,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}),
-        **(_await_meta(bufs) if barrier else {}))
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}), **_await_meta(bufs))
 
 
 def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Tensor:
@@ -484,12 +484,13 @@ class _Combine(torch.autograd.Function):
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity):
-        recv_RD, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True))
+        recv_RD, src_N, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True))
         ctx.h, ctx.gate_dtype = h, gate_TK.dtype
-        return recv_RD, gate_N, h
+        ctx.mark_non_differentiable(src_N)
+        return recv_RD, src_N, gate_N, h
 
     @staticmethod
-    def backward(ctx, g_RD, g_gate_N, _g_handle):
+    def backward(ctx, g_RD, _g_src, g_gate_N, _g_handle):
         h = ctx.h
         if g_RD is None:
             g_RD = torch.zeros(h.buffers.layout.recv_rows, h.buffers.layout.hidden, dtype=h.buffers.layout.dtype,
@@ -595,11 +596,8 @@ class SymmDispatcher(Dispatcher):
         if not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
-        K = idx_TK.shape[1]
-        bufs = self._buffers_for(x_TD, K)
-        recv_RD, gate_N, h = _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity)
-        src_N = torch.div(h.src_map_N, K, rounding_mode="floor")
-        return recv_RD, src_N, gate_N, h
+        bufs = self._buffers_for(x_TD, idx_TK.shape[1])
+        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity)
 
     def combine_rows(self, part_RD, handle):
         """``out_TD[t] = sum over the ranks t went to of part_RD[row of t there]`` (fp32, one
