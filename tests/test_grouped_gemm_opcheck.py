@@ -69,3 +69,19 @@ def test_opcheck_gpu(backend, counts):
     if backend not in available_backends():
         pytest.skip(f"backend {backend!r} is not available here")
     opcheck_case(counts, 1000, 128, 256, backend, device="cuda", dtype=torch.bfloat16)
+
+
+def test_tma_operand_check_is_traceable_without_dynamo():
+    """AOT tracing (opcheck's aot_dispatch, the backward of a compiled graph) hands the backend check
+    FakeTensors while torch.compiler.is_compiling() is False: the base-address check must defer to
+    the custom op (which checks the real pointer) instead of raising "Cannot access data pointer"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tlx_dist.grouped_gemm.tlx_backend import _tma_2d_reason
+
+    with FakeTensorMode():
+        x = torch.empty(64, 32, dtype=torch.bfloat16)
+        assert _tma_2d_reason("x_ND", x) is None
+        assert "16-byte" in _tma_2d_reason("x_ND", torch.empty(64, 33, dtype=torch.bfloat16)[:, :32])
+    real = torch.empty(65, dtype=torch.bfloat16)[1:].view(8, 8)  # a 2-byte-misaligned base
+    assert "16-byte" in _tma_2d_reason("x_ND", real)

@@ -164,3 +164,18 @@ def test_expert_init_independent_of_ep_degree():
     full.reset_parameters(seed=7)
     assert torch.equal(w, full.w13)
     assert w.std().item() == pytest.approx(full.cfg.init_std, rel=0.1)
+
+
+def test_ksum_bound_is_one_bf16_ulp_at_the_max():
+    """assert_close_ksum_bf16 allows exactly one bf16 ulp of the largest magnitude: at a max of 122
+    (in [64, 128)) that is 0.5 -- 122.5 is the next bf16 after 122 -- and nothing beyond it."""
+    from tlx_dist.testing import assert_close_ksum_bf16
+
+    ref = torch.tensor([122.0, -3.0, 0.25], dtype=torch.bfloat16)
+    assert_close_ksum_bf16(ref, torch.tensor([122.5, -3.0, 0.25], dtype=torch.bfloat16))
+    assert_close_ksum_bf16(ref, torch.tensor([122.0, -3.015625, 0.25], dtype=torch.bfloat16))
+    with pytest.raises(AssertionError, match="one bf16 ulp"):
+        assert_close_ksum_bf16(ref, torch.tensor([123.0, -3.0, 0.25], dtype=torch.bfloat16))
+    with pytest.raises(AssertionError, match="one bf16 ulp"):  # 1.0 apart: two ulps at 64
+        assert_close_ksum_bf16(torch.tensor([64.0], dtype=torch.bfloat16), torch.tensor([65.0], dtype=torch.bfloat16))
+    assert_close_ksum_bf16(torch.tensor([64.0], dtype=torch.bfloat16), torch.tensor([64.5], dtype=torch.bfloat16))

@@ -121,9 +121,15 @@ def _tma_2d_reason(name: str, t: torch.Tensor) -> Optional[str]:
     esz = t.element_size()
     if t.stride(-1) != 1:
         return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
-    # The base address is not traceable under torch.compile: there the check moves into _mm, which
-    # runs eagerly inside the custom op and falls back to the portable kernel if it fails.
-    misaligned_base = not torch.compiler.is_compiling() and t.data_ptr() % 16
+    # The base address is not traceable (torch.compile, and AOT tracing of a backward or opcheck, where
+    # is_compiling() is False but the tensor is a FakeTensor/FunctionalTensor): there the check moves
+    # into _mm, which runs eagerly inside the custom op and falls back to the portable kernel if it fails.
+    misaligned_base = False
+    if not torch.compiler.is_compiling():
+        try:
+            misaligned_base = t.data_ptr() % 16 != 0
+        except RuntimeError:  # "Cannot access data pointer of Tensor": traced
+            misaligned_base = False
     if any((s * esz) % 16 for s in t.stride()[:-1]) or misaligned_base:
         return f"{name} needs a 16-byte aligned base and row strides for TMA (strides {tuple(t.stride())})"
     return None
