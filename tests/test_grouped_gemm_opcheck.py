@@ -79,9 +79,13 @@ def test_tma_operand_check_is_traceable_without_dynamo():
 
     from tlx_dist.grouped_gemm.tlx_backend import _tma_2d_reason
 
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
     with FakeTensorMode():
         x = torch.empty(64, 32, dtype=torch.bfloat16)
         assert _tma_2d_reason("x_ND", x) is None
         assert "16-byte" in _tma_2d_reason("x_ND", torch.empty(64, 33, dtype=torch.bfloat16)[:, :32])
+        with FunctionalTensorMode():  # what AOT dispatch hands the check
+            assert _tma_2d_reason("x_ND", FunctionalTensor.to_functional(x)) is None
     real = torch.empty(65, dtype=torch.bfloat16)[1:].view(8, 8)  # a 2-byte-misaligned base
     assert "16-byte" in _tma_2d_reason("x_ND", real)

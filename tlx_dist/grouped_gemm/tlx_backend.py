@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import tlx
 
@@ -125,7 +126,7 @@ def _tma_2d_reason(name: str, t: torch.Tensor) -> Optional[str]:
     # is_compiling() is False but the tensor is a FakeTensor/FunctionalTensor): there the check moves
     # into _mm, which runs eagerly inside the custom op and falls back to the portable kernel if it fails.
     misaligned_base = False
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not isinstance(t, FakeTensor):
         try:
             misaligned_base = t.data_ptr() % 16 != 0
         except RuntimeError:  # "Cannot access data pointer of Tensor": traced
