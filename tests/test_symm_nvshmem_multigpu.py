@@ -104,8 +104,9 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     """Real ranks (NVSHMEM): after one matched dispatch, rank 1 skips the next. Rank 0's waits give
     up after timeout_s (1 s) instead of hanging, its dispatch returns, and check() names the op,
     the waiting rank and the missing peer. (Buffers of their own: the timeout is part of
-    ep_buffers' key. The matched op comes first because the first run of this test, without it,
-    hung: rank 0 alone compiled and NVSHMEM-initialised the kernels of this timeout.)"""
+    ep_buffers' key. The matched op comes first so that every rank has compiled and
+    NVSHMEM-initialised the kernels of this timeout before rank 0 is left alone: a first compile
+    of the NVSHMEM variants takes tens of seconds, more than the skipping rank would wait.)"""
     import time
 
     import torch.distributed as dist
