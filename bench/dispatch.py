@@ -16,6 +16,12 @@ Providers (K = 8, bf16, random top-K routing, gates from a softmax):
   symm        SymmDispatcher(capacity="exact"): one host read of the row count per dispatch
   symm_graph  SymmDispatcher(capacity=2.0), dispatch and combine each captured in a CUDA graph and
               replayed (no host work per op: the latency a graph-captured training step sees)
+  rows_graph  the same, in the row form the fused EP pipeline uses (``dispatch_rows`` /
+              ``combine_rows``): the token rows stay as received (no expert-major copy), the
+              combine sends per-(token, rank) partial rows the fused down GEMM has already summed
+              (here the receive rows themselves stand in for them). Same link bytes as symm;
+              the exchange's own cost in the fused pipeline (the expand and the gate-weighted
+              k-sum it leaves out run inside the fused GEMMs there)
 Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
 ``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
 symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
@@ -102,6 +108,38 @@ def _graphs(disp, x, idx, gate):
     return gd.replay, gc.replay
 
 
+def rows_check(disp, x, idx, gate, ra, n_ranks_T):
+    """Row form against the anchor: the receive rows read through ``src_N`` are the anchor's
+    expert-major rows, and combining the receive rows themselves gives ``x[t]`` times the number
+    of ranks token t went to. Returns the receive rows and the handle."""
+    recv, src, _gate_N, h = disp.dispatch_rows(x, idx, gate)
+    n = ra.shape[0]
+    if not torch.equal(recv[src[:n].long()], ra):
+        raise AssertionError("rows: recv_RD[src_N] differs from the anchor's expert-major rows")
+    out = disp.combine_rows(recv, h)
+    want = (x.float() * n_ranks_T[:, None].float()).to(x.dtype)
+    if not torch.equal(out, want):
+        raise AssertionError(f"rows: combine_rows of the receive rows is not x * ranks reached "
+                             f"(max diff {float((out.float() - want.float()).abs().max()):.3e})")
+    return recv, h
+
+
+def _graphs_rows(disp, x, idx, gate):
+    """CUDA graphs of one ``dispatch_rows`` and one ``combine_rows`` (warmed up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        recv, _, _, h = disp.dispatch_rows(x, idx, gate)
+        disp.combine_rows(recv, h)
+    torch.cuda.current_stream().wait_stream(side)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        recv, _, _, h = disp.dispatch_rows(x, idx, gate)
+    with torch.cuda.graph(gc):
+        disp.combine_rows(recv, h)
+    return gd.replay, gc.replay
+
+
 def main() -> int:
     import torch.distributed as dist
 
@@ -115,6 +153,7 @@ def main() -> int:
     ap.add_argument("--emulate", type=int, default=0, metavar="W", help="W virtual ranks on this GPU")
     ap.add_argument("--pair-reps", type=int, default=10, help="back-to-back pairs per steady-state sample")
     ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of each symm provider")
+    ap.add_argument("--no-rows", action="store_true", help="skip the row-form provider (rows_graph)")
     ap.add_argument("--json", default="bench_dispatch.json")
     args = ap.parse_args()
     if args.emulate:
@@ -161,6 +200,9 @@ def main() -> int:
                     "symm": (lambda: symm.dispatch(x, idx, gate), lambda: symm.combine_weighted(rs, hs, gate), token_rows),
                 }
                 provs["symm_graph"] = (*_graphs(symm_g, x, idx, gate), token_rows)
+                if not args.no_rows:
+                    rows_check(symm_g, x, idx, gate, ra, mask_TW.sum(1))
+                    provs["rows_graph"] = (*_graphs_rows(symm_g, x, idx, gate), token_rows)
                 res = {}
                 for name, (fd, fc, link_rows) in provs.items():
                     td = _median_ms(fd, args.iters, sync) / 1e3
