@@ -21,6 +21,7 @@ operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproduci
 Expert parallelism (under torchrun, one process per GPU; W = the world size, E experts split over W):
 
     torchrun --nproc-per-node=2 bench/moe_layer.py [--shapes olmoe,deepseek-v3] [--tokens 16384] [--json out.json]
+             [--profile]
 
 Providers there (same router and expert weights on every provider, T tokens per rank):
   fused_ep    MoELayer(dispatcher="symm", pipeline="fused"): dispatch_rows -> fused GEMMs reading the
@@ -180,6 +181,27 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def kernel_profile(step, iters: int, sync, top: int = 16) -> str:
+    """Per-kernel CUDA time of one ``step()`` (torch.profiler over ``iters`` steps, per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / iters, ev.count / iters, ev.key))
+    rows.sort(reverse=True)
+    total = sum(v[0] for v in rows)
+    out = [f"  {'us/step':>9} {'calls':>6}  kernel (total {total:.1f} us of GPU time per step)"]
+    out += [f"  {t:9.1f} {c:6.1f}  {k[:90]}" for t, c, k in rows[:top]]
+    return "\n".join(out)
+
+
 def ep_main(args) -> int:
     """The torchrun mode (module docstring)."""
     import os
@@ -252,6 +274,11 @@ def ep_main(args) -> int:
                         times.append(a.elapsed_time(b))
                     ms = statistics.median(times)
                     row[f"{p}_ms"], row[f"{p}_tflops"] = ms, flops / ms * 1e-9
+                    if args.profile:
+                        prof = kernel_profile(step, 3, lambda: (torch.cuda.synchronize(), dist.barrier()))
+                        if r == 0:
+                            print(f"\n{name} T={T} {p} W={W}: per-kernel GPU time of one fwd+bwd (rank 0)\n{prof}",
+                                  flush=True)
                     check = getattr(layer.dispatcher, "check", None)
                     if check is not None:
                         check()
@@ -299,6 +326,8 @@ def main() -> int:
     ap.add_argument("--latency-tokens", default="1024,4096", help="'' skips the CUDA-graph latency runs")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="torchrun mode: print rank 0's per-kernel GPU time of one fwd+bwd per provider")
     ap.add_argument("--json", default="bench_moe_layer.json")
     ap.add_argument("--graph-in-process", action="store_true",
                     help="capture the CUDA graphs in this process (default: one child process per capture)")
