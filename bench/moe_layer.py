@@ -327,7 +327,7 @@ def main() -> int:
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
-                    help="torchrun mode: print rank 0's per-kernel GPU time of one fwd+bwd per provider")
+                    help="print the per-kernel GPU time of one fwd+bwd per provider (torchrun mode: rank 0's)")
     ap.add_argument("--json", default="bench_moe_layer.json")
     ap.add_argument("--graph-in-process", action="store_true",
                     help="capture the CUDA graphs in this process (default: one child process per capture)")
@@ -369,6 +369,14 @@ def main() -> int:
                     ms = eager_ms(fn, x, g, params, args.reps)
                     row[f"{p}_eager_ms"] = ms
                     row[f"{p}_tflops"] = flops / ms * 1e-9
+                    if args.profile:
+                        def step(fn=fn):
+                            for q in params:
+                                q.grad = None
+                            x.grad = None
+                            fn(x).backward(g)
+                        print(f"\n{name} T={T} {p}: per-kernel GPU time of one fwd+bwd\n"
+                              f"{kernel_profile(step, 3, torch.cuda.synchronize)}", flush=True)
                     if T in lat_tokens:
                         if args.graph_in_process:
                             row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps)
