@@ -37,6 +37,9 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
+from tlx.common.gather import drain_gathered as _drain_gathered
+from tlx.common.gather import gather_ptrs
+from tlx.common.gather import signal_gathered as _signal_gathered
 from tlx.common.moe_epilogues import swiglu_bwd, swiglu_fwd
 from tlx.common.scheduler import mm_num_tiles, mm_tile, mm_tile_grouped, ragged_coords, wgrad_tile, wgrad_tile_lpt
 
@@ -52,24 +55,6 @@ def _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS: 
     else:
         e, lo, cnt, mt, nt = mm_tile_grouped(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     return e, lo, cnt, mt, nt
-
-
-@triton.jit
-def _signal_gathered(it, k, LAG: tl.constexpr, NUM_STAGES: tl.constexpr, afull):
-    # After issuing stage `it` (step k of its tile): stage it - LAG has landed; publish it.
-    if k >= LAG:
-        tlx.async_load_wait_group(LAG)
-        tlx.fence_async_shared()
-        tlx.barrier_arrive(afull[(it - LAG) % NUM_STAGES])
-
-
-@triton.jit
-def _drain_gathered(it, steps, LAG: tl.constexpr, NUM_STAGES: tl.constexpr, afull):
-    # End of a tile: wait for every copy of this thread and publish the stages not yet signalled.
-    tlx.async_load_wait_group(0)
-    tlx.fence_async_shared()
-    for j in range(tl.maximum(steps - LAG, 0), steps):
-        tlx.barrier_arrive(afull[(it - steps + j) % NUM_STAGES])
 
 
 # --- ragged-M forms --------------------------------------------------------------------------------
@@ -89,16 +74,8 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
     if A_GATHER:
         # Row pointers of the two BMS-row halves, once per tile; rows past the expert load zeros.
-        r0 = mt * BM + tl.arange(0, BMS)
-        ok0 = r0 < cnt
-        ok1 = (r0 + BMS) < cnt
-        s0 = tl.load(src_ptr + lo + r0, mask=ok0, other=0).to(tl.int64)
-        s1 = tl.load(src_ptr + lo + r0 + BMS, mask=ok1, other=0).to(tl.int64)
-        ks = tl.arange(0, BK)
-        p0 = a_ptr + s0[:, None] * stride_an + ks[None, :]
-        p1 = a_ptr + s1[:, None] * stride_an + ks[None, :]
-        m0 = ok0[:, None] & (ks < BK)[None, :]
-        m1 = ok1[:, None] & (ks < BK)[None, :]
+        p0, m0 = gather_ptrs(a_ptr, src_ptr, lo, mt * BM, cnt, stride_an, 0, BK, BMS, BK)
+        p1, m1 = gather_ptrs(a_ptr, src_ptr, lo, mt * BM + BMS, cnt, stride_an, 0, BK, BMS, BK)
     for k in range(0, steps):
         s = it % NUM_STAGES
         tlx.barrier_wait(empty[s], ((it // NUM_STAGES) & 1) ^ 1)

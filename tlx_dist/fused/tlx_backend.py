@@ -1,6 +1,11 @@
-"""Host side of the Hopper TLX fused expert kernels (``tlx/hopper/fused_moe.py``).
+"""Host side of the TLX fused expert kernels: Hopper (``tlx/hopper/fused_moe.py``, class ``_Hopper``)
+and Blackwell (``tlx/blackwell/fused_moe.py``, class ``_Blackwell``; compile-checked, not yet run on a
+B200). Both take the same launch arguments; what differs per generation (tile config dataclass, how
+many A rows one TMA box holds, the kernels' partition constexprs) sits in the two small subclasses
+of ``_TlxFused``.
 
-Registers ``FusedBackend("tlx", priority=10)`` when TLX is importable and the GPU is sm_90. Launch
+Registers ``FusedBackend("tlx", priority=10)`` when TLX is importable and the GPU is sm_90 or sm_100;
+each call runs the primitives of ``tlx.gpu_arch()`` (``_tlx_prims``). Launch
 path per primitive: one config lookup (a frozen dataclass per form, cached per scalar key), the TMA
 descriptors of the operands read in place, one launch; the scheduler's ``tile_cum`` prep runs once
 per pass and is shared by its three ragged-M launches, and the dW tile order once per backward.
@@ -11,7 +16,8 @@ portable kernels): bf16/fp16, D and F multiples of 64 (the gathered K loop has n
 contiguous x / w13 / w2, 16-byte aligned bases.
 
 ``TLX_DIST_FUSED_CONFIG="swiglu:BN=128,STAGES=4;wgrad:BK=32"`` overrides fields of a form's config
-(read when a form first runs at a given width).
+for the generation that runs (``FusedTileConfig`` fields on sm_90, ``BlackwellFusedTileConfig`` on
+sm_100; read when a form first runs at a given width).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import tlx
 
 from .backends import FusedBackend, compose_backward, compose_forward, register_fused_backend
 
-__all__ = ["FusedTileConfig", "FORMS", "fused_config", "kernel_signature", "ENV_FUSED_CONFIG"]
+__all__ = ["FusedTileConfig", "BlackwellFusedTileConfig", "FORMS", "BLACKWELL_FORMS", "fused_config",
+           "kernel_signature", "ENV_FUSED_CONFIG"]
 
 ENV_FUSED_CONFIG = "TLX_DIST_FUSED_CONFIG"
-_SMEM_LIMIT = 227 * 1024
+_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block, sm_90 and sm_100
+_TMEM_COLS = 512  # Blackwell tensor memory: 128 lanes x 512 fp32 columns per SM
 SWIGLU, SCATTER, DSWIGLU = 1, 2, 3
 
 
@@ -86,17 +94,82 @@ FORMS = {
 }
 
 
+@dataclass(frozen=True)
+class BlackwellFusedTileConfig:
+    """Tile config of one fused form on sm_100 (tlx/blackwell/fused_moe.py). BM rows (the 128 TMEM
+    lanes, one MMA), BN columns (SwiGLU: BN gate + BN up columns), BK reduction step, STAGES ring
+    depth, LAG stages between issuing a gathered stage and publishing it (<= STAGES - 1 here: an
+    MMA releases its own stage), GROUP_M raster, EPI_BN columns per TMEM -> register slice of the
+    epilogue, LOAD_WARPS / LOAD_REGS the producer partition (4 warps where it gathers rows, 1 for
+    TMA only) and its registers per thread."""
+
+    BM: int = 128
+    BN: int = 128
+    BK: int = 64
+    STAGES: int = 4
+    LAG: int = 2
+    GROUP_M: int = 1
+    EPI_BN: int = 64
+    LOAD_WARPS: int = 4
+    LOAD_REGS: int = 128
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for f in ("BN", "BK", "EPI_BN"):
+            v = getattr(self, f)
+            if v < 16 or v > 256 or v & (v - 1):
+                raise ValueError(f"{name}.{f}={v} must be a power of two in [16, 256]")
+        if self.BM != 128:
+            raise ValueError(f"{name}.BM={self.BM} must be 128 (the TMEM lanes of one tcgen05 MMA)")
+        if self.EPI_BN > self.BN:
+            raise ValueError(f"{name}.EPI_BN={self.EPI_BN} must be <= BN={self.BN}")
+        if not 2 <= self.STAGES <= 8:
+            raise ValueError(f"{name}.STAGES={self.STAGES} must be in [2, 8]")
+        if not 0 <= self.LAG <= self.STAGES - 1:
+            raise ValueError(f"{name}.LAG={self.LAG} must be in [0, STAGES - 1 = {self.STAGES - 1}]")
+        if self.GROUP_M not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
+        if self.LOAD_WARPS not in (1, 4):
+            raise ValueError(f"{name}.LOAD_WARPS={self.LOAD_WARPS} must be 1 or 4")
+        if self.LOAD_REGS % 8 or not 24 <= self.LOAD_REGS <= 256:
+            raise ValueError(f"{name}.LOAD_REGS={self.LOAD_REGS} must be a multiple of 8 in [24, 256]")
+
+    def smem_bytes(self, form: str) -> int:
+        n_b = 2 if form == "swiglu" else 1
+        ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
+        return ring + (2 * self.BM * self.EPI_BN * 2 if form == "wgrad" else 0)
+
+    def tmem_cols(self, form: str) -> int:
+        """fp32 TMEM columns: two accumulator buffers (two each for SwiGLU's gate and up)."""
+        return (4 if form == "swiglu" else 2) * self.BN
+
+
+BLACKWELL_FORMS = {
+    # gathered A + two B tiles per stage: 192 KB ring; 4 x 128 TMEM columns (gate, up; two buffers).
+    # EPI_BN 64: the epilogue holds hg and hu of a slice (2 x 64 fp32 registers per thread).
+    "swiglu": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, EPI_BN=64),
+    # A and B by TMA (one producer warp): 160 KB ring, 256 TMEM columns; atomics from 64-column slices.
+    "scatter": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=5, LAG=0, EPI_BN=64, LOAD_WARPS=1, LOAD_REGS=48),
+    # gathered dout + K-major w2: 192 KB ring; the epilogue holds g, hg, hu: 32-column slices.
+    "dswiglu": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, EPI_BN=32),
+    # one gathered operand: 144 KB ring + 32 KB TMA-store tiles; 2 x 256 TMEM columns.
+    "wgrad": BlackwellFusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, EPI_BN=64),
+}
+_ARCH_FORMS = {"sm_90": (FusedTileConfig, FORMS), "sm_100": (BlackwellFusedTileConfig, BLACKWELL_FORMS)}
+
+
 @functools.lru_cache(maxsize=None)
-def _env_overrides(text: str) -> dict:
+def _env_overrides(text: str, arch: str = "sm_90") -> dict:
+    cls, forms = _ARCH_FORMS[arch]
     out = {}
     for part in text.split(";"):
         if not part.strip():
             continue
         form, _, fields = part.partition(":")
         form = form.strip().lower()
-        if form not in FORMS:
-            raise ValueError(f"{ENV_FUSED_CONFIG}: unknown form {form!r} in {text!r} (forms: {sorted(FORMS)})")
-        names = {f.name for f in dataclasses.fields(FusedTileConfig)}
+        if form not in forms:
+            raise ValueError(f"{ENV_FUSED_CONFIG}: unknown form {form!r} in {text!r} (forms: {sorted(forms)})")
+        names = {f.name for f in dataclasses.fields(cls)}
         kw = {}
         for item in fields.split(","):
             if not item.strip():
@@ -104,29 +177,33 @@ def _env_overrides(text: str) -> dict:
             k, _, v = item.partition("=")
             k = k.strip().upper()
             if k not in names:
-                raise ValueError(f"{ENV_FUSED_CONFIG}: unknown field {k!r} in {text!r} (fields: {sorted(names)})")
+                raise ValueError(f"{ENV_FUSED_CONFIG}: unknown field {k!r} in {text!r} (fields of {cls.__name__} "
+                                 f"on {arch}: {sorted(names)})")
             kw[k] = int(v)
-        cfg = dataclasses.replace(FORMS[form], **kw)
+        cfg = dataclasses.replace(forms[form], **kw)
         if cfg.smem_bytes(form) > _SMEM_LIMIT:
             raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
                              "shared memory")
+        if hasattr(cfg, "tmem_cols") and cfg.tmem_cols(form) > _TMEM_COLS:
+            raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.tmem_cols(form)} TMEM columns "
+                             f"(> {_TMEM_COLS})")
         out[form] = cfg
     return out
 
 
-_CACHE: dict[tuple, FusedTileConfig] = {}
+_CACHE: dict[tuple, object] = {}
 
 
-def fused_config(form: str, nn: int) -> FusedTileConfig:
-    """Config of ``form`` for an output ``nn`` columns wide: the env override, else the default
-    (GROUP_M = 8 once the output has >= 16 column tiles, as the landed kernel does for Mixtral).
-    Resolved once per (form, nn) and cached: the launch path does one dict lookup (reading the
-    environment costs more than that)."""
-    key = (form, nn)
+def fused_config(form: str, nn: int, arch: str = "sm_90"):
+    """Config of ``form`` on ``arch`` for an output ``nn`` columns wide: the env override, else the
+    default (GROUP_M = 8 once the output has >= 16 column tiles, as the landed kernel does for
+    Mixtral). Resolved once per (form, nn, arch) and cached: the launch path does one dict lookup
+    (reading the environment costs more than that)."""
+    key = (form, nn, arch)
     cfg = _CACHE.get(key)
     if cfg is None:
-        over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""))
-        cfg = over.get(form, FORMS[form])
+        over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""), arch)
+        cfg = over.get(form, _ARCH_FORMS[arch][1][form])
         if form not in over and form != "wgrad" and -(-nn // cfg.BN) >= 16:
             cfg = dataclasses.replace(cfg, GROUP_M=8)
         _CACHE[key] = cfg
@@ -139,8 +216,8 @@ def fused_config(form: str, nn: int) -> FusedTileConfig:
 def _supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor) -> Optional[str]:
     if not tlx.tlx_available():
         return "TLX (fbtriton) is not importable"
-    if tlx.gpu_arch() != "sm_90":
-        return f"gpu_arch()={tlx.gpu_arch()} (the fused TLX kernels target sm_90)"
+    if tlx.gpu_arch() not in _ARCH_FORMS:
+        return f"gpu_arch()={tlx.gpu_arch()} (the fused TLX kernels target sm_90 and sm_100)"
     if x_RD.device.type != "cuda":
         return f"operands are on {x_RD.device}, not a CUDA GPU"
     if x_RD.dtype not in (torch.bfloat16, torch.float16):
@@ -169,8 +246,12 @@ def _grid(device: torch.device, bound: int) -> int:
     return max(1, min(sms, bound))
 
 
-class _Hopper:
-    """Launchers of tlx/hopper/fused_moe.py."""
+class _TlxFused:
+    """Launchers of the TLX fused kernels; a subclass per generation says which kernels, configs
+    and partition constexprs. The primitives (``backends.py``) are classmethods."""
+
+    ARCH = ""
+    A_SPLIT = 1  # A rows per TMA box = BM / A_SPLIT (Hopper: two consumer warp groups)
 
     @staticmethod
     def tile_cum(offsets_E, n_rows, x=None):
@@ -184,45 +265,43 @@ class _Hopper:
 
         return _lpt_order(offsets_E)  # experts by row count, longest first (tlx/common/scheduler.py)
 
-    @staticmethod
-    def _mm(form, epilogue, a, src, w_desc_args, offsets, tile_cum, n_rows, K, nn, f_off, b_kmajor,
+    @classmethod
+    def _mm(cls, form, epilogue, a, src, w_desc_args, offsets, tile_cum, n_rows, K, nn, f_off, b_kmajor,
             c, c2=None, dst=None, scale=None, h=None, part=None):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from tlx.hopper.fused_moe import _fused_mm_hopper_kernel
-
         from ..grouped_gemm.host import max_m_tiles, search_steps
 
-        cfg = fused_config(form, nn)
+        cfg = fused_config(form, nn, cls.ARCH)
         w, shape, strides = w_desc_args
         E = shape[0]
         block = [1, cfg.BN, cfg.BK] if b_kmajor else [1, cfg.BK, cfg.BN]
         b_desc = TensorDescriptor(w, shape, strides, block)
         a_desc = None
         if src is None:  # A read in place: TMA
-            a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.BM // 2, cfg.BK])
+            a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.BM // cls.A_SPLIT, cfg.BK])
         grid = _grid(a.device, max_m_tiles(n_rows, E, cfg.BM) * -(-nn // cfg.BN))
-        _fused_mm_hopper_kernel[(grid,)](
+        cls._mm_kernel()[(grid,)](
             a_desc, a if src is not None else None, src, b_desc, offsets, tile_cum,
             c, c2, dst, scale, h, part, n_rows, E, K, nn, f_off, a.stride(0), c.stride(0),
             c2.stride(0) if c2 is not None else 0, h.stride(0) if h is not None else 0,
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES, NUM_SMS=grid, SEARCH_STEPS=search_steps(E),
-            GROUP_M=cfg.GROUP_M, LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS, num_warps=4, num_stages=1)
+            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), num_warps=4, num_stages=1)
 
-    @staticmethod
-    def gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
+    @classmethod
+    def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
         N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
         h = x_RD.new_empty(N, F2)
         a = x_RD.new_empty(N, F2 // 2)
         if N:
             w = (w13_EDF2, [E, D, F2], [w13_EDF2.stride(0), w13_EDF2.stride(1), 1])
-            _Hopper._mm("swiglu", SWIGLU, x_RD, src_N, w, offsets_E, tile_cum, N, D, F2 // 2, F2 // 2, False, h, c2=a)
+            cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offsets_E, tile_cum, N, D, F2 // 2, F2 // 2, False, h, c2=a)
         return h, a
 
-    @staticmethod
-    def down_scatter(a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum):
+    @classmethod
+    def down_scatter(cls, a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum):
         E, K, NN = w_EFD.shape
         out = torch.zeros(num_dst, NN, dtype=torch.float32, device=a_NF.device)
         N = a_NF.shape[0]
@@ -232,28 +311,26 @@ class _Hopper:
                 w = (w_EFD, [E, NN, K], [w_EFD.stride(0), w_EFD.stride(2), 1])
             else:
                 w = (w_EFD, [E, K, NN], [w_EFD.stride(0), w_EFD.stride(1), 1])
-            _Hopper._mm("scatter", SCATTER, a_NF, None, w, offsets_E, tile_cum, N, K, NN, 0, b_kmajor, out,
-                        dst=dst_N, scale=scale_N)
+            cls._mm("scatter", SCATTER, a_NF, None, w, offsets_E, tile_cum, N, K, NN, 0, b_kmajor, out,
+                    dst=dst_N, scale=scale_N)
         return out
 
-    @staticmethod
-    def down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum):
+    @classmethod
+    def down_dswiglu(cls, dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum):
         N, (E, F, D) = h_N2F.shape[0], w2_EFD.shape
         dh = h_N2F.new_empty(N, 2 * F)
         ag = h_N2F.new_empty(N, F)
-        cfg = fused_config("dswiglu", F)
+        cfg = fused_config("dswiglu", F, cls.ARCH)
         part = torch.empty(N, -(-F // cfg.BN), dtype=torch.float32, device=h_N2F.device)
         if N:
             w = (w2_EFD, [E, F, D], [w2_EFD.stride(0), w2_EFD.stride(1), 1])  # w2^T read K-major
-            _Hopper._mm("dswiglu", DSWIGLU, dout_TD.contiguous(), dst_N, w, offsets_E, tile_cum, N, D, F, F, True,
-                        dh, c2=ag, scale=gate_N, h=h_N2F, part=part)
+            cls._mm("dswiglu", DSWIGLU, dout_TD.contiguous(), dst_N, w, offsets_E, tile_cum, N, D, F, F, True,
+                    dh, c2=ag, scale=gate_N, h=h_N2F, part=part)
         return dh, ag, part.sum(1)
 
-    @staticmethod
-    def wgrad_gather(a, ia_N, b, ib_N, offsets_E, order=None):
+    @classmethod
+    def wgrad_gather(cls, a, ia_N, b, ib_N, offsets_E, order=None):
         from triton.tools.tensor_descriptor import TensorDescriptor
-
-        from tlx.hopper.fused_moe import _fused_wgrad_hopper_kernel
 
         from ..grouped_gemm.host import ragged_descriptor
 
@@ -263,43 +340,126 @@ class _Hopper:
         if N == 0:
             return dw.zero_()
         b = b.contiguous()
-        cfg = fused_config("wgrad", F)
-        a_desc = None if ia_N is not None else ragged_descriptor(a, cfg.BK, cfg.BM // 2)
+        cfg = fused_config("wgrad", F, cls.ARCH)
+        a_rows = cfg.BM // cls.A_SPLIT
+        a_desc = None if ia_N is not None else ragged_descriptor(a, cfg.BK, a_rows)
         b_desc = None if ib_N is not None else ragged_descriptor(b, cfg.BK, cfg.BN)
-        c_desc = TensorDescriptor(dw, [E, D, F], [D * F, F, 1], [1, cfg.BM // 2, cfg.BN])
+        c_desc = TensorDescriptor(dw, [E, D, F], [D * F, F, 1], [1, a_rows, cls._c_cols(cfg)])
         grid = _grid(a.device, E * -(-D // cfg.BM) * -(-F // cfg.BN))
-        order = _Hopper.wgrad_order(offsets_E) if order is None else order
-        sched = torch.zeros(1, dtype=torch.int32, device=a.device)
-        _fused_wgrad_hopper_kernel[(grid,)](
+        order = cls.wgrad_order(offsets_E) if order is None else order
+        cls._wgrad_kernel()[(grid,)](
             a_desc, a if ia_N is not None else None, ia_N, b_desc, b if ib_N is not None else None, ib_N, c_desc,
-            offsets_E, order, sched, N, E, D, F, a.stride(0), b.stride(0),
-            A_GATHER=ia_N is not None, B_GATHER=ib_N is not None, DYNAMIC=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-            NUM_STAGES=cfg.STAGES, NUM_SMS=grid, GROUP_M=cfg.GROUP_M, LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS,
+            offsets_E, order, *cls._wgrad_sched(a.device), N, E, D, F, a.stride(0), b.stride(0),
+            A_GATHER=ia_N is not None, B_GATHER=ib_N is not None, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+            NUM_STAGES=cfg.STAGES, NUM_SMS=grid, GROUP_M=cfg.GROUP_M, **cls._wgrad_meta(cfg),
             num_warps=4, num_stages=1)
         return dw
+
+
+class _Hopper(_TlxFused):
+    """tlx/hopper/fused_moe.py: producer warp group + two consumer warp groups of BM/2 rows."""
+
+    ARCH = "sm_90"
+    A_SPLIT = 2
+
+    @staticmethod
+    def _mm_kernel():
+        from tlx.hopper.fused_moe import _fused_mm_hopper_kernel
+
+        return _fused_mm_hopper_kernel
+
+    @staticmethod
+    def _wgrad_kernel():
+        from tlx.hopper.fused_moe import _fused_wgrad_hopper_kernel
+
+        return _fused_wgrad_hopper_kernel
+
+    @staticmethod
+    def _meta(cfg) -> dict:
+        return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
+
+    @staticmethod
+    def _c_cols(cfg) -> int:
+        return cfg.BN
+
+    @staticmethod
+    def _wgrad_sched(device) -> tuple:
+        # the dW tiles' atomic claim counter (DYNAMIC), zeroed per launch (a memset under capture)
+        return (torch.zeros(1, dtype=torch.int32, device=device),)
+
+    @staticmethod
+    def _wgrad_meta(cfg) -> dict:
+        return dict(DYNAMIC=True, LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
+
+
+class _Blackwell(_TlxFused):
+    """tlx/blackwell/fused_moe.py: producer (1 or 4 warps), tcgen05 MMA warp, epilogue warp group."""
+
+    ARCH = "sm_100"
+    A_SPLIT = 1
+
+    @staticmethod
+    def _mm_kernel():
+        from tlx.blackwell.fused_moe import _fused_mm_blackwell_kernel
+
+        return _fused_mm_blackwell_kernel
+
+    @staticmethod
+    def _wgrad_kernel():
+        from tlx.blackwell.fused_moe import _fused_wgrad_blackwell_kernel
+
+        return _fused_wgrad_blackwell_kernel
+
+    @staticmethod
+    def _meta(cfg) -> dict:
+        return dict(LAG=cfg.LAG, EPI_BN=cfg.EPI_BN, LOAD_WARPS=cfg.LOAD_WARPS, LOAD_REGS=cfg.LOAD_REGS)
+
+    @staticmethod
+    def _c_cols(cfg) -> int:
+        return cfg.EPI_BN  # the epilogue stores the TMEM accumulator in EPI_BN-column slices
+
+    @staticmethod
+    def _wgrad_sched(device) -> tuple:
+        return ()  # static walk of the longest-first order: no claim counter
+
+    @staticmethod
+    def _wgrad_meta(cfg) -> dict:
+        return _Blackwell._meta(cfg)
+
+
+_PRIMS = {"sm_90": _Hopper, "sm_100": _Blackwell}
+
+
+def _tlx_prims() -> type:
+    """The primitives of the detected (or overridden) generation."""
+    arch = tlx.gpu_arch()
+    if arch not in _PRIMS:
+        raise ValueError(f"the fused TLX kernels target sm_90 and sm_100, not gpu_arch()={arch!r}")
+    return _PRIMS[arch]
 
 
 # --- compile-only signatures (tests, no GPU) ---------------------------------------------------------
 
 
-def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg: Optional[FusedTileConfig] = None):
-    """(kernel, signature, constexprs, attrs, options) for ``triton.compile`` of one form without a
-    GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1, w13^T
-    K-major), ``dswiglu``, ``wgrad_a`` (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer and
-    pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64)."""
+def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch: str = "sm_90"):
+    """(kernel, signature, constexprs, attrs, options) for ``triton.compile`` of one form on ``arch``
+    without a GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1,
+    w13^T K-major), ``dswiglu``, ``wgrad_a`` (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
+    and pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64);
+    every constexpr is given explicitly (``ASTSource`` applies no defaults)."""
     from ..grouped_gemm.host import search_steps
 
+    p = _PRIMS[arch]
     base = "scatter" if form == "scatter_t" else "wgrad" if form.startswith("wgrad") else form
-    cfg = cfg or FORMS[base]
-    bms = cfg.BM // 2
+    cfg = cfg or _ARCH_FORMS[arch][1][base]
+    a_rows = cfg.BM // p.A_SPLIT
     none = "constexpr"
     if base != "wgrad":
-        from tlx.hopper.fused_moe import _fused_mm_hopper_kernel as fn
-
+        fn = p._mm_kernel()
         gather = form in ("swiglu", "dswiglu")
         kmajor = form in ("scatter_t", "dswiglu")
         b_block = f"[1,{cfg.BN},{cfg.BK}]" if kmajor else f"[1,{cfg.BK},{cfg.BN}]"
-        sig = {"a_desc": none if gather else f"tensordesc<{dtype}[{bms},{cfg.BK}]>",
+        sig = {"a_desc": none if gather else f"tensordesc<{dtype}[{a_rows},{cfg.BK}]>",
                "a_ptr": f"*{dtype}" if gather else none, "src_ptr": "*i32" if gather else none,
                "b_desc": f"tensordesc<{dtype}{b_block}>", "offsets_ptr": "*i32", "tile_cum_ptr": "*i32",
                "c_ptr": "*fp32" if base == "scatter" else f"*{dtype}",
@@ -312,27 +472,29 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg: Optional[
         epi = {"swiglu": SWIGLU, "scatter": SCATTER, "dswiglu": DSWIGLU}[base]
         constexprs = {"EPILOGUE": epi, "A_GATHER": gather, "HAS_SCALE": form in ("scatter", "dswiglu"),
                       "B_KMAJOR": kmajor, "SEARCH_STEPS": search_steps(E)}
+        constexprs.update(p._meta(cfg))
     else:
-        from tlx.hopper.fused_moe import _fused_wgrad_hopper_kernel as fn
-
+        fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
-        sig = {"a_desc": none if ga else f"tensordesc<{dtype}[1,1,{cfg.BK},{bms}]>",
+        sig = {"a_desc": none if ga else f"tensordesc<{dtype}[1,1,{cfg.BK},{a_rows}]>",
                "a_ptr": f"*{dtype}" if ga else none, "ia_ptr": "*i32" if ga else none,
                "b_desc": none if gb else f"tensordesc<{dtype}[1,1,{cfg.BK},{cfg.BN}]>",
                "b_ptr": f"*{dtype}" if gb else none, "ib_ptr": "*i32" if gb else none,
-               "c_desc": f"tensordesc<{dtype}[1,{bms},{cfg.BN}]>", "offsets_ptr": "*i32", "order_ptr": "*i32",
-               "sched_ptr": "*i32"}
+               "c_desc": f"tensordesc<{dtype}[1,{a_rows},{p._c_cols(cfg)}]>", "offsets_ptr": "*i32",
+               "order_ptr": "*i32", "sched_ptr": "*i32"}
         ints = ["N_ROWS", "E", "M_DIM", "NN", "stride_an", "stride_bn"]
-        constexprs = {"A_GATHER": ga, "B_GATHER": gb, "DYNAMIC": True}
+        constexprs = {"A_GATHER": ga, "B_GATHER": gb}
+        constexprs.update(p._wgrad_meta(cfg))
+    names = fn.arg_names
+    sig = {k: v for k, v in sig.items() if k in names}
     for k, v in list(sig.items()):
         if v == none:
             constexprs[k] = None
     sig.update({k: "i32" for k in ints})
     constexprs.update({"BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
-                       "GROUP_M": cfg.GROUP_M, "LAG": cfg.LAG, "CONSUMER_REGS": cfg.REGS})
+                       "GROUP_M": cfg.GROUP_M})
     for k in constexprs:
         sig[k] = "constexpr"
-    names = fn.arg_names
     sig = {k: sig[k] for k in names}
     # D and F are multiples of 64, so are these (N_ROWS, E and the partials' stride are not).
     div16 = {"K_DIM", "NN", "F_OFF", "M_DIM", "stride_an", "stride_bn", "stride_cn", "stride_c2n", "stride_hn"}
@@ -340,7 +502,13 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg: Optional[
     return fn, sig, constexprs, attrs, {"num_warps": 4, "num_stages": 1}
 
 
-if tlx.tlx_available() and tlx.gpu_arch() == "sm_90":
-    register_fused_backend(FusedBackend(
-        "tlx", lambda *a: compose_forward(_Hopper, *a), lambda *a: compose_backward(_Hopper, *a), _supports,
-        priority=10))
+def _tlx_forward(*a):
+    return compose_forward(_tlx_prims(), *a)
+
+
+def _tlx_backward(*a):
+    return compose_backward(_tlx_prims(), *a)
+
+
+if tlx.tlx_available() and tlx.gpu_arch() in _PRIMS:
+    register_fused_backend(FusedBackend("tlx", _tlx_forward, _tlx_backward, _supports, priority=10))
