@@ -221,7 +221,7 @@ def test_backend_choice_on_cpu():
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         select_fused_backend(x, w13, w2, "triton")
     with pytest.raises(ValueError, match=r"backend='tlx' is not one of"):
-        select_fused_backend(x, w13, w2, "tlx")  # registered only where TLX runs on sm_90
+        select_fused_backend(x, w13, w2, "tlx")  # registered only where TLX runs on sm_90 / sm_100
 
 
 def test_tile_config_errors_name_the_field():

@@ -1,4 +1,5 @@
-"""The fused expert pipeline on the GPU (tier T3): the Hopper TLX kernels primitive by primitive, the
+"""The fused expert pipeline on the GPU (tier T3): the TLX kernels of the GPU present (Hopper on sm_90,
+Blackwell on sm_100: ``tlx_backend._tlx_prims``) primitive by primitive, the
 whole pipeline fused vs separate vs the fp64 loop (forward and every gradient) on adversarial
 routing, the portable kernels on odd shapes, and the layer captured in a CUDA graph with no host
 sync.
@@ -19,17 +20,17 @@ from tlx_dist.fused import fused_experts, fused_experts_ref
 from tlx_dist.testing import assert_close_ksum_bf16, assert_close_to_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-needs_tlx = pytest.mark.skipif(not (tlx.tlx_available() and tlx.gpu_arch() == "sm_90"),
-                               reason="the fused TLX kernels need TLX on sm_90")
+needs_tlx = pytest.mark.skipif(not (tlx.tlx_available() and tlx.gpu_arch() in ("sm_90", "sm_100")),
+                               reason="the fused TLX kernels need TLX on sm_90 or sm_100")
 DEV = "cuda"
 BF16 = torch.bfloat16
 
 
 def _prims():
     from tlx_dist.fused.backends import _Portable
-    from tlx_dist.fused.tlx_backend import _Hopper
+    from tlx_dist.fused.tlx_backend import _tlx_prims
 
-    return _Hopper, _Portable
+    return _tlx_prims(), _Portable
 
 
 def _per_expert(offsets, fn):
@@ -43,7 +44,7 @@ def _per_expert(offsets, fn):
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
 def test_tlx_primitives_vs_fp64():
-    """Each Hopper kernel against its fp64 definition, bounded by the portable kernel's error on the
+    """Each TLX kernel (Hopper or Blackwell) against its fp64 definition, bounded by the portable kernel's error on the
     same inputs. Routing has an empty expert, an expert of one row, a 300-row expert (three M
     tiles) and 40 padding rows whose indices are out of range (never read)."""
     H, P = _prims()
@@ -185,7 +186,8 @@ def test_portable_backend_odd_shapes_on_gpu():
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
 def test_layer_fused_by_default_graph_capture_no_host_sync():
-    """MoELayer picks the fused pipeline on sm_90; fwd + bwd run with host syncs made errors, then
+    """MoELayer picks the fused pipeline on sm_90 (on sm_100 it is asked for: ``auto`` waits until the
+    Blackwell kernels have run on a B200); fwd + bwd run with host syncs made errors, then
     are captured in one CUDA graph and replayed on new inputs (outputs and gradients within one bf16
     ulp of eager: they are fp32 atomic k-sums, whose order may differ)."""
     from _util import make_cfg
@@ -194,11 +196,15 @@ def test_layer_fused_by_default_graph_capture_no_host_sync():
     torch.manual_seed(0)
     cfg = make_cfg(dim=256, moe_inter_dim=128, num_experts=16, top_k=4, num_shared_experts=1, dtype="bfloat16",
                    init_std=0.05)
-    layer = MoELayer(cfg).to(DEV)
+    layer = MoELayer(cfg, pipeline="auto" if tlx.gpu_arch() == "sm_90" else "fused").to(DEV)
     params = list(layer.parameters())
     x_static = torch.randn(512, 256, device=DEV, dtype=BF16)
     g_static = torch.randn(512, 256, device=DEV, dtype=BF16)
     assert layer._fused(x_static), "auto pipeline should be fused on sm_90 with TLX"
+    if tlx.gpu_arch() == "sm_100":
+        from tlx_dist.fused import select_fused_backend
+
+        assert select_fused_backend(x_static, layer.w13, layer.w2).name == "tlx"  # the Blackwell kernels
 
     def step(x):
         x = x.detach().requires_grad_(True)

@@ -121,10 +121,15 @@ def _check_index(name: str, t, n: Optional[int], device) -> None:
 
 def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor) -> bool:
     """True when the Hopper TLX fused kernels run these operands (what ``MoELayer(pipeline="auto")``
-    keys on). Never raises; reads no device values."""
+    keys on). The Blackwell kernels are not chosen automatically until they have run on a B200
+    (``pipeline="fused"`` selects them). Never raises; reads no device values."""
+    import tlx
+
+    if tlx.gpu_arch() != "sm_90":
+        return False
     try:
         return get_fused_backend("tlx").supports(x_RD, w13_EDF2, w2_EFD) is None
-    except ValueError:  # not registered: no TLX, or not sm_90
+    except ValueError:  # not registered: no TLX
         return False
 
 
