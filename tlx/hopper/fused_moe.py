@@ -16,7 +16,8 @@ only after starting stage j (one wgmma in flight), and the producer must not wai
 release needs a signal it has not sent. At the end of each tile the producer drains (waits for all
 its copies and signals the rest), so tile changes and zero-step tiles cannot deadlock. Operands read
 in place (weights; A of the scatter forms; the non-gathered dW operand) still go by TMA on
-``full[s]``; the consumers wait on both barriers.
+``full[s]``; the consumers wait on both barriers. The gather helpers are shared with the Blackwell
+kernels (tlx/common/gather.py).
 
 ``_fused_mm_hopper_kernel`` (ragged M; static persistent tile walk, optional GROUP_M raster):
   EPILOGUE == SWIGLU : A = x[src] (gathered) @ w13[e]; two B tiles per stage (gate columns n_off and

@@ -4,7 +4,7 @@ epilogue scales by the gate and adds into the token's output, and the fused back
     out_TD = fused_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD)      # one rank
     out    = fused_experts_rows(x_RD, src_N, dst_N, gate_N, w13, w2, offsets_E, num_dst)  # row-index form
 
-Backends: ``tlx`` (Hopper TLX kernels), ``triton`` (portable Triton kernels), ``reference``
+Backends: ``tlx`` (Hopper / Blackwell TLX kernels), ``triton`` (portable Triton kernels), ``reference``
 (PyTorch); :func:`fused_experts_ref` is the per-expert loop used as the test oracle.
 """
 

@@ -16,7 +16,7 @@ plus ``tile_cum(offsets_E, n_rows, x)`` (the scheduler's prep, for the tile heig
 gets; shared by the ragged-M launches of a pass), ``wgrad_order(offsets_E)`` (the dW tile order,
 shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``.
 :func:`compose_forward` and :func:`compose_backward` chain them; the ``reference`` backend computes
-the same two passes in PyTorch (``reference.py``). Backends: ``tlx`` (Hopper TLX kernels,
+the same two passes in PyTorch (``reference.py``). Backends: ``tlx`` (Hopper / Blackwell TLX kernels,
 ``tlx_backend.py``), ``triton`` (the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``:
 any CUDA/ROCm GPU, and CPU under ``TRITON_INTERPRET=1`` when pinned), ``reference``.
 """
@@ -63,7 +63,7 @@ def _ensure_loaded() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import tlx_backend  # noqa: F401  (registers "tlx" where TLX runs on sm_90)
+        from . import tlx_backend  # noqa: F401  (registers "tlx" where TLX runs on sm_90 / sm_100)
 
 
 def get_fused_backend(name: str) -> FusedBackend:
