@@ -62,12 +62,12 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel[rows]": ("_reduce_send_kernel",
             dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                  peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
+            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_send_kernel": ("_reduce_send_kernel",
             dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                  peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
+            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_recv_kernel": ("_reduce_recv_kernel",
             dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
@@ -177,10 +177,10 @@ def test_kernels_compile_with_signal_semantics(compiled):
     # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
     # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,
     # expand: 33 2-byte loads, reduce_send: 32 2-byte peer stores, reduce_recv: 32 2-byte loads).
-    # What stays scalar: one bf16 gate per row.
+    # A lone 2-byte access left is a per-row scalar (a gate).
     if "ld16" in compiled["_expand_kernel"]:  # NVIDIA PTX
         for name, ld_max, st_max in (("_send_tokens_kernel", 1, 1), ("_expand_kernel", 1, 1),
-                                     ("_expand_kernel[rows]", 1, 1), ("_reduce_send_kernel", 4, 0),
+                                     ("_expand_kernel[rows]", 1, 1), ("_reduce_send_kernel", 0, 0),
                                      ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"

@@ -590,7 +590,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
 
 @triton.jit
 def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_ptr, RANK, N_EXP,
-                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
                         T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
@@ -629,6 +629,12 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                 far = valid & (sbase == 0)
                 near = valid & (sbase != 0)
                 stage = tl.multiple_of((my + OFF_SCOMB).to(tl.pointer_type(DT)), 16) + n.to(tl.int64) * D
+            if not ROWS:  # the block's slots, loaded once (not once per column chunk)
+                kk = tl.arange(0, KP)
+                mk = valid[:, None] & (kk < K)[None, :]
+                pos_t = tl.load(pos_ptr + n[:, None] * K + kk[None, :], mask=mk, other=-1)
+                if GATED:
+                    gate_t = tl.load(gate_ptr + n[:, None] * K + kk[None, :], mask=mk, other=0.0).to(ACC)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = (cols < D)[None, :]
@@ -637,14 +643,16 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                                   other=0.0).to(ACC)
                 else:
                     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                    for k in range(K):
-                        pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                    # unrolled: the K row loads of a chunk are in flight together (a loop waited
+                    # for each before issuing the next); the sum keeps the order k = 0, 1, ...
+                    for k in tl.static_range(K):
+                        pk = tl.sum(tl.where(kk[None, :] == k, pos_t, 0), axis=1)
                         ok = valid & (pk >= 0) & (pk < N_EXP)
                         yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :],
                                      mask=ok[:, None] & cm, other=0.0)
                         if GATED:  # the product rounded to DT (exact in ACC before rounding)
-                            yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]
-                                  ).to(DT)
+                            gk = tl.sum(tl.where(kk[None, :] == k, gate_t, 0.0), axis=1)
+                            yv = (yv.to(ACC) * gk[:, None]).to(DT)
                         acc += yv.to(ACC)
                 tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
                 if USE_NVSHMEM:
