@@ -62,12 +62,12 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel[rows]": ("_reduce_send_kernel",
             dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                  peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
+            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_send_kernel": ("_reduce_send_kernel",
             dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                  peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
+            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_recv_kernel": ("_reduce_recv_kernel",
             dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
@@ -109,8 +109,13 @@ def _compile_all(arch: str) -> dict:
     target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", int(arch), 32)
     out = {}
     for name, (fn, sig, constexprs) in _specs(amd).items():
+        jit = getattr(comm, fn)
+        # What the JIT specialises on at a launch with aligned tensors: 16-byte-aligned pointer
+        # arguments and 16-divisible strides carry tt.divisibility = 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(jit.arg_names)
+                 if sig.get(a, "").startswith("*") or a.startswith("stride")}
         sig = dict(sig, **{k: "constexpr" for k in constexprs})
-        k = triton.compile(ASTSource(getattr(comm, fn), sig, constexprs=constexprs), target=target,
+        k = triton.compile(ASTSource(jit, sig, constexprs=constexprs, attrs=attrs), target=target,
                            options={"num_warps": 4})
         if amd:  # AMDGCN: release = L2 write-back before the atomic, acquire = cache invalidate after
             asm = k.asm["amdgcn"]
@@ -124,6 +129,8 @@ def _compile_all(arch: str) -> dict:
                              acquire=ptx.count("sys.acquire"), atomic=ptx.count("atom."),
                              st=ptx.count("st.global"), ld=ptx.count("ld.global"),
                              timer=ptx.count("%globaltimer"), nvshmem=ptx.count("nvshmem"),
+                             ld16=ptx.count("ld.global.b16"), st16=ptx.count("st.global.b16"),
+                             ld_v4=ptx.count("ld.global.v4"), st_v4=ptx.count("st.global.v4"),
                              spill_bytes=_ptxas_spills(ptx, arch))
     return out
 
@@ -166,6 +173,19 @@ def test_kernels_compile_with_signal_semantics(compiled):
     assert compiled["_expand_kernel[rows_dgate]"]["timer"] == 0, "rows_dgate waits for nothing"
     assert compiled["_expand_kernel[rows_dgate]"]["release"] > 0, "rows_dgate: no release of the answers"
     assert compiled["_reduce_send_kernel[rows]"]["release"] > 0 and compiled["_reduce_send_kernel[rows]"]["st"] > 0
+    # Rows move as 16-byte vectors, also through the symmetric regions, whose pointers are made
+    # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
+    # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,
+    # expand: 33 2-byte loads, reduce_send: 32 2-byte peer stores, reduce_recv: 32 2-byte loads).
+    # A lone 2-byte access left is a per-row scalar (a gate).
+    if "ld16" in compiled["_expand_kernel"]:  # NVIDIA PTX
+        for name, ld_max, st_max in (("_send_tokens_kernel", 1, 1), ("_expand_kernel", 1, 1),
+                                     ("_expand_kernel[rows]", 1, 1), ("_reduce_send_kernel", 0, 0),
+                                     ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0)):
+            info = compiled[name]
+            assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"
+            assert info["ld16"] <= ld_max and info["st16"] <= st_max, \
+                f"{name}: {info['ld16']} 2-byte loads, {info['st16']} 2-byte stores (rows moved element by element)"
     # The peer-pointer build (USE_NVSHMEM=False, the default) has no NVSHMEM in it: no module init.
     for name, info in compiled.items():
         assert info.get("nvshmem", 0) == 0, f"{name}: references NVSHMEM with USE_NVSHMEM=False"

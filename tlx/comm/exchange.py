@@ -60,6 +60,12 @@ barrier ONE thread (``tlx/comm/nvshmem.py: one_thread``) makes the CTA's stores 
 calls ``nvshmem_quiet`` (every put complete) and raises the same counter the peer-pointer route
 raises: ``nvshmemx_signal_op`` SET epoch on FLAGS / CFLAGS[RANK], ADD rows on ARRIVE. Receivers poll their own
 memory the same way on both routes. With USE_NVSHMEM=False (default) none of this is compiled.
+
+Row pointers into the symmetric regions are made from integer addresses (peer table + layout
+offset), about which Triton assumes nothing: each is wrapped in ``tl.multiple_of(..., 16)`` (every
+region starts 256-byte aligned: SymmLayout's offsets and the allocations), so a row moves as
+16-byte vectors instead of one 2-byte load or store per bf16 (tests/test_symm_compile.py checks the
+PTX).
 """
 
 from __future__ import annotations
@@ -300,7 +306,7 @@ def _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, 
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     t64 = t.to(tl.int64)
     rem = far_any > 0
-    srows = (my + OFF_SROWS).to(tl.pointer_type(DT)) + t64 * D
+    srows = tl.multiple_of((my + OFF_SROWS).to(tl.pointer_type(DT)), 16) + t64 * D
     for c0 in range(0, D, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)
         cm = rem[:, None] & (cols < D)[None, :]
@@ -435,7 +441,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 far_any = far_any | far.to(tl.int32)
                 m = sent & (base != 0)
             dst = (RANK * T_MAX + row).to(tl.int64)
-            recv = (base + OFF_RECV).to(tl.pointer_type(DT)) + dst * D
+            recv = tl.multiple_of((base + OFF_RECV).to(tl.pointer_type(DT)), 16) + dst * D
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = m[:, None] & (cols < D)[None, :]
@@ -452,7 +458,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
                 tl.store(meta[:, None] + kk[None, :], pk, mask=ml)
                 tl.store(meta + K, t, mask=m)
-                gates = (base + OFF_GATES).to(tl.pointer_type(DT)) + dst * K
+                gates = tl.multiple_of((base + OFF_GATES).to(tl.pointer_type(DT)), 16) + dst * K
                 tl.store(gates[:, None] + kk[None, :], tl.load(gate_ptr + tk, mask=ml, other=0.0), mask=ml)
                 if USE_NVSHMEM:
                     smeta = (my + OFF_SMETA).to(tl.pointer_type(tl.int32)) + (t.to(tl.int64) * W + d) * META_W
@@ -506,7 +512,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src),
                       err_ptr, OP_TOKENS, src, TIMEOUT_NS, CLOCK)
         tl.debug_barrier()
-    recv = (my + OFF_RECV).to(tl.pointer_type(DT))
+    recv = tl.multiple_of((my + OFF_RECV).to(tl.pointer_type(DT)), 16)
     meta = (my + OFF_META).to(tl.pointer_type(tl.int32))
     wr = tl.arange(0, WP)
     hist = tl.zeros([WP], tl.int64)
@@ -584,7 +590,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
 
 @triton.jit
 def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_ptr, RANK, N_EXP,
-                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                        W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
                         T_MAX: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_COMB: tl.constexpr,
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
@@ -617,12 +623,18 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
             tok = tl.load(tok_ptr + n, mask=valid, other=0).to(tl.int64)
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
-            dst = (sbase + OFF_COMB).to(tl.pointer_type(DT)) + (tok * W + RANK) * D
+            dst = tl.multiple_of((sbase + OFF_COMB).to(tl.pointer_type(DT)), 16) + (tok * W + RANK) * D
             near = valid
             if USE_NVSHMEM:
                 far = valid & (sbase == 0)
                 near = valid & (sbase != 0)
-                stage = (my + OFF_SCOMB).to(tl.pointer_type(DT)) + n.to(tl.int64) * D
+                stage = tl.multiple_of((my + OFF_SCOMB).to(tl.pointer_type(DT)), 16) + n.to(tl.int64) * D
+            if not ROWS:  # the block's slots, loaded once (not once per column chunk)
+                kk = tl.arange(0, KP)
+                mk = valid[:, None] & (kk < K)[None, :]
+                pos_t = tl.load(pos_ptr + n[:, None] * K + kk[None, :], mask=mk, other=-1)
+                if GATED:
+                    gate_t = tl.load(gate_ptr + n[:, None] * K + kk[None, :], mask=mk, other=0.0).to(ACC)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = (cols < D)[None, :]
@@ -631,14 +643,16 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                                   other=0.0).to(ACC)
                 else:
                     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                    for k in range(K):
-                        pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                    # unrolled: the K row loads of a chunk are in flight together (a loop waited
+                    # for each before issuing the next); the sum keeps the order k = 0, 1, ...
+                    for k in tl.static_range(K):
+                        pk = tl.sum(tl.where(kk[None, :] == k, pos_t, 0), axis=1)
                         ok = valid & (pk >= 0) & (pk < N_EXP)
                         yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :],
                                      mask=ok[:, None] & cm, other=0.0)
                         if GATED:  # the product rounded to DT (exact in ACC before rounding)
-                            yv = (yv.to(ACC) * tl.load(gate_ptr + n * K + k, mask=ok, other=0.0).to(ACC)[:, None]
-                                  ).to(DT)
+                            gk = tl.sum(tl.where(kk[None, :] == k, gate_t, 0.0), axis=1)
+                            yv = (yv.to(ACC) * gk[:, None]).to(DT)
                         acc += yv.to(ACC)
                 tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
                 if USE_NVSHMEM:
@@ -667,7 +681,7 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
         _wait_geq((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d), err_ptr,
                   OP_COMBINE, d, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
-    comb = (my + OFF_COMB).to(tl.pointer_type(DT))
+    comb = tl.multiple_of((my + OFF_COMB).to(tl.pointer_type(DT)), 16)
     for b in range(pid, tl.cdiv(T, BLOCK_T), nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T

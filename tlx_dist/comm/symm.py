@@ -346,7 +346,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
     br, bd = _tiles(L.hidden)
     _send_launch(bufs, k._reduce_send_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
-        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, D=L.hidden, T_MAX=L.max_tokens,
+        W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
         BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}), **_await_meta(bufs))
 
