@@ -35,7 +35,7 @@ def _specs(amd: bool = False):
     exp_sig = dict(out_ptr="*bf16", src_map_ptr="*i32", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32",
                    rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
     # every constexpr with a default is given: ASTSource does not apply Python defaults
-    exp_cx = dict(W=W, WP=8, K=K, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
+    exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     return {

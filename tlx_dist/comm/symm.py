@@ -255,6 +255,7 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
         bufs.rank, out_ND.shape[0] if n_exp is None else n_exp, WP=_next_pow2(L.world_size), K=L.top_k,
+        KP=_next_pow2(L.top_k),
         D=L.hidden, T_MAX=L.max_tokens, META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate, FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br,
         BLOCK_D=bd, num_warps=4, sends=gate_grad or end, **c, **extra)
