@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
-# Next one-GPU call (written in session 5, not yet run), < 10 min:
-#   source .carry/setup.sh && bash scripts/device/h200_s6.sh
-# Where the fused pipeline's backward loses to the separate one (issue 9: experts.bwd 146.6 ms fused vs
-# 100.9 separate in h200_1gpu training): per-kernel GPU time of one fwd+bwd per provider.
+# Next one-GPU calls (written in session 5, not yet run), each < 10 min, <= 8 files in $OUT:
+#   source .carry/setup.sh && bash scripts/device/h200_s6.sh 1   # the exchange kernels changed on CPU in
+#        session 5 (16-byte row vectors, reduce_send/expand restructured): GPU tier + memcheck. FIRST.
+#   source .carry/setup.sh && bash scripts/device/h200_s6.sh 2   # where the fused backward loses (issue 9)
+#        and the training step profile (issue 10)
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
-t0=$(date +%s)
-timeout 400 python3 bench/moe_layer.py --shapes olmoe,qwen3-30b-a3b --tokens 16384 --latency-tokens "" --reps 5 \
-  --profile --json "$out/moe_layer_prof.json" > "$out/moe_layer_prof.log" 2>&1
-echo "== moe_layer profile rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 18 "per-kernel" "$out/moe_layer_prof.log" | cut -c1-130
-tail -n 8 "$out/moe_layer_prof.log"
+if [ "${1:-1}" = 1 ]; then
+  t0=$(date +%s)
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests/test_symm_gpu.py \
+    tests/test_fused_ep_gpu.py > "$out/exchange_gpu.log" 2>&1
+  echo "== exchange + fused EP GPU tier rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/exchange_gpu.log")"
+  grep -E "^(FAILED|ERROR)" "$out/exchange_gpu.log" | head -n 10
+  t0=$(date +%s)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 scripts/memcheck_exchange.py > "$out/memcheck_exchange.log" 2>&1
+  echo "== memcheck exchange rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok' "$out/memcheck_exchange.log" | tr '\n' ' ')"
+  t0=$(date +%s)
+  timeout 60 python3 bench/dispatch.py --tokens 128,4096 --dims 7168 --experts 256 --profile \
+    --json "$out/dispatch_w1.json" > "$out/dispatch_w1.log" 2>&1
+  echo "== dispatch W=1 rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 10 "^W=1" "$out/dispatch_w1.log"
+else
+  t0=$(date +%s)
+  timeout 330 python3 bench/moe_layer.py --shapes olmoe,qwen3-30b-a3b --tokens 16384 --latency-tokens "" --reps 5 \
+    --profile --json "$out/moe_layer_prof.json" > "$out/moe_layer_prof.log" 2>&1
+  echo "== moe_layer profile rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 18 "per-kernel" "$out/moe_layer_prof.log" | cut -c1-130
+  tail -n 6 "$out/moe_layer_prof.log"
+  t0=$(date +%s)
+  timeout 200 torchrun --standalone --nproc-per-node=1 -m train.pretrain --config configs/h200_1gpu.toml \
+    --override train.steps=12 --override metrics.out_dir=/tmp/run_prof --profile 5 > "$out/profile.log" 2>&1
+  echo "== train profile rc=$? [$(( $(date +%s)-t0 ))s]"; tail -n 30 "$out/profile.log"
+fi
