@@ -8,12 +8,13 @@ set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 if [ "${1:-1}" = 1 ]; then
   t0=$(date +%s)
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests/test_symm_gpu.py \
-    tests/test_fused_ep_gpu.py > "$out/exchange_gpu.log" 2>&1
-  echo "== exchange + fused EP GPU tier rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/exchange_gpu.log")"
+  # test_fused_moe_gpu: the Hopper fused kernel's gather pointers moved into tlx/common/gather.py
+  timeout 390 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests/test_symm_gpu.py \
+    tests/test_fused_ep_gpu.py tests/test_fused_moe_gpu.py > "$out/exchange_gpu.log" 2>&1
+  echo "== exchange + fused GPU tiers rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/exchange_gpu.log")"
   grep -E "^(FAILED|ERROR)" "$out/exchange_gpu.log" | head -n 10
   t0=$(date +%s)
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
     python3 scripts/memcheck_exchange.py > "$out/memcheck_exchange.log" 2>&1
   echo "== memcheck exchange rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok' "$out/memcheck_exchange.log" | tr '\n' ' ')"
   t0=$(date +%s)
