@@ -4,6 +4,9 @@
 #        session 5 (16-byte row vectors, reduce_send/expand restructured): GPU tier + memcheck. FIRST.
 #   source .carry/setup.sh && bash scripts/device/h200_s6.sh 2   # where the fused backward loses (issue 9)
 #        and the training step profile (issue 10)
+#   source .carry/setup.sh && bash scripts/device/h200_s6.sh 3   # fused tile configs of the backward forms
+#        (TLX_DIST_FUSED_CONFIG), fused OLMoE layer fwd+bwd at T=16384 each; compile-checked on CPU first:
+#        scatter at BN=256 does not fit 227 KB (278,720 B), dswiglu spills 288 B at its default
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 if [ "${1:-1}" = 1 ]; then
@@ -21,6 +24,12 @@ if [ "${1:-1}" = 1 ]; then
   timeout 60 python3 bench/dispatch.py --tokens 128,4096 --dims 7168 --experts 256 --profile \
     --json "$out/dispatch_w1.json" > "$out/dispatch_w1.log" 2>&1
   echo "== dispatch W=1 rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 10 "^W=1" "$out/dispatch_w1.log"
+elif [ "$1" = 3 ]; then
+  for c in "" "dswiglu:STAGES=4,LAG=2" "dswiglu:STAGES=5,LAG=3,REGS=232" "wgrad:BK=64,STAGES=3,LAG=1" \
+           "wgrad:BN=128,BK=64,STAGES=4,LAG=2" "scatter:STAGES=3" "scatter:STAGES=5"; do
+    TLX_DIST_FUSED_CONFIG="$c" timeout 70 python3 bench/moe_layer.py --shapes olmoe --tokens 16384 --latency-tokens "" \
+      --providers fused --reps 5 --json /tmp/cfg.json 2>&1 | grep -E "^olmoe +T=" | sed "s|^|[$c] |"
+  done
 else
   t0=$(date +%s)
   timeout 330 python3 bench/moe_layer.py --shapes olmoe,qwen3-30b-a3b --tokens 16384 --latency-tokens "" --reps 5 \
