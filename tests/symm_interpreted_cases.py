@@ -116,7 +116,9 @@ _KINDS = ["random", "one_expert", "zero_token_experts", "heavy_imbalance"]
 
 
 # W = 8 runs two kinds here (the interpreter takes seconds per W = 8 world); the GPU tests run all.
-@pytest.mark.parametrize("W,kind", [(w, k) for w in (2, 4) for k in _KINDS] + [(8, "random"), (8, "heavy_imbalance")])
+# W = 12: more ranks than the kernels unroll (their W > 8 loops) and not a power of two (WP = 16 masks).
+@pytest.mark.parametrize("W,kind", [(w, k) for w in (2, 4) for k in _KINDS]
+                         + [(8, "random"), (8, "heavy_imbalance"), (12, "random")])
 def test_emulated_world_matches_oracles(W, kind):
     """Kinds: random top-K; every token's first choice is the last expert (one expert holds a row of
     every token of the world); only even experts used (zero-token experts on every rank);
@@ -124,6 +126,11 @@ def test_emulated_world_matches_oracles(W, kind):
     E, K, D = 4 * W, 3, 6
     Ts = [3 + 2 * s for s in range(W)]  # unequal T per rank
     _check_world(W, E, K, Ts, D, kind)
+
+
+def test_emulated_world_more_slots_than_unrolled():
+    """K = 10 > 8: the kernels' slot loops stay loops past K = 8 (unrolled below); K close to E."""
+    _check_world(2, 12, 10, [5, 4], 6, "random")
 
 
 def test_emulated_edge_shapes():

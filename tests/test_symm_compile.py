@@ -71,7 +71,7 @@ def _specs(amd: bool = False):
                  BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
         "_reduce_recv_kernel": ("_reduce_recv_kernel",
             dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
-            dict(W=W, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, **tiles, **wait,
+            dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, **tiles, **wait,
                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS"))),
         "_gate_grad_recv_kernel": ("_gate_grad_recv_kernel",
             dict(out_ptr="*fp32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),

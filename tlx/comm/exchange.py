@@ -582,8 +582,14 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                         gk = tl.sum(tl.where(sel, gate_t.to(ACC), 0.0), axis=1)
                         tl.store(out_ptr + p64[:, None] * D + cols[None, :], (v.to(ACC) * gk[:, None]).to(DT),
                                  mask=cmk)
-                else:  # plain copies: unrolled, the K stores of a chunk go out back to back
+                elif K <= 8:  # plain copies: unrolled, the K stores of a chunk go out back to back
                     for k in tl.static_range(K):
+                        sel = kk[None, :] == k
+                        p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
+                        cmk = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
+                        tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cmk)
+                else:
+                    for k in range(K):
                         sel = kk[None, :] == k
                         p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
                         cmk = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
@@ -605,6 +611,19 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
         _publish(hist, peers_ptr, OFF_ARRIVE + (2 * W + RANK) * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
     if END:  # the op's last kernel: ready for the next op
         _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
+
+
+@triton.jit
+def _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D: tl.constexpr, GATED: tl.constexpr,
+                 ACC: tl.constexpr, DT: tl.constexpr):
+    """``acc + [gate *] y[pos]`` for slot ``k`` of a row block (one column chunk)."""
+    pk = tl.sum(tl.where(kk[None, :] == k, pos_t, 0), axis=1)
+    ok = valid & (pk >= 0) & (pk < N_EXP)
+    yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & cm, other=0.0)
+    if GATED:  # the product rounded to DT (exact in ACC before rounding)
+        gk = tl.sum(tl.where(kk[None, :] == k, gate_t, 0.0), axis=1)
+        yv = (yv.to(ACC) * gk[:, None]).to(DT)
+    return acc + yv.to(ACC)
 
 
 @triton.jit
@@ -654,6 +673,8 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                 pos_t = tl.load(pos_ptr + n[:, None] * K + kk[None, :], mask=mk, other=-1)
                 if GATED:
                     gate_t = tl.load(gate_ptr + n[:, None] * K + kk[None, :], mask=mk, other=0.0).to(ACC)
+                else:  # unused
+                    gate_t = tl.zeros([BLOCK_R, KP], ACC)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = (cols < D)[None, :]
@@ -662,17 +683,16 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                                   other=0.0).to(ACC)
                 else:
                     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                    # unrolled: the K row loads of a chunk are in flight together (a loop waited
-                    # for each before issuing the next); the sum keeps the order k = 0, 1, ...
-                    for k in tl.static_range(K):
-                        pk = tl.sum(tl.where(kk[None, :] == k, pos_t, 0), axis=1)
-                        ok = valid & (pk >= 0) & (pk < N_EXP)
-                        yv = tl.load(y_ptr + pk.to(tl.int64)[:, None] * D + cols[None, :],
-                                     mask=ok[:, None] & cm, other=0.0)
-                        if GATED:  # the product rounded to DT (exact in ACC before rounding)
-                            gk = tl.sum(tl.where(kk[None, :] == k, gate_t, 0.0), axis=1)
-                            yv = (yv.to(ACC) * gk[:, None]).to(DT)
-                        acc += yv.to(ACC)
+                    # unrolled up to K = 8: the K row loads of a chunk are in flight together (a loop
+                    # waits for each before issuing the next); the sum keeps the order k = 0, 1, ...
+                    if K <= 8:
+                        for k in tl.static_range(K):
+                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                               ACC, DT)
+                    else:
+                        for k in range(K):
+                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                               ACC, DT)
                 tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
                 if USE_NVSHMEM:
                     tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
@@ -684,7 +704,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
 
 @triton.jit
 def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
-                        W: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
+                        W: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                         OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                         CLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                         END: tl.constexpr = False, WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0,
@@ -701,18 +721,28 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                   OP_COMBINE, d, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
     comb = tl.multiple_of((my + OFF_COMB).to(tl.pointer_type(DT)), 16)
+    wr = tl.arange(0, WP)
     for b in range(pid, tl.cdiv(T, BLOCK_T), nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
         t64 = t.to(tl.int64)
+        # which ranks each token went to, once per block (not once per column chunk)
+        sent_t = (tl.load(send_row_ptr + t[:, None] * W + wr[None, :], mask=tm[:, None] & (wr < W)[None, :],
+                          other=-1) >= 0).to(tl.int32)
         for c0 in range(0, D, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             cm = (cols < D)[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_D], ACC)
-            for d in range(W):
-                sent = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1) >= 0
-                acc += tl.load(comb + (t64 * W + d)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
-                               other=0.0).to(ACC)
+            if W <= 8:  # unrolled: the W partial rows of a chunk load together (the sum keeps d's order)
+                for dd in tl.static_range(W):
+                    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
+                    acc += tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
+                                   other=0.0).to(ACC)
+            else:
+                for dd in range(W):
+                    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
+                    acc += tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
+                                   other=0.0).to(ACC)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(DT), mask=tm[:, None] & cm)
     if END:  # the op's last kernel: ready for the next op
         _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)

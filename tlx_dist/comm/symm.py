@@ -358,7 +358,8 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Te
     br, bd = _tiles(L.hidden)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
     _send_launch(bufs, k._reduce_recv_kernel, _grid(-(-T // br), bufs.device),
-        out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, D=L.hidden, OFF_COMB=L.off_comb,
+        out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
+        OFF_COMB=L.off_comb,
         BLOCK_T=br, BLOCK_D=bd, num_warps=4, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}))
     return out
 
