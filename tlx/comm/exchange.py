@@ -472,6 +472,15 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
 
 
 @triton.jit
+def _store_slot_chunk(v, k, kk, pos_t, ok_i, cols, cm, out_ptr, D: tl.constexpr):
+    """Stores chunk ``v`` of a row block's receive rows into their slot-``k`` expanded rows."""
+    sel = kk[None, :] == k
+    p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
+    m = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
+    tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=m)
+
+
+@triton.jit
 def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, y_ptr, peers_ptr, RANK,
                    N_EXP,
                    W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr,
@@ -540,67 +549,71 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             if USE_NVSHMEM:
                 far = valid & (sbase == 0)
                 near = valid & (sbase != 0)
-        # The block's K slots as [BLOCK_R, KP] tiles: expanded row (pos) and gate of each.
-        kk = tl.arange(0, KP)
-        mk = valid[:, None] & (kk < K)[None, :]
-        rk = n[:, None] * K + kk[None, :]
-        if FROM_META:
-            pos_t = tl.load(meta + n.to(tl.int64)[:, None] * META_W + kk[None, :], mask=mk, other=-1)
-            gate_t = tl.load((my + OFF_GATES).to(tl.pointer_type(DT)) + rk, mask=mk, other=0.0)
-            mo = inr[:, None] & (kk < K)[None, :]  # copied out; rows not received: pos -1, gate 0
-            tl.store(pos_ptr + rk, pos_t, mask=mo)
-            tl.store(gate_ptr + rk, gate_t, mask=mo)
-        else:
-            pos_t = tl.load(pos_ptr + rk, mask=mk, other=-1)
-            gate_t = tl.load(gate_ptr + rk, mask=mk, other=0.0)
-        ok_t = mk & (pos_t >= 0) & (pos_t < N_EXP)
-        over = tl.maximum(over, tl.max((mk & (pos_t >= N_EXP)).to(tl.int32), axis=1))
-        tl.store(src_map_ptr + pos_t, rk, mask=ok_t)
-        if GATE_N:
-            tl.store(gate_n_ptr + pos_t, gate_t.to(gate_n_ptr.dtype.element_ty), mask=ok_t)
-        if DGATE_GIVEN:
-            dg_t = tl.load(y_ptr + pos_t.to(tl.int64), mask=ok_t, other=0.0).to(ACC)
-        else:
-            dg_t = tl.zeros([BLOCK_R, KP], ACC)
-        if COPY:
-            # Column chunk outside, slots inside: each receive-row chunk is loaded once and stored
-            # to its expanded rows (it was re-loaded per slot), and the chain of dependent loads of
-            # a row block is D / BLOCK_D long instead of K * D / BLOCK_D. Gate gradients add up per
-            # slot in dg_t, each slot's chunks in column order as before.
-            ok_i = ok_t.to(tl.int32)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = (cols < D)[None, :]
-                v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm, other=0.0)
-                if GATE_GRAD:  # a loop: K [BLOCK_R, BLOCK_D] fp32 tiles of y would not fit in registers
-                    for k in range(K):
-                        sel = kk[None, :] == k
-                        p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
-                        cmk = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
-                        yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cmk, other=0.0).to(ACC)
-                        dg_t += tl.where(sel, tl.sum(v.to(ACC) * yv, axis=1)[:, None], 0.0)
-                        gk = tl.sum(tl.where(sel, gate_t.to(ACC), 0.0), axis=1)
-                        tl.store(out_ptr + p64[:, None] * D + cols[None, :], (v.to(ACC) * gk[:, None]).to(DT),
-                                 mask=cmk)
-                elif K <= 8:  # plain copies: unrolled, the K stores of a chunk go out back to back
-                    for k in tl.static_range(K):
-                        sel = kk[None, :] == k
-                        p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
-                        cmk = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
-                        tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cmk)
+        if GATE_GRAD:  # combine's backward (and the row form's given gate gradients): slot by slot
+            for k in range(K):
+                pk = tl.load(pos_ptr + n * K + k, mask=valid, other=-1)
+                gk = tl.load(gate_ptr + n * K + k, mask=valid, other=0.0)
+                ok = valid & (pk >= 0) & (pk < N_EXP)
+                over = tl.maximum(over, (valid & (pk >= N_EXP)).to(tl.int32))
+                tl.store(src_map_ptr + pk, n * K + k, mask=ok)
+                if GATE_N:
+                    tl.store(gate_n_ptr + pk, gk.to(gate_n_ptr.dtype.element_ty), mask=ok)
+                p64 = pk.to(tl.int64)
+                if DGATE_GIVEN:
+                    dg = tl.load(y_ptr + p64, mask=ok, other=0.0).to(ACC)
                 else:
-                    for k in range(K):
-                        sel = kk[None, :] == k
-                        p64 = tl.sum(tl.where(sel, pos_t, 0), axis=1).to(tl.int64)
-                        cmk = (tl.sum(tl.where(sel, ok_i, 0), axis=1) > 0)[:, None] & cm
-                        tl.store(out_ptr + p64[:, None] * D + cols[None, :], v, mask=cmk)
-        if GATE_GRAD:  # every slot of this rank answers (0 for an overflowed one)
-            has = mk & (pos_t >= 0)
-            dst = (sbase + OFF_DGATE).to(tl.pointer_type(ACC))[:, None] + tok.to(tl.int64)[:, None] * K + kk[None, :]
-            tl.store(dst, dg_t, mask=has & near[:, None])
-            if USE_NVSHMEM:
-                sdg = (my + OFF_SDGATE).to(tl.pointer_type(ACC)) + n.to(tl.int64)[:, None] * K + kk[None, :]
-                tl.store(sdg, dg_t, mask=has & far[:, None])
+                    dg = tl.zeros([BLOCK_R], ACC)
+                if COPY:  # gate-scaled rows and the slot's gate gradient <recv[n], y[pos]>
+                    for c0 in range(0, D, BLOCK_D):
+                        cols = c0 + tl.arange(0, BLOCK_D)
+                        cm = ok[:, None] & (cols < D)[None, :]
+                        v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=cm, other=0.0)
+                        yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cm, other=0.0).to(ACC)
+                        dg += tl.sum(v.to(ACC) * yv, axis=1)
+                        tl.store(out_ptr + p64[:, None] * D + cols[None, :],
+                                 (v.to(ACC) * gk.to(ACC)[:, None]).to(DT), mask=cm)
+                # every slot of this rank answers (0 for an overflowed one)
+                has = near & (pk >= 0)
+                dst = (sbase + OFF_DGATE).to(tl.pointer_type(ACC)) + tok.to(tl.int64) * K + k
+                tl.store(dst, dg, mask=has)
+                if USE_NVSHMEM:
+                    sdg = (my + OFF_SDGATE).to(tl.pointer_type(ACC)) + n.to(tl.int64) * K + k
+                    tl.store(sdg, dg, mask=far & (pk >= 0))
+        else:
+            # Dispatch: the block's K slots as [BLOCK_R, KP] tiles (expanded row and gate of each).
+            kk = tl.arange(0, KP)
+            mk = valid[:, None] & (kk < K)[None, :]
+            rk = n[:, None] * K + kk[None, :]
+            if FROM_META:
+                pos_t = tl.load(meta + n.to(tl.int64)[:, None] * META_W + kk[None, :], mask=mk, other=-1)
+                gate_t = tl.load((my + OFF_GATES).to(tl.pointer_type(DT)) + rk, mask=mk, other=0.0)
+                mo = inr[:, None] & (kk < K)[None, :]  # copied out; rows not received: pos -1, gate 0
+                tl.store(pos_ptr + rk, pos_t, mask=mo)
+                tl.store(gate_ptr + rk, gate_t, mask=mo)
+            else:
+                pos_t = tl.load(pos_ptr + rk, mask=mk, other=-1)
+                gate_t = tl.load(gate_ptr + rk, mask=mk, other=0.0)
+            ok_t = mk & (pos_t >= 0) & (pos_t < N_EXP)
+            over = tl.maximum(over, tl.max((mk & (pos_t >= N_EXP)).to(tl.int32), axis=1))
+            tl.store(src_map_ptr + pos_t, rk, mask=ok_t)
+            if GATE_N:
+                tl.store(gate_n_ptr + pos_t, gate_t.to(gate_n_ptr.dtype.element_ty), mask=ok_t)
+            if COPY:
+                # Column chunk outside, slots inside: each receive-row chunk is loaded once and
+                # stored to its expanded rows (it was re-loaded per slot), and the chain of dependent
+                # loads of a row block is D / BLOCK_D long, not K * D / BLOCK_D.
+                ok_i = ok_t.to(tl.int32)
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = (cols < D)[None, :]
+                    v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
+                                other=0.0)
+                    if K <= 8:  # unrolled: the K stores of a chunk go out back to back
+                        for k in tl.static_range(K):
+                            _store_slot_chunk(v, k, kk, pos_t, ok_i, cols, cm, out_ptr, D)
+                    else:
+                        for k in range(K):
+                            _store_slot_chunk(v, k, kk, pos_t, ok_i, cols, cm, out_ptr, D)
         if GATE_GRAD:
             if USE_NVSHMEM:
                 _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, W, K, T_MAX,
