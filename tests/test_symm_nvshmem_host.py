@@ -126,3 +126,16 @@ def test_groups_spanning_nodes_pick_nvshmem():
         assert kind == "ValueError" and "spans nodes" in msg and "nvshmem" in msg
     for kind, msg in auto:
         assert kind == "RuntimeError" and "NVSHMEM" in msg and "all_to_all" in msg
+
+
+def test_region_bases_must_be_16_byte_aligned():
+    """The exchange kernels declare every region start 16-byte aligned (16-byte row vectors), so a
+    misaligned peer base is refused when the buffers are built, not left to fault in a kernel."""
+    L = SymmLayout.build(4, 8, 2, 4, 2, torch.float32)
+    mem = torch.zeros(2 * L.nbytes + 16, dtype=torch.uint8)
+    base = mem.data_ptr() + (-mem.data_ptr()) % 16
+    b = SymmBuffers.__new__(SymmBuffers)
+    b._init(L, 0, mem, [base, base + L.nbytes], [0, 1], "emulated", None, 1.0)  # aligned: fine
+    with pytest.raises(RuntimeError, match=r"16-byte aligned.*\(1, "):
+        SymmBuffers.__new__(SymmBuffers)._init(L, 0, mem, [base, base + L.nbytes + 8], [0, 1], "emulated", None,
+                                               1.0)

@@ -239,6 +239,11 @@ class SymmBuffers:
         self._mem = mem
         self._handle = handle
         self.device = mem.device
+        # The kernels declare every region start 16-byte aligned (tl.multiple_of: rows move as 16-byte
+        # vectors); the layout aligns offsets to 256 bytes, so the bases must be aligned too.
+        odd = [(d, hex(p)) for d, p in enumerate(ptrs) if p % 16]
+        if odd:
+            raise RuntimeError(f"symmetric regions must start 16-byte aligned; (rank, base) {odd} do not")
         self.peers = torch.tensor(ptrs, dtype=torch.int64, device=mem.device)
         self.pes = torch.tensor(pes, dtype=torch.int32, device=mem.device)
         # The NVSHMEM variants of the sending kernels run only when a peer has no pointer.
