@@ -375,3 +375,27 @@ def test_expert_parallel_patch_export_unpatch(arch):
         for k, v in sd.items():
             assert torch.equal(r["exported"][k], v), k
         torch.testing.assert_close(r["unpatched"], r["original"], rtol=0, atol=0)
+
+
+def test_bench_separates_routing_flips_from_numerical_error():
+    """bench/hf_block.py's sanity columns: a token whose top-K set differs between bf16 and fp32
+    router logits is counted as a flip, and the rel diff is taken over the other tokens only."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import hf_block
+    finally:
+        sys.path.pop(0)
+    # scores far apart in both precisions: no flips (a tie's bf16 order is up to topk)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.bfloat16)
+    w = torch.tensor([[1.0, 0.0], [0.5, 0.25], [0.0, 2.0]], dtype=torch.bfloat16)
+    flips = hf_block.routing_flips(x, w, 2)
+    assert flips.dtype == torch.bool and flips.tolist() == [False, False]
+    ref = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    out = torch.tensor([[9.0, 9.0], [3.0, 4.04]])
+    err, n = hf_block.compare(out, ref, torch.tensor([True, False]))
+    assert n == 1 and abs(err - 0.04 / 4.0) < 1e-6  # the flipped row's error is left out
+    err_all, n0 = hf_block.compare(out, ref, torch.tensor([False, False]))
+    assert n0 == 0 and abs(err_all - 8.0 / 4.0) < 1e-6  # |9 - 1| / max|ref|
