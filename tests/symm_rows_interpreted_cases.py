@@ -209,3 +209,31 @@ def test_rows_bad_input():
     from tlx_dist import MoELayer
     with pytest.raises(ValueError, match="pipeline='fused' runs its own gather/scatter GEMMs"):
         MoELayer(make_cfg(), dispatcher="local", pipeline="fused", gemm_backend="torch")
+
+
+def test_bench_rows_check_passes_and_can_fail():
+    """bench/dispatch.py's row-form check (run before its rows_graph timing on GPUs): it passes on a
+    correct exchange and fails on a wrong anchor or a wrong rank count."""
+    import sys
+
+    from tlx_dist.comm import LocalDispatcher
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import dispatch as bench_dispatch
+    finally:
+        sys.path.pop(0)
+    E, T, D, K = 8, 12, 16, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    gate, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, dim=1)
+    ra, _ = LocalDispatcher(E, validate=False).dispatch(x, idx, gate)
+    sd = SymmDispatcher(E, max_tokens=T, capacity=2.0, validate=False)
+    ranks_T = torch.ones(T, dtype=torch.long)  # one rank: every token reaches it once
+    recv, h = bench_dispatch.rows_check(sd, x, idx, gate, ra, ranks_T)
+    assert recv.shape == (T, D) and isinstance(h, SymmHandle)
+    with pytest.raises(AssertionError, match="expert-major rows"):
+        bench_dispatch.rows_check(sd, x, idx, gate, ra.flip(0), ranks_T)
+    with pytest.raises(AssertionError, match="x \\* ranks reached"):
+        bench_dispatch.rows_check(sd, x, idx, gate, ra, ranks_T + 1)
+    sd.check()
