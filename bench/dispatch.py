@@ -42,6 +42,8 @@ import sys
 
 import torch
 
+from _profile import kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
+
 K = 8
 
 
@@ -69,43 +71,6 @@ def _pair_us(fd, fc, reps: int, sync) -> float:
             fd()
             fc()
     return _median_ms(run, 5, sync) * 1e3 / reps
-
-
-def _kernel_profile(fd, fc, iters: int, sync, top: int = 14) -> str:
-    """Per-kernel CUDA time of ``iters`` dispatch+combine pairs (torch.profiler), per pair."""
-    from torch.profiler import ProfilerActivity, profile
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fd()
-            fc()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append((t / iters, ev.count / iters, ev.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    out = [f"  {'us/pair':>9} {'calls':>6}  kernel (total {total:.1f} us of GPU time per pair)"]
-    out += [f"  {t:9.1f} {c:6.1f}  {k[:90]}" for t, c, k in rows[:top]]
-    return "\n".join(out)
-
-
-def _graphs(disp, x, idx, gate):
-    """CUDA graphs of one dispatch and one combine (buffers warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        r, h = disp.dispatch(x, idx, gate)
-        disp.combine_weighted(r, h, gate)
-    torch.cuda.current_stream().wait_stream(side)
-    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gd):
-        r, h = disp.dispatch(x, idx, gate)
-    with torch.cuda.graph(gc):
-        disp.combine_weighted(r, h, gate)
-    return gd.replay, gc.replay
 
 
 def rows_check(disp, x, idx, gate, ra, n_ranks_T):
@@ -209,7 +174,7 @@ def main() -> int:
                     tc = _median_ms(fc, args.iters, sync) / 1e3
                     tp = _pair_us(fd, fc, args.pair_reps, sync)
                     if args.profile and name != "nccl" and name != "local":
-                        prof = _kernel_profile(fd, fc, args.iters, sync)
+                        prof = kernel_profile(lambda: (fd(), fc()), args.iters, sync, top=14, per="pair")
                         if r == 0:
                             print(f"\n{name} E={E} D={D} T={T} W={W}: per-kernel GPU time\n{prof}", flush=True)
                     res[name] = dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,

@@ -44,6 +44,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from _profile import kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
+
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -179,27 +181,6 @@ def _graph_in_child(shape: str, provider: str, T: int, reps: int) -> dict:
 
 def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def kernel_profile(step, iters: int, sync, top: int = 16) -> str:
-    """Per-kernel CUDA time of one ``step()`` (torch.profiler over ``iters`` steps, per step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append((t / iters, ev.count / iters, ev.key))
-    rows.sort(reverse=True)
-    total = sum(v[0] for v in rows)
-    out = [f"  {'us/step':>9} {'calls':>6}  kernel (total {total:.1f} us of GPU time per step)"]
-    out += [f"  {t:9.1f} {c:6.1f}  {k[:90]}" for t, c, k in rows[:top]]
-    return "\n".join(out)
 
 
 def ep_main(args) -> int:
