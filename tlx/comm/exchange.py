@@ -716,6 +716,14 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
 
 
 @triton.jit
+def _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W: tl.constexpr, D: tl.constexpr, ACC: tl.constexpr):
+    """``acc + COMB[t, dd]`` (one column chunk) for the tokens of the block that went to rank ``dd``."""
+    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
+    return acc + tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
+                         other=0.0).to(ACC)
+
+
+@triton.jit
 def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                         W: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, OFF_STATE: tl.constexpr, OFF_ARRIVE: tl.constexpr,
                         OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
@@ -748,14 +756,10 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
             acc = tl.zeros([BLOCK_T, BLOCK_D], ACC)
             if W <= 8:  # unrolled: the W partial rows of a chunk load together (the sum keeps d's order)
                 for dd in tl.static_range(W):
-                    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
-                    acc += tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
-                                   other=0.0).to(ACC)
+                    acc = _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W, D, ACC)
             else:
                 for dd in range(W):
-                    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
-                    acc += tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
-                                   other=0.0).to(ACC)
+                    acc = _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W, D, ACC)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(DT), mask=tm[:, None] & cm)
     if END:  # the op's last kernel: ready for the next op
         _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
