@@ -89,6 +89,22 @@ def rows_check(disp, x, idx, gate, ra, n_ranks_T):
     return recv, h
 
 
+def _graphs(disp, x, idx, gate):
+    """CUDA graphs of one dispatch and one combine (buffers warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        r, h = disp.dispatch(x, idx, gate)
+        disp.combine_weighted(r, h, gate)
+    torch.cuda.current_stream().wait_stream(side)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        r, h = disp.dispatch(x, idx, gate)
+    with torch.cuda.graph(gc):
+        disp.combine_weighted(r, h, gate)
+    return gd.replay, gc.replay
+
+
 def _graphs_rows(disp, x, idx, gate):
     """CUDA graphs of one ``dispatch_rows`` and one ``combine_rows`` (warmed up on a side stream)."""
     side = torch.cuda.Stream()
