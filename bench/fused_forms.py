@@ -1,0 +1,150 @@
+"""Each fused expert kernel form against the plain grouped GEMM of the same FLOPs (one GPU).
+
+Where the fused layer loses time, kernel by kernel: the six launches of one fused fwd+bwd
+(tlx_dist/fused/backends.py ``compose_forward`` / ``compose_backward``), each timed alone and beside
+the landed TLX grouped GEMM (``grouped_mm`` / ``grouped_mm_wgrad``, backend "tlx") on operands that
+are already gathered -- the same FLOPs without the gather, the epilogue or the atomics:
+
+    form        fused kernel                                  anchor (pre-gathered operands)
+    swiglu      h, a = SwiGLU(x[src] @ w13)                   x_perm @ w13
+    scatter     out[dst] += gate * (a @ w2)   (fp32 atomics)  a @ w2
+    dswiglu     dh, ag, dgate from dout[dst] @ w2^T           dout_perm @ w2^T
+    scatter_dx  dx[src] += dh @ w13^T         (fp32 atomics)  dh @ w13^T
+    wgrad_a     dW13 = x[src]^T @ dh          (gathered A)    x_perm^T @ dh
+    wgrad_b     dW2 = ag^T @ dout[dst]        (gathered B)    ag^T @ dout_perm
+
+Routing: softmax top-K of random logits (seeded). Medians of triton.testing.do_bench (ms);
+TFLOP/s = 2 * rows * in * out / time; "x anchor" = anchor time / fused time (> 1: fused faster).
+
+    python bench/fused_forms.py [--shapes olmoe,qwen3-30b-a3b] [--tokens 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+SHAPES = {  # name: (D, F, E, K), as bench/moe_layer.py
+    "olmoe": (2048, 1024, 64, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+    "mixtral": (4096, 14336, 8, 2),
+    "deepseek-v3-rank": (7168, 2048, 32, 8),
+}
+
+
+def routing(T: int, E: int, K: int, device, seed: int = 0):
+    """(src_N == dst_N token of each expert-major row, gate_N, offsets_E int32), as fused_experts."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(T, E, generator=g).to(device)
+    gate_TK, idx_TK = torch.softmax(logits, -1).topk(K, -1)
+    expert_S, order_S = torch.sort(idx_TK.reshape(-1), stable=True)
+    offsets_E = torch.searchsorted(expert_S, torch.arange(E, device=device, dtype=expert_S.dtype),
+                                   right=True, out_int32=True)
+    tok_N = torch.div(order_S, K, rounding_mode="floor").to(torch.int32)
+    return tok_N, gate_TK.reshape(-1)[order_S].contiguous(), offsets_E
+
+
+def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
+    """{form: (fused callable, anchor callable, rows, in_dim, out_dim)}."""
+    from tlx_dist.grouped_gemm.api import grouped_mm, grouped_mm_wgrad
+
+    tok_N, gate_N, offsets_E = routing(T, E, K, device)
+    N = tok_N.shape[0]
+    s = 0.05
+    x = torch.randn(T, D, device=device, dtype=dtype)
+    dout = torch.randn(T, D, device=device, dtype=dtype)
+    w13 = torch.randn(E, D, 2 * F, device=device, dtype=dtype) * s
+    w2 = torch.randn(E, F, D, device=device, dtype=dtype) * s
+    tile_cum = p.tile_cum(offsets_E, N, x)
+    order = p.wgrad_order(offsets_E)
+    h, a = p.gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum)
+    dh, ag, _ = p.down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum)
+    x_perm, dout_perm = x[tok_N.long()], dout[tok_N.long()]
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    tlx = dict(backend="tlx")
+    return {
+        "swiglu": (lambda: p.gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum),
+                   lambda: grouped_mm(x_perm, w13, offsets_E, **tlx), N, D, 2 * F),
+        "scatter": (lambda: p.down_scatter(a, w2, offsets_E, tok_N, gate_N, T, tile_cum),
+                    lambda: grouped_mm(a, w2, offsets_E, **tlx), N, F, D),
+        "dswiglu": (lambda: p.down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum),
+                    lambda: grouped_mm(dout_perm, w2_t, offsets_E, **tlx), N, D, F),
+        "scatter_dx": (lambda: p.down_scatter(dh, w13_t, offsets_E, tok_N, None, T, tile_cum),
+                       lambda: grouped_mm(dh, w13_t, offsets_E, **tlx), N, 2 * F, D),
+        "wgrad_a": (lambda: p.wgrad_gather(x, tok_N, dh, None, offsets_E, order),
+                    lambda: grouped_mm_wgrad(x_perm, dh, offsets_E, **tlx), N, D, 2 * F),
+        "wgrad_b": (lambda: p.wgrad_gather(ag, None, dout, tok_N, offsets_E, order),
+                    lambda: grouped_mm_wgrad(ag, dout_perm, offsets_E, **tlx), N, F, D),
+    }
+
+
+def check_wgrad(p, T, D, F, E, K, device) -> float:
+    """Max relative error of both gathered dW forms against the anchor on the same operands."""
+    from tlx_dist.grouped_gemm.api import grouped_mm_wgrad
+
+    tok_N, _, offsets_E = routing(T, E, K, device, seed=1)
+    x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(tok_N.shape[0], 2 * F, device=device, dtype=torch.bfloat16)
+    order = p.wgrad_order(offsets_E)
+    worst = 0.0
+    for got, want in (
+        (p.wgrad_gather(x, tok_N, dy, None, offsets_E, order), grouped_mm_wgrad(x[tok_N.long()], dy, offsets_E)),
+        (p.wgrad_gather(dy, None, x, tok_N, offsets_E, order), grouped_mm_wgrad(dy, x[tok_N.long()], offsets_E)),
+    ):
+        err = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)
+        worst = max(worst, float(err))
+    return worst
+
+
+def main() -> int:
+    import triton
+
+    from tlx_dist.fused.tlx_backend import _tlx_prims
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="olmoe,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="16384")
+    ap.add_argument("--forms", default="swiglu,scatter,dswiglu,scatter_dx,wgrad_a,wgrad_b")
+    ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/fused_forms.py needs a CUDA GPU with TLX (Hopper)", file=sys.stderr)
+        return 2
+    p = _tlx_prims()  # the launchers of this GPU generation's TLX fused kernels
+    rows = []
+    print("| shape | T | form | fused ms | fused TFLOP/s | anchor ms | anchor TFLOP/s | x anchor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        D, F, E, K = SHAPES[name]
+        for T in (int(t) for t in args.tokens.split(",")):
+            fs = forms(p, T, D, F, E, K, "cuda")
+            for form in args.forms.split(","):
+                fused, anchor, n, k_in, k_out = fs[form]
+                tf = triton.testing.do_bench(fused, rep=args.rep, return_mode="median")
+                ta = triton.testing.do_bench(anchor, rep=args.rep, return_mode="median")
+                fl = 2.0 * n * k_in * k_out
+                r = dict(shape=name, T=T, form=form, fused_ms=tf, anchor_ms=ta, fused_tflops=fl / tf / 1e9,
+                         anchor_tflops=fl / ta / 1e9, ratio=ta / tf)
+                rows.append(r)
+                print(f"| {name} | {T} | {form} | {tf:.3f} | {r['fused_tflops']:.0f} | {ta:.3f} | "
+                      f"{r['anchor_tflops']:.0f} | {r['ratio']:.2f} |", flush=True)
+            del fs
+            torch.cuda.empty_cache()
+    err = check_wgrad(p, 4096, 2048, 1024, 64, 8, "cuda")
+    print(f"\ngathered dW vs grouped_mm_wgrad on pre-gathered rows: max rel err {err:.2e}")
+    for form in sorted({r["form"] for r in rows}):
+        print(f"median x anchor {form}: {statistics.median(r['ratio'] for r in rows if r['form'] == form):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, wgrad_check_rel_err=err), f, indent=1)
+    return 0 if err < 1e-2 else 1  # two results of one fp32 sum round at most one bf16 ulp (2**-7 of the max) apart
+
+
+if __name__ == "__main__":
+    sys.exit(main())
