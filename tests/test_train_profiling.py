@@ -57,6 +57,18 @@ BWD = "autograd::engine::evaluate_function: {}"
     ("cudnn_generated_fort_native_sdpa_sm90_knob_7", ["aten::_scaled_dot_product_cudnn_attention_backward",
                                                       BWD.format("ScaledDotProductCudnnAttentionBackward0"), STEP],
      "attention"),
+    # The fused expert pipeline: its GEMM kernels are expert GEMMs (as H200 profiles name them);
+    # the fills and casts of its op are not.
+    ("_fused_mm_hopper_kernel", ["tlx_dist::fused_experts_fwd", "MoELayer", STEP], "expert GEMMs"),
+    ("_fused_wgrad_hopper_kernel", ["tlx_dist::fused_experts_bwd",
+                                    "GeneratedBackwardFor_tlx_dist_fused_experts_fwd_default", STEP], "expert GEMMs"),
+    ("_fused_mm_blackwell_kernel", ["tlx_dist::fused_experts_fwd", STEP], "expert GEMMs"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+     ["aten::fill_", "aten::zero_", "aten::zeros", "tlx_dist::fused_experts_fwd", STEP], "elementwise/casts"),
+    # The symmetric-memory exchange kernels, also outside a dispatcher scope (the fused EP pipeline).
+    ("_send_tokens_kernel", ["tlx_dist::dispatch_rows", STEP], "exchange"),
+    ("_reduce_send_kernel", [STEP], "exchange"),
+    ("_route_kernel", [STEP], "exchange"),
     # Other GEMMs: cuBLAS kernels under mm / linear, and their backward; CPU mm by op name.
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", ["aten::mm", "aten::matmul", "aten::linear", STEP], "other GEMMs"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ["aten::mm", BWD.format("MmBackward0"), STEP],

@@ -19,10 +19,14 @@ Categories:
     exchange         token dispatch / combine: everything inside the ``moe.dispatch`` /
                      ``moe.combine`` scopes this module opens around each dispatcher call, their
                      autograd backward nodes (``_PermuteRows``, ``_ReplicateRows``,
-                     ``_AllToAllRows``), all_to_all, the symmetric-memory dispatch/combine kernels
+                     ``_AllToAllRows``), all_to_all, the symmetric-memory exchange kernels (route,
+                     send, expand, reduce-send / -recv, gate-grad-recv) wherever they run
     communication    NCCL / gloo collectives, FSDP2's all-gather / reduce-scatter and their copies
     optimizer        ``Optimizer.step``, ``zero_grad``, gradient clipping, router-bias update
-    expert GEMMs     grouped GEMMs: ``tlx_dist::grouped_mm*``, ``aten::_grouped_mm``, grouped kernels
+    expert GEMMs     grouped GEMMs: ``tlx_dist::grouped_mm*``, ``aten::_grouped_mm``, grouped kernels;
+                     the fused expert pipeline's ``_fused_mm_*`` / ``_fused_wgrad_*`` kernels (their
+                     epilogues hold the SwiGLU and the gate scaling; the op's fills and casts stay
+                     elementwise)
     attention        SDPA (flash / cuDNN / memory-efficient kernels and their backward)
     other GEMMs      ``mm`` / ``addmm`` / ``bmm`` / ``linear`` and cuBLAS / CUTLASS GEMM kernels
     elementwise/casts  everything else that computes: casts and copies, pointwise ops, norms,
@@ -56,12 +60,14 @@ CATEGORIES = ("expert GEMMs", "exchange", "attention", "other GEMMs", "elementwi
 _SCOPE = re.compile(r"^moe\.(dispatch|combine)$")
 _RULES = [  # (category, pattern), in priority order at one name
     ("exchange", re.compile(r"PermuteRows|ReplicateRows|AllToAllRows|all_to_all|alltoall"
-                            r"|_dispatch_\w*kernel|_combine_\w*kernel|barrier_(signal|wait)_kernel", re.I)),
+                            r"|_dispatch_\w*kernel|_combine_\w*kernel|barrier_(signal|wait)_kernel"
+                            r"|^_(route|send_tokens|expand|reduce_send|reduce_recv|gate_grad_recv)_kernel", re.I)),
     ("communication", re.compile(r"^nccl:|c10d::|record_param_comms|FSDP::|all_gather|allgather|reduce_scatter"
                                  r"|reducescatter|all_reduce|allreduce|c10d_functional|^gloo:", re.I)),
     ("optimizer", re.compile(r"Optimizer\.step|Optimizer\.zero_grad|train\.clip_grad_norm|train\.router_bias"
                              r"|_fused_adamw?_|FusedAdam", re.I)),
-    ("expert GEMMs", re.compile(r"grouped_mm|grouped_gemm|grouped_wgrad|GroupedMm", re.I)),
+    ("expert GEMMs", re.compile(r"grouped_mm|grouped_gemm|grouped_wgrad|GroupedMm"
+                                r"|^_fused_(mm|wgrad)_\w*kernel", re.I)),
     ("attention", re.compile(r"scaled_dot_product|flash_attention|flash_fwd|flash_bwd|fmha|efficient_attention"
                              r"|cudnn_attention|sdpa|_attn_fwd|_attn_bwd", re.I)),
 ]
