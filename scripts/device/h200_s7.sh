@@ -4,6 +4,8 @@
 # 1: fused forms kernel by kernel (bench/fused_forms.py) with the landed dW kernel (index load in the
 #    producer's critical path, copied to scripts/device/_old_fused_moe.py) and with the index prefetch;
 #    the fused GPU tier; then the one-GPU training recipe (tokens/s, MFU, per-category profile).
+# 2: tile-config sweep of every fused form (TLX_DIST_FUSED_CONFIG rounds, each compile-checked on CPU
+#    to fit 227 KB), then the training recipe with the fastest config of each form.
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 if [ "${1:-1}" = 1 ]; then
@@ -25,4 +27,25 @@ if [ "${1:-1}" = 1 ]; then
     --override train.steps=30 --override metrics.out_dir=/tmp/run_s7 --profile 5 \
     > "$out/train.log" 2>&1
   echo "== train h200_1gpu rc=$? [$(( $(date +%s)-t0 ))s]"; grep -v "^\s*$" "$out/train.log" | tail -n 40 | cut -c1-160
+elif [ "$1" = 2 ]; then
+  i=0
+  for c in "" "swiglu:STAGES=3,LAG=1;scatter:STAGES=3;dswiglu:STAGES=4,LAG=2;wgrad:STAGES=4,LAG=2" \
+      "swiglu:BK=32,STAGES=8,LAG=6;scatter:STAGES=5;dswiglu:STAGES=5,LAG=3,REGS=232;wgrad:BN=128,BK=64,STAGES=4,LAG=2" \
+      "dswiglu:BK=32,STAGES=8,LAG=6;wgrad:BK=64,STAGES=3,LAG=1;scatter:BN=64,STAGES=6" \
+      "dswiglu:GROUP_M=8;scatter:GROUP_M=8;swiglu:GROUP_M=8;wgrad:GROUP_M=8" \
+      "dswiglu:BN=64,STAGES=8,LAG=6;scatter:BK=128,STAGES=2;wgrad:STAGES=5,LAG=2"; do
+    TLX_DIST_FUSED_CONFIG="$c" timeout 90 python3 bench/fused_forms.py --shapes olmoe --rep 40 \
+      --json "/tmp/sweep_$i.json" > "/tmp/sweep_$i.log" 2>&1
+    echo "== round $i rc=$? [$c]"; grep -E "^\| olmoe" "/tmp/sweep_$i.log" | cut -d'|' -f4,5,9 | tr '\n' ' '; echo
+    echo "$c" > "/tmp/sweep_$i.cfg"; i=$((i+1))
+  done
+  best=$(python3 scripts/device/pick_fused_config.py /tmp/sweep_*.json)
+  echo "== best per form: [$best]"
+  cp /tmp/sweep_*.json "$out/" 2>/dev/null
+  t0=$(date +%s)
+  TLX_DIST_FUSED_CONFIG="$best" timeout 170 torchrun --standalone --nproc-per-node=1 -m train.pretrain \
+    --config configs/h200_1gpu.toml --override train.steps=40 --override metrics.out_dir=/tmp/run_s7b --profile 5 \
+    > "$out/train_best.log" 2>&1
+  echo "== train h200_1gpu (best configs) rc=$? [$(( $(date +%s)-t0 ))s]"
+  grep -A 14 "^step profile" "$out/train_best.log"; grep -E "^step +(20|40)/" "$out/train_best.log" | cut -c1-170
 fi
