@@ -40,7 +40,7 @@ LAUNCHES = {
 
 
 def _base(form: str) -> str:
-    return "scatter" if form == "scatter_t" else "wgrad" if form.startswith("wgrad") else form
+    return "scatter" if form == "scatter_t" else form
 
 
 @functools.lru_cache(maxsize=None)

@@ -240,7 +240,13 @@ def test_tile_config_errors_name_the_field():
         _env_overrides("swiglu:BX=64")
     with pytest.raises(ValueError, match=r"bytes of shared memory"):
         _env_overrides("swiglu:STAGES=8")
-    assert _env_overrides("swiglu:STAGES=3,LAG=1; wgrad:BK=64,STAGES=3,LAG=1")["wgrad"].BK == 64
+    over = _env_overrides("swiglu:STAGES=3,LAG=1; wgrad:BK=64,STAGES=3,LAG=1")
+    assert over["wgrad_a"].BK == 64 and over["wgrad_b"].BK == 64 and "wgrad" not in over  # the alias sets both
+    over = _env_overrides("wgrad_b:STAGES=4,LAG=2")
+    assert set(over) == {"wgrad_b"} and over["wgrad_b"].STAGES == 4
+    # dW13 gathers A (x[src]) and dW2 gathers B (dout[dst]); each launch reads its own config.
+    from tlx_dist.fused.tlx_backend import FORMS
+    assert FORMS["wgrad_a"].BK == 64 and FORMS["wgrad_b"].BK == 32
 
 
 def test_custom_ops_opcheck():

@@ -1,13 +1,13 @@
 """Fastest tile config per fused form from bench/fused_forms.py sweep JSONs (one per
 TLX_DIST_FUSED_CONFIG round, the round's string in the matching .cfg file); prints the combined
 override string. A form's time is the sum over the launches that use its config (scatter: scatter +
-scatter_dx; wgrad: wgrad_a + wgrad_b)."""
+scatter_dx)."""
 import json
 import pathlib
 import sys
 
 BASE = {"swiglu": "swiglu", "scatter": "scatter", "scatter_dx": "scatter", "dswiglu": "dswiglu",
-        "wgrad_a": "wgrad", "wgrad_b": "wgrad"}
+        "wgrad_a": "wgrad_a", "wgrad_b": "wgrad_b"}
 best = {}
 for path in sys.argv[1:]:
     p = pathlib.Path(path)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from tlx.common.gather import drain_gathered, gather_ptrs, signal_gathered
+from tlx.common.gather import drain_gathered, gather_ptrs, row_ptrs, signal_gathered
 from tlx.common.moe_epilogues import swiglu_bwd, swiglu_fwd
 from tlx.common.scheduler import _tile_any, mm_num_tiles, ragged_coords
 
@@ -345,15 +345,30 @@ def _fused_wgrad_blackwell_kernel(
                 m_off = mt * BM
                 n_off = nt * BN
                 steps = tl.cdiv(cnt, BK)
+                ks = tl.arange(0, BK)
+                # Next step's row indices loaded one step ahead (as on Hopper): the index load's
+                # latency stays out of the copy issue.
+                if A_GATHER:
+                    ia_next = tl.load(ia_ptr + lo + ks, mask=ks < cnt, other=0)
+                if B_GATHER:
+                    ib_next = tl.load(ib_ptr + lo + ks, mask=ks < cnt, other=0)
                 for k in range(0, steps):
                     s = it % NUM_STAGES
-                    tlx.barrier_wait(empty[s], ((it // NUM_STAGES) & 1) ^ 1)
                     k_off = k * BK
+                    r_ok = (k_off + ks) < cnt
+                    n_ok = (k_off + BK + ks) < cnt
+                    if A_GATHER:
+                        ia = ia_next
+                        ia_next = tl.load(ia_ptr + lo + k_off + BK + ks, mask=n_ok, other=0)
+                    if B_GATHER:
+                        ib = ib_next
+                        ib_next = tl.load(ib_ptr + lo + k_off + BK + ks, mask=n_ok, other=0)
+                    tlx.barrier_wait(empty[s], ((it // NUM_STAGES) & 1) ^ 1)
                     if A_GATHER:  # x^T block: BK gathered rows (the reduction) x BM columns
-                        pa, ma = gather_ptrs(a_ptr, ia_ptr, lo, k_off, cnt, stride_an, m_off, M_DIM, BK, BM)
+                        pa, ma = row_ptrs(a_ptr, ia, r_ok, stride_an, m_off, M_DIM, BM)
                         tlx.async_load(pa, a_buf[s], mask=ma)
                     if B_GATHER:
-                        pb, mb = gather_ptrs(b_ptr, ib_ptr, lo, k_off, cnt, stride_bn, n_off, NN, BK, BN)
+                        pb, mb = row_ptrs(b_ptr, ib, r_ok, stride_bn, n_off, NN, BN)
                         tlx.async_load(pb, b_buf[s], mask=mb)
                     if GATHER:
                         tlx.async_load_commit_group()

@@ -32,6 +32,15 @@ def gather_ptrs(base_ptr, idx_ptr, lo, r0, cnt, stride_row, c0, col_lim, ROWS: t
 
 
 @triton.jit
+def row_ptrs(base_ptr, rows, ok, stride_row, c0, col_lim, COLS: tl.constexpr):
+    """As :func:`gather_ptrs` for row indices already loaded (``rows``, valid where ``ok``): the dW
+    kernels load the next step's indices one step ahead."""
+    cols = c0 + tl.arange(0, COLS)
+    ptrs = base_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    return ptrs, ok[:, None] & (cols < col_lim)[None, :]
+
+
+@triton.jit
 def signal_gathered(it, k, LAG: tl.constexpr, NUM_STAGES: tl.constexpr, afull):
     """After issuing stage ``it`` (step ``k`` of its tile): stage ``it - LAG`` has landed; publish it."""
     if k >= LAG:

@@ -17,7 +17,9 @@ contiguous x / w13 / w2, 16-byte aligned bases.
 
 ``TLX_DIST_FUSED_CONFIG="swiglu:BN=128,STAGES=4;wgrad:BK=32"`` overrides fields of a form's config
 for the generation that runs (``FusedTileConfig`` fields on sm_90, ``BlackwellFusedTileConfig`` on
-sm_100; read when a form first runs at a given width).
+sm_100; read when a form first runs at a given width). Forms: ``swiglu``, ``scatter`` (both scatter
+launches), ``dswiglu``, ``wgrad_a`` (dW13, x gathered), ``wgrad_b`` (dW2, dout gathered); ``wgrad``
+sets both dW forms.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class FusedTileConfig:
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
         ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
-        return ring + (self.BM * self.BN * 2 if form == "wgrad" else 0)
+        return ring + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
 
 
 FORMS = {
@@ -89,9 +91,16 @@ FORMS = {
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
     "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216),
-    # one gathered operand; 144 KB ring + 64 KB TMA-store tile.
-    "wgrad": FusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, REGS=224),
+    # dW13 = x[src]^T @ dh, A gathered (BK rows x 128 columns a stage, 16 KB by cp.async): BK 64
+    # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55 ms vs
+    # 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
+    "wgrad_a": FusedTileConfig(BN=256, BK=64, STAGES=3, LAG=1, REGS=224),
+    # dW2 = ag^T @ dout[dst], B gathered (BK rows x 256 columns): at BK 64 the gather is 32 KB a stage
+    # and the kernel runs 3.4x slower (4.16 ms vs 1.24 ms), so BK 32; 144 KB ring + 64 KB store tile.
+    "wgrad_b": FusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, REGS=224),
 }
+# ``wgrad`` in TLX_DIST_FUSED_CONFIG sets both dW forms.
+_ALIASES = {"wgrad": ("wgrad_a", "wgrad_b")}
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ class BlackwellFusedTileConfig:
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
         ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
-        return ring + (2 * self.BM * self.EPI_BN * 2 if form == "wgrad" else 0)
+        return ring + (2 * self.BM * self.EPI_BN * 2 if form.startswith("wgrad") else 0)
 
     def tmem_cols(self, form: str) -> int:
         """fp32 TMEM columns: two accumulator buffers (two each for SwiGLU's gate and up)."""
@@ -152,8 +161,10 @@ BLACKWELL_FORMS = {
     "scatter": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=5, LAG=0, EPI_BN=64, LOAD_WARPS=1, LOAD_REGS=48),
     # gathered dout + K-major w2: 192 KB ring; the epilogue holds g, hg, hu: 32-column slices.
     "dswiglu": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, EPI_BN=32),
-    # one gathered operand: 144 KB ring + 32 KB TMA-store tiles; 2 x 256 TMEM columns.
-    "wgrad": BlackwellFusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, EPI_BN=64),
+    # one gathered operand: 144 KB ring + 32 KB TMA-store tiles; 2 x 256 TMEM columns (dW13, dW2 alike
+    # until a B200 run says otherwise).
+    "wgrad_a": BlackwellFusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, EPI_BN=64),
+    "wgrad_b": BlackwellFusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, EPI_BN=64),
 }
 _ARCH_FORMS = {"sm_90": (FusedTileConfig, FORMS), "sm_100": (BlackwellFusedTileConfig, BLACKWELL_FORMS)}
 
@@ -165,10 +176,11 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
     for part in text.split(";"):
         if not part.strip():
             continue
-        form, _, fields = part.partition(":")
-        form = form.strip().lower()
-        if form not in forms:
-            raise ValueError(f"{ENV_FUSED_CONFIG}: unknown form {form!r} in {text!r} (forms: {sorted(forms)})")
+        name, _, fields = part.partition(":")
+        name = name.strip().lower()
+        if name not in forms and name not in _ALIASES:
+            raise ValueError(f"{ENV_FUSED_CONFIG}: unknown form {name!r} in {text!r} "
+                             f"(forms: {sorted(forms) + sorted(_ALIASES)})")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {}
         for item in fields.split(","):
@@ -180,14 +192,15 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
                 raise ValueError(f"{ENV_FUSED_CONFIG}: unknown field {k!r} in {text!r} (fields of {cls.__name__} "
                                  f"on {arch}: {sorted(names)})")
             kw[k] = int(v)
-        cfg = dataclasses.replace(forms[form], **kw)
-        if cfg.smem_bytes(form) > _SMEM_LIMIT:
-            raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
-                             "shared memory")
-        if hasattr(cfg, "tmem_cols") and cfg.tmem_cols(form) > _TMEM_COLS:
-            raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.tmem_cols(form)} TMEM columns "
-                             f"(> {_TMEM_COLS})")
-        out[form] = cfg
+        for form in _ALIASES.get(name, (name,)):
+            cfg = dataclasses.replace(forms[form], **kw)
+            if cfg.smem_bytes(form) > _SMEM_LIMIT:
+                raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
+                                 "shared memory")
+            if hasattr(cfg, "tmem_cols") and cfg.tmem_cols(form) > _TMEM_COLS:
+                raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.tmem_cols(form)} TMEM "
+                                 f"columns (> {_TMEM_COLS})")
+            out[form] = cfg
     return out
 
 
@@ -204,7 +217,7 @@ def fused_config(form: str, nn: int, arch: str = "sm_90"):
     if cfg is None:
         over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""), arch)
         cfg = over.get(form, _ARCH_FORMS[arch][1][form])
-        if form not in over and form != "wgrad" and -(-nn // cfg.BN) >= 16:
+        if form not in over and not form.startswith("wgrad") and -(-nn // cfg.BN) >= 16:
             cfg = dataclasses.replace(cfg, GROUP_M=8)
         _CACHE[key] = cfg
     return cfg
@@ -340,7 +353,7 @@ class _TlxFused:
         if N == 0:
             return dw.zero_()
         b = b.contiguous()
-        cfg = fused_config("wgrad", F, cls.ARCH)
+        cfg = fused_config("wgrad_a" if ia_N is not None else "wgrad_b", F, cls.ARCH)
         a_rows = cfg.BM // cls.A_SPLIT
         a_desc = None if ia_N is not None else ragged_descriptor(a, cfg.BK, a_rows)
         b_desc = None if ib_N is not None else ragged_descriptor(b, cfg.BK, cfg.BN)
@@ -450,11 +463,11 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
     from ..grouped_gemm.host import search_steps
 
     p = _PRIMS[arch]
-    base = "scatter" if form == "scatter_t" else "wgrad" if form.startswith("wgrad") else form
+    base = "scatter" if form == "scatter_t" else form
     cfg = cfg or _ARCH_FORMS[arch][1][base]
     a_rows = cfg.BM // p.A_SPLIT
     none = "constexpr"
-    if base != "wgrad":
+    if not base.startswith("wgrad"):
         fn = p._mm_kernel()
         gather = form in ("swiglu", "dswiglu")
         kmajor = form in ("scatter_t", "dswiglu")
