@@ -72,6 +72,39 @@ def test_fused_hopper_kernels_compile(form):
         assert all(".relaxed.add" in a for a in f32_atomics), "scatter epilogue: relaxed fp32 atomic adds"
 
 
+@pytest.mark.parametrize("fields", [dict(STAGES=4, LAG=2), dict(BN=64, STAGES=7, LAG=5)])
+def test_fused_hopper_dswiglu_prefetch_h_compiles(fields):
+    """dSwiGLU with PREFETCH_H: h comes by TMA (four more bulk-tensor loads in the producer, none of
+    the epilogue's global h loads), the whole ring + h tile within 227 KB."""
+    import dataclasses
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+
+    def compile_(cfg):
+        fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu", cfg=cfg)
+        return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 128), options=opts)
+
+    cfg = dataclasses.replace(FORMS["dswiglu"], PREFETCH_H=1, **fields)
+    assert cfg.smem_bytes("dswiglu") <= _SMEM_LIMIT
+    pre, base = compile_(cfg), compile_(dataclasses.replace(cfg, PREFETCH_H=0))
+    assert pre.metadata.shared <= _SMEM_LIMIT
+    assert pre.metadata.shared >= base.metadata.shared + 2 * cfg.BM * cfg.BN * 2, "no shared h tile"
+
+    def tma_loads(k):
+        return len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", k.asm["ptx"]))
+
+    def global_vector_loads(k):  # the epilogue's h loads (index and tile-walk loads are scalar)
+        return len(re.findall(r"ld\.global(?:\.\w+)*\.v\d\.b(?:16|32)\b", k.asm["ptx"]))
+
+    assert tma_loads(pre) > tma_loads(base), "PREFETCH_H adds the h tile's TMA loads"
+    assert global_vector_loads(base) > 0 and global_vector_loads(pre) == 0, "the epilogue still reads h from global"
+
+
 # --- portable stock-Triton fused kernels ---------------------------------------------------------
 
 # form -> the launch flags that identify it, in the order one forward + backward launches them.

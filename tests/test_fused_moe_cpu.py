@@ -242,6 +242,11 @@ def test_tile_config_errors_name_the_field():
         _env_overrides("swiglu:STAGES=8")
     over = _env_overrides("swiglu:STAGES=3,LAG=1; wgrad:BK=64,STAGES=3,LAG=1")
     assert over["wgrad_a"].BK == 64 and over["wgrad_b"].BK == 64 and "wgrad" not in over  # the alias sets both
+    with pytest.raises(ValueError, match=r"PREFETCH_H=2 must be 0 or 1"):
+        FusedTileConfig(PREFETCH_H=2)
+    with pytest.raises(ValueError, match=r"bytes of shared memory"):  # 6 x 32 KB ring + the 64 KB h tile
+        _env_overrides("dswiglu:PREFETCH_H=1")
+    assert _env_overrides("dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")["dswiglu"].smem_bytes("dswiglu") == 4 * 32768 + 65536
     over = _env_overrides("wgrad_b:STAGES=4,LAG=2")
     assert set(over) == {"wgrad_b"} and over["wgrad_b"].STAGES == 4
     # dW13 gathers A (x[src]) and dW2 gathers B (dout[dst]); each launch reads its own config.

@@ -48,4 +48,29 @@ elif [ "$1" = 2 ]; then
     > "$out/train_best.log" 2>&1
   echo "== train h200_1gpu (best configs) rc=$? [$(( $(date +%s)-t0 ))s]"
   grep -A 14 "^step profile" "$out/train_best.log"; grep -E "^step +(20|40)/" "$out/train_best.log" | cut -c1-170
+elif [ "$1" = 3 ]; then
+  # 3: dSwiGLU with h prefetched by TMA (PREFETCH_H): the fused GPU tier under it (and the new dW13
+  #    default), its tile configs, then 100 steps of the recipe on the fastest (loss vs RESULTS.md).
+  t0=$(date +%s)
+  TLX_DIST_FUSED_CONFIG="dswiglu:PREFETCH_H=1,STAGES=4,LAG=2" timeout 150 python3 -m pytest -m gpu -q -x \
+    -p no:cacheprovider tests/test_fused_moe_gpu.py > "$out/fused_gpu_pre.log" 2>&1
+  echo "== fused GPU tier, PREFETCH_H rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/fused_gpu_pre.log")"
+  grep -E "^(FAILED|ERROR)" "$out/fused_gpu_pre.log" | head -n 5
+  i=0
+  for c in "" "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2" "dswiglu:PREFETCH_H=1,BK=32,STAGES=8,LAG=6" \
+      "dswiglu:PREFETCH_H=1,BN=64,STAGES=7,LAG=5"; do
+    TLX_DIST_FUSED_CONFIG="$c" timeout 60 python3 bench/fused_forms.py --shapes olmoe --rep 40 \
+      --forms dswiglu,wgrad_a,wgrad_b --json "/tmp/pre_$i.json" > "/tmp/pre_$i.log" 2>&1
+    echo "== round $i rc=$? [$c]"; grep -E "^\| olmoe" "/tmp/pre_$i.log" | cut -d'|' -f4,5,9 | tr '\n' ' '; echo
+    echo "$c" > "/tmp/pre_$i.cfg"; i=$((i+1))
+  done
+  cp /tmp/pre_0.log "$out/forms_s7_3.log"
+  best=$(python3 scripts/device/pick_fused_config.py /tmp/pre_*.json)
+  echo "== best per form: [$best]"
+  t0=$(date +%s)
+  TLX_DIST_FUSED_CONFIG="$best" timeout 200 torchrun --standalone --nproc-per-node=1 -m train.pretrain \
+    --config configs/h200_1gpu.toml --override train.steps=100 --override train.log_every=20 \
+    --override metrics.progress=false --override metrics.out_dir=/tmp/run_s7c --profile 3 > "$out/train_100.log" 2>&1
+  echo "== train h200_1gpu 100 steps rc=$? [$(( $(date +%s)-t0 ))s]"
+  grep -A 14 "^step profile" "$out/train_100.log"; grep -E "^step +[0-9]+/" "$out/train_100.log" | cut -c1-170
 fi

@@ -106,9 +106,10 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
 
 
 @triton.jit
-def _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
+def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                  E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
-                 EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 PREFETCH_H: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     rows = mt * BM + CID * BMS + tl.arange(0, BMS)
     cols = nt * BN + tl.arange(0, BN)
@@ -133,9 +134,13 @@ def _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_p
             tl.atomic_add(c_ptr + d_row[:, None] * stride_cn + cols[None, :], val, mask=ok, sem="relaxed")
     else:
         out_ty: tl.constexpr = c_ptr.dtype.element_ty
-        h_ptrs = h_ptr + n_idx[:, None] * stride_hn + cols[None, :]
-        hg = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-        hu = tl.load(h_ptrs + F_OFF, mask=ok, other=0.0).to(tl.float32)
+        if PREFETCH_H:  # the producer brought this tile's h into shared memory during the main loop
+            hg = hg_pre
+            hu = hu_pre
+        else:
+            h_ptrs = h_ptr + n_idx[:, None] * stride_hn + cols[None, :]
+            hg = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+            hu = tl.load(h_ptrs + F_OFF, mask=ok, other=0.0).to(tl.float32)
         gate = tl.load(scale_ptr + n_idx, mask=row_ok & (e < E), other=0.0).to(tl.float32)
         a_val, dhg, dhu = swiglu_bwd(hg, hu, acc, gate[:, None])
         tl.store(part_ptr + n_idx * stride_pn + nt, tl.sum(a_val * acc, axis=1), mask=row_ok)
@@ -146,12 +151,12 @@ def _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_p
 
 
 @triton.jit
-def _mm_consume(t, it, a_buf, b_buf, full, afull, empty, tile_cum_ptr, offsets_ptr,
+def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr, offsets_ptr,
                 c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                 E, N_ROWS, K_DIM, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
+                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
@@ -187,9 +192,35 @@ def _mm_consume(t, it, a_buf, b_buf, full, afull, empty, tile_cum_ptr, offsets_p
         acc_u = tlx.async_dot_wait(0, acc_u)
     if steps > 0:
         tlx.barrier_arrive(empty[prev])
-    _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
-                 E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM, BN)
+    hg_pre = acc  # placeholders unless PREFETCH_H
+    hu_pre = acc
+    if PREFETCH_H:
+        tlx.barrier_wait(hfull[0], tc & 1)
+        hg_pre = tlx.local_load(h_buf[CID * 2]).to(tl.float32)
+        hu_pre = tlx.local_load(h_buf[CID * 2 + 1]).to(tl.float32)
+        tlx.barrier_arrive(hempty[0])  # both groups have h in registers: the next tile's may land
+    _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
+                 E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM, BN,
+                 PREFETCH_H)
     return it
+
+
+@triton.jit
+def _h_produce(t, tc, h_desc, h_buf, hfull, hempty, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, F_OFF,
+               BM: tl.constexpr, BN: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
+    """dSwiGLU's epilogue operand: after issuing tile ``t``'s k-steps, TMA-load its h rows (gate and
+    up columns, both consumer halves) into ``h_buf`` once the consumers have read the previous
+    tile's. Rows past the expert are read (another expert's h, or zeros past N) and never stored."""
+    BMS: tl.constexpr = BM // 2
+    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
+    tlx.barrier_wait(hempty[0], (tc & 1) ^ 1)
+    tlx.barrier_expect_bytes(hfull[0], 4 * BMS * BN * 2)
+    row = lo + mt * BM
+    col = nt * BN
+    tlx.async_descriptor_load(h_desc, h_buf[0], [row, col], hfull[0])
+    tlx.async_descriptor_load(h_desc, h_buf[1], [row, col + F_OFF], hfull[0])
+    tlx.async_descriptor_load(h_desc, h_buf[2], [row + BMS, col], hfull[0])
+    tlx.async_descriptor_load(h_desc, h_buf[3], [row + BMS, col + F_OFF], hfull[0])
 
 
 # Row and expert counts vary from call to call: no recompiles for their divisibility.
@@ -201,6 +232,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    h_desc, PREFETCH_H: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -217,26 +249,41 @@ def _fused_mm_hopper_kernel(
         afull = tlx.alloc_warp_barrier(num_barriers=NUM_STAGES, num_warps=4)
     else:
         afull = full  # never waited on
+    if PREFETCH_H:  # dSwiGLU: one tile of h, [consumer * 2 + (gate | up)]
+        h_buf = tlx.local_alloc((BMS, BN), dtype, 4)
+        hfull = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
+        hempty = tlx.alloc_barriers(num_barriers=1, arrive_count=2)
+    else:
+        h_buf = a_buf  # never used
+        hfull = full
+        hempty = empty
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: cp.async row gathers and TMA loads
             tiles_n = tl.cdiv(NN, BN)
             total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
             it = 0
+            tc = 0
             for t in range(tl.program_id(0), total, NUM_SMS):
                 it = _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull, empty, tile_cum_ptr,
                                  offsets_ptr, E, N_ROWS, K_DIM, tiles_n, F_OFF, stride_an, EPILOGUE, A_GATHER,
                                  B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, LAG)
+                if PREFETCH_H:
+                    _h_produce(t, tc, h_desc, h_buf, hfull, hempty, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n,
+                               F_OFF, BM, BN, SEARCH_STEPS, GROUP_M)
+                tc += 1
         with tlx.async_task(num_warps=4, replicate=2, registers=CONSUMER_REGS):  # wgmma + fused epilogue
             cid: tl.constexpr = tlx.async_task_replica_id()
             tiles_n = tl.cdiv(NN, BN)
             total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
             it = 0
+            tc = 0
             for t in range(tl.program_id(0), total, NUM_SMS):
-                it = _mm_consume(t, it, a_buf, b_buf, full, afull, empty, tile_cum_ptr, offsets_ptr,
-                                 c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN, F_OFF,
-                                 tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
-                                 HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M)
+                it = _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr,
+                                 offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN,
+                                 F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
+                                 HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H)
+                tc += 1
 
 
 # --- ragged-K weight gradient ----------------------------------------------------------------------

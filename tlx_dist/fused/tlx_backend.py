@@ -50,7 +50,9 @@ class FusedTileConfig:
     """Tile config of one fused form. BM rows (two consumer groups of BM/2), BN columns (SwiGLU: BN
     gate + BN up columns), BK reduction step, STAGES ring depth, LAG stages between issuing a
     gathered stage and publishing it (<= STAGES - 2, see tlx/hopper/fused_moe.py), GROUP_M raster,
-    REGS registers per consumer thread (the producer gets the rest)."""
+    REGS registers per consumer thread (the producer gets the rest). PREFETCH_H (dswiglu only): the
+    producer TMA-loads each tile's h into shared memory during the main loop (64 KB at BN 128) instead
+    of the epilogue reading it from global memory."""
 
     BM: int = 128
     BN: int = 128
@@ -59,6 +61,7 @@ class FusedTileConfig:
     LAG: int = 2
     GROUP_M: int = 1
     REGS: int = 232
+    PREFETCH_H: int = 0
 
     def __post_init__(self):
         for f in ("BN", "BK"):
@@ -75,11 +78,14 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
         if self.REGS % 8 or not 152 <= self.REGS <= 240:
             raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [152, 240]")
+        if self.PREFETCH_H not in (0, 1):
+            raise ValueError(f"FusedTileConfig.PREFETCH_H={self.PREFETCH_H} must be 0 or 1")
 
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
         ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
-        return ring + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
+        h_tile = 2 * self.BM * self.BN * 2 if form == "dswiglu" and self.PREFETCH_H else 0  # gate + up
+        return ring + h_tile + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
 
 
 FORMS = {
@@ -301,7 +307,7 @@ class _TlxFused:
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES, NUM_SMS=grid, SEARCH_STEPS=search_steps(E),
-            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), num_warps=4, num_stages=1)
+            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), num_warps=4, num_stages=1)
 
     @classmethod
     def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
@@ -392,6 +398,16 @@ class _Hopper(_TlxFused):
         return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
 
     @staticmethod
+    def _h_args(epilogue, h, cfg) -> dict:
+        """dSwiGLU with PREFETCH_H: a TMA descriptor over h [N, 2F] in boxes of one consumer half."""
+        if epilogue != DSWIGLU or not cfg.PREFETCH_H:
+            return dict(h_desc=None, PREFETCH_H=False)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return dict(h_desc=TensorDescriptor(h, list(h.shape), [h.stride(0), 1], [cfg.BM // 2, cfg.BN]),
+                    PREFETCH_H=True)
+
+    @staticmethod
     def _c_cols(cfg) -> int:
         return cfg.BN
 
@@ -422,6 +438,10 @@ class _Blackwell(_TlxFused):
         from tlx.blackwell.fused_moe import _fused_wgrad_blackwell_kernel
 
         return _fused_wgrad_blackwell_kernel
+
+    @staticmethod
+    def _h_args(epilogue, h, cfg) -> dict:
+        return {}  # the epilogue warp group reads h itself
 
     @staticmethod
     def _meta(cfg) -> dict:
@@ -486,6 +506,10 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
         constexprs = {"EPILOGUE": epi, "A_GATHER": gather, "HAS_SCALE": form in ("scatter", "dswiglu"),
                       "B_KMAJOR": kmajor, "SEARCH_STEPS": search_steps(E)}
         constexprs.update(p._meta(cfg))
+        if "PREFETCH_H" in fn.arg_names:
+            pre = base == "dswiglu" and bool(cfg.PREFETCH_H)
+            sig["h_desc"] = f"tensordesc<{dtype}[{a_rows},{cfg.BN}]>" if pre else none
+            constexprs["PREFETCH_H"] = pre
     else:
         fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
