@@ -391,6 +391,11 @@ def test_annotated_dispatchers_keep_the_pipeline_and_scope_the_combine(monkeypat
     monkeypatch.setattr(moe_mod, "fused_tlx_supports", lambda *a: True)  # as on an H200
     x = torch.randn(6, 16)
     assert layer._fused(x)
+    # Wide experts (Mixtral's F = 3.5 D ran faster separate on an H200): auto stays separate;
+    # "fused" still forces the fused pipeline.
+    wide = MoEConfig(dim=16, moe_inter_dim=40, num_experts=4, top_k=2, dtype="float32")
+    assert not MoELayer(wide, pipeline="auto")._fused(x)
+    assert MoELayer(wide, pipeline="fused")._fused(x)
     with annotate_dispatchers([layer]):
         assert layer._fused(x), "the wrapper turned the fused pipeline off"
         layer.pipeline = "separate"

@@ -89,7 +89,8 @@ class MoELayer(nn.Module):
             partial row per (token, rank) goes home (:meth:`SymmDispatcher.dispatch_rows` /
             ``combine_rows``); ``"separate"`` (dispatch -> grouped GEMMs -> combine) or ``"auto"``:
             fused where its TLX kernels run (sm_90, one EP rank, local dispatcher, no pinned GEMM
-            backend, supported shapes), separate elsewhere. ``"auto"`` does not pick the EP form yet:
+            backend, supported shapes) and the experts are not wide (F <= 2 D: at Mixtral's F = 3.5 D
+            the separate ops ran 4-7% faster on an H200, ``bench/moe_layer.py``), separate elsewhere. ``"auto"`` does not pick the EP form yet:
             it has not run on real multi-GPU hardware (select it with ``pipeline="fused"``).
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
@@ -234,7 +235,7 @@ class MoELayer(nn.Module):
         # change the pipeline being measured.
         dispatcher = getattr(self.dispatcher, "_inner", self.dispatcher)
         return (self.ep_size == 1 and isinstance(dispatcher, LocalDispatcher) and self.gemm_backend is None
-                and fused_tlx_supports(x_TD, self.w13, self.w2))
+                and self.cfg.moe_inter_dim <= 2 * self.cfg.dim and fused_tlx_supports(x_TD, self.w13, self.w2))
 
     def extra_repr(self) -> str:
         c = self.cfg
