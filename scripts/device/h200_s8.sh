@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Next one-GPU call (written in session 6, not yet run), < 10 min, <= 8 files in $OUT:
+#   source .carry/setup.sh && bash scripts/device/h200_s8.sh
+# 1. scripts/memcheck_fused.py under compute-sanitizer (issue 9 item 6: the fused kernels once under
+#    memcheck; only its CPU dry run has run);
+# 2. the fused layer's latency, eager and graph-replayed, at T = 1024 and 4096 (issue 9 item 4: never
+#    reported yet), fused / separate / torchtitan;
+# 3. every fused form against its grouped GEMM on all five shapes (where the fused layer loses).
+set -u
+out=${OUT:-/tmp/h200}; mkdir -p "$out"
+t0=$(date +%s)
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  python3 scripts/memcheck_fused.py > "$out/memcheck_fused.log" 2>&1
+echo "== memcheck fused rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok|FAILED' "$out/memcheck_fused.log" | tr '\n' ' ')"
+grep -A 8 "FAILED" "$out/memcheck_fused.log" | head -n 12
+t0=$(date +%s)
+timeout 200 python3 bench/moe_layer.py --shapes olmoe,qwen3-30b-a3b --tokens "" --latency-tokens 1024,4096 \
+  --json "$out/moe_latency.json" > "$out/moe_latency.log" 2>&1
+echo "== layer latency rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^\|" "$out/moe_latency.log"; tail -n 3 "$out/moe_latency.log"
+t0=$(date +%s)
+timeout 150 python3 bench/fused_forms.py --shapes olmoe,qwen3-30b-a3b,deepseek-v2-lite,mixtral,deepseek-v3-rank \
+  --json "$out/forms_all.json" > "$out/forms_all.log" 2>&1
+echo "== fused forms rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^\||median|err" "$out/forms_all.log"
