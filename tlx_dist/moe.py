@@ -90,8 +90,10 @@ class MoELayer(nn.Module):
             ``combine_rows``); ``"separate"`` (dispatch -> grouped GEMMs -> combine) or ``"auto"``:
             fused where its TLX kernels run (sm_90, one EP rank, local dispatcher, no pinned GEMM
             backend, supported shapes) and the experts are not wide (F <= 2 D: at Mixtral's F = 3.5 D
-            the separate ops ran 4-7% faster on an H200, ``bench/moe_layer.py``), separate elsewhere. ``"auto"`` does not pick the EP form yet:
-            it has not run on real multi-GPU hardware (select it with ``pipeline="fused"``).
+            the separate ops ran 4-7% faster on an H200, ``bench/moe_layer.py``), separate elsewhere.
+            ``"auto"`` does not pick the EP form: on two H200s it ran 7% slower than the separate
+            pipeline over the same exchange (before the fused dW kernels got 1.4x faster; not
+            re-measured since). Select it with ``pipeline="fused"``.
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
