@@ -24,3 +24,15 @@ def test_memcheck_fused_refuses_the_caching_allocator():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "memcheck_fused.py")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in r.stderr
+
+
+def test_memcheck_mismatch_bound():
+    import torch
+
+    from tlx_dist.testing import memcheck_mismatch
+
+    ref = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
+    assert memcheck_mismatch(ref + 0.1, ref) is None                     # within 5% of max|ref| = 4
+    assert "max error 0.5" in memcheck_mismatch(ref + 0.5, ref)          # beyond it
+    assert memcheck_mismatch(torch.tensor([1.0, float("nan"), 4.0]), ref) is not None  # garbage fails
+    assert memcheck_mismatch(torch.empty(0), torch.empty(0)) is None
