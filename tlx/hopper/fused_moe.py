@@ -26,10 +26,16 @@ kernels (tlx/common/gather.py).
   EPILOGUE == SCATTER: A = a or dh (TMA) @ w (w2, or w13^T read K-major); out_f32[dst[n]] +=
                        scale[n] * acc with relaxed fp32 atomics (no [T, K, D] tensor, no k-sum pass).
   EPILOGUE == DSWIGLU: A = dout[dst] (gathered) @ w2^T (K-major); with h and the gate: stores dh,
-                       ag = gate * a and the gate-gradient partial dot of this F-tile.
+                       ag = gate * a and the gate-gradient partial dot of this F-tile. h is read
+                       from global memory in the epilogue, or (PREFETCH_H) TMA-loaded by the
+                       producer into a one-tile shared buffer (``hfull`` / ``hempty``) after it
+                       has issued the tile's k-steps -- measured slower on an H200 (it takes
+                       ring stages), so off by default.
 ``_fused_wgrad_hopper_kernel`` (ragged K): dw[e] = A[ia]^T @ B[ib] over the expert's rows, either
   operand gathered by ``cp.async`` (A_GATHER: x[src] for dW13; B_GATHER: dout[dst] for dW2), the other
   by ragged TMA; tiles longest expert first with atomic claims (DYNAMIC), as the landed dW kernel.
+  The gathered rows are the reduction, so their indices change every k-step: the producer loads
+  step k + 1's indices while issuing step k's copies (1.4x faster than loading them in line).
 Epilogue stores are plain (masked) global stores from the wgmma accumulator layout; the dW output
 goes through shared memory and TMA like the landed kernel.
 """
