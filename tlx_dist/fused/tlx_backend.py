@@ -99,8 +99,8 @@ FORMS = {
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
     "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216),
     # dW13 = x[src]^T @ dh, A gathered (BK rows x 128 columns a stage, 16 KB by cp.async): BK 64
-    # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55 ms vs
-    # 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
+    # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55-1.79 ms
+    # (three runs) vs 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
     "wgrad_a": FusedTileConfig(BN=256, BK=64, STAGES=3, LAG=1, REGS=224),
     # dW2 = ag^T @ dout[dst], B gathered (BK rows x 256 columns): at BK 64 the gather is 32 KB a stage
     # and the kernel runs 3.4x slower (4.16 ms vs 1.24 ms), so BK 32; 144 KB ring + 64 KB store tile.
