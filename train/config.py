@@ -115,6 +115,8 @@ class TrainConfig:
     activation_checkpoint: str = "none"   # "none" | "moe" | "full"
     crash_at_step: int = 0       # testing only: os._exit after this step (simulates a killed job)
     comm_timeout_s: float = 600.0  # a collective waiting longer than this fails (a rank died or hangs)
+    optimizer: str = "adamw"     # "adamw" | "adamw_bf16_grads" (one rank, bf16: bf16 gradients, the
+                                 # compute copies written by the update; train/optim.py)
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ def _validate(cfg: Config) -> None:
             raise ValueError(f"train.{b}={getattr(t, b)} must be in [0, 1)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.dtype={t.dtype!r} must be 'auto', 'bf16' or 'fp32'")
+    if t.optimizer not in ("adamw", "adamw_bf16_grads"):
+        raise ValueError(f"train.optimizer={t.optimizer!r} must be one of 'adamw', 'adamw_bf16_grads'")
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT:
         raise ValueError(f"train.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                          f"{', '.join(repr(a) for a in ACTIVATION_CHECKPOINT)}")

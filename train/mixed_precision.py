@@ -21,6 +21,11 @@ rank, ``train.parallelize`` leaves its parameters out of FSDP and hands them to
 
 Numerically this is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on one
 rank: the same bf16 rounding of the weights, the same bf16 gradients cast to fp32.
+
+``keep_grads`` (set by :class:`train.optim.AdamWBf16Grads`): the bf16 gradients are kept as they are
+(``grad_and_copy`` / ``pending_grads``) instead of cast into ``master.grad``; that optimizer writes
+the compute copies itself, so the next install skips the refresh while ``copies_current`` holds
+(cleared by a ``load_state_dict`` of the model, the only other writer of the masters).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class LocalMixedPrecision:
     def __init__(self, model: nn.Module, params: Iterable[nn.Parameter], dtype: torch.dtype):
         wanted = {id(p) for p in params}
         self.dtype = dtype
+        self.keep_grads = False
+        self.copies_current = False
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         for mod in model.modules():
             for name, p in mod.named_parameters(recurse=False):
@@ -53,21 +60,44 @@ class LocalMixedPrecision:
                                      "LocalMixedPrecision expects higher-precision masters")
                 compute = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
                 if p.requires_grad:
-                    compute.register_post_accumulate_grad_hook(self._grad_hook(p))
+                    compute.register_post_accumulate_grad_hook(self._grad_hook(p, len(self.slots)))
                 self.slots.append((mod, name, p, compute))
                 wanted.discard(id(p))
         if wanted:
             raise ValueError(f"{len(wanted)} parameter(s) passed to LocalMixedPrecision are not in the model")
         self.installed = False
+        self.grads: list = [None] * len(self.slots)   # keep_grads: the bf16 gradient of each slot
+        self._slot_of = {id(s[2]): i for i, s in enumerate(self.slots)}
         model.register_forward_pre_hook(lambda *_: self.install())
         model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self.uninstall())
         model.register_state_dict_pre_hook(lambda *_: self.uninstall())
-        model.register_load_state_dict_pre_hook(lambda *_: self.uninstall())
+        model.register_load_state_dict_pre_hook(lambda *_: self._masters_replaced())
 
-    @staticmethod
-    def _grad_hook(master: nn.Parameter):
+    def _masters_replaced(self) -> None:
+        self.uninstall()
+        self.copies_current = False
+
+    def grad_and_copy(self, master: nn.Parameter):
+        """``(bf16 gradient or None, compute copy or None)`` of ``master`` (keep_grads mode)."""
+        i = self._slot_of.get(id(master))
+        if i is None:
+            return None, None
+        return self.grads[i], self.slots[i][3]
+
+    def pending_grads(self) -> list:
+        """The kept bf16 gradients of this step (keep_grads mode)."""
+        return [g for g in self.grads if g is not None]
+
+    def clear_grads(self) -> None:
+        self.grads = [None] * len(self.slots)
+
+    def _grad_hook(self, master: nn.Parameter, i: int):
         def hook(compute: nn.Parameter) -> None:
             g = compute.grad
+            if self.keep_grads:
+                self.grads[i] = g if self.grads[i] is None else self.grads[i].add_(g)
+                compute.grad = None
+                return
             if master.grad is None:
                 master.grad = g.to(master.dtype)
             else:
@@ -84,7 +114,9 @@ class LocalMixedPrecision:
         """Modules hold the (refreshed) compute copies. Idempotent."""
         if self.installed:
             return
-        self.refresh()
+        if not (self.keep_grads and self.copies_current):
+            self.refresh()
+            self.copies_current = True
         for mod, name, _, compute in self.slots:
             mod._parameters[name] = compute
         self.installed = True

@@ -253,12 +253,16 @@ def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
     for p in model.parameters():
         if p.grad is not None:
             (rep_grads if id(p) in rep_ids else grads).append(local_tensor(p.grad))
+    lmp = getattr(model, "_local_mp", None)
+    if lmp is not None and lmp.keep_grads:  # AdamWBf16Grads: the bf16 gradients (one rank, ep = 1)
+        grads += lmp.pending_grads()
     device = next(model.parameters()).device
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    f32 = torch.float32  # per-tensor norms accumulated in fp32 whatever the gradient's dtype
     if grads:
-        sq = sq + torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+        sq = sq + torch.stack(torch._foreach_norm(grads, 2.0, dtype=f32)).square().sum()
     if rep_grads:
-        sq = sq + torch.stack(torch._foreach_norm(rep_grads, 2.0)).float().square().sum() / pd.ep
+        sq = sq + torch.stack(torch._foreach_norm(rep_grads, 2.0, dtype=f32)).square().sum() / pd.ep
     if pd.world > 1:
         dist.all_reduce(sq, group=pd.world_group)
     norm = sq.sqrt()
@@ -270,9 +274,10 @@ def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
     return norm
 
 
-def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = None) -> torch.optim.AdamW:
+def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = None) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and the embedding. Groups are split by mesh so that every
-    foreach kernel sees DTensors of one mesh."""
+    foreach kernel sees DTensors of one mesh. ``train.optimizer = "adamw_bf16_grads"``:
+    :class:`train.optim.AdamWBf16Grads` over the one-rank bf16 masters (``fused`` does not apply)."""
     t = cfg.train
     groups: dict[tuple, list] = {}
     for name, p in model.named_parameters():
@@ -281,6 +286,15 @@ def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = Non
         groups.setdefault((mesh, decay), []).append(p)
     param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
                     for (_, decay), ps in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
+    if t.optimizer == "adamw_bf16_grads":
+        lmp = getattr(model, "_local_mp", None)
+        if lmp is None or len(lmp.slots) != len(list(model.parameters())):
+            raise ValueError("train.optimizer='adamw_bf16_grads' needs bf16 training on one rank (every parameter "
+                             "a local bf16 master: train.dtype bf16, world size 1); use train.optimizer='adamw'")
+        from .optim import AdamWBf16Grads
+
+        return AdamWBf16Grads(param_groups, lmp, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                              weight_decay=t.weight_decay)
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Next one-GPU call (written in session 6, not yet run), < 10 min, <= 8 files in $OUT:
-#   source .carry/setup.sh && bash scripts/device/h200_s8.sh
+#   source .carry/setup.sh && bash scripts/device/h200_s8.sh 1
+#   source .carry/setup.sh && bash scripts/device/h200_s8.sh 2   # issue 10: train.optimizer A/B
 # 1. scripts/memcheck_fused.py under compute-sanitizer (issue 9 item 6: the fused kernels once under
 #    memcheck; only its CPU dry run has run);
 # 2. the fused layer's latency, eager and graph-replayed, at T = 1024 and 4096 (issue 9 item 4: never
@@ -8,6 +9,20 @@
 # 3. every fused form against its grouped GEMM on all five shapes (where the fused layer loses).
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
+if [ "${1:-1}" = 2 ]; then
+  # 2: h200_1gpu, 100 steps, torch's fused AdamW (fp32 grads, refreshed bf16 copies) against
+  #    train.optimizer=adamw_bf16_grads (bf16 grads, copies written by the update; written in
+  #    session 6 on CPU: interpreter and CPU training tests only). Same losses expected to ~1e-3.
+  for o in adamw adamw_bf16_grads; do
+    t0=$(date +%s)
+    timeout 270 torchrun --standalone --nproc-per-node=1 -m train.pretrain --config configs/h200_1gpu.toml \
+      --override train.steps=100 --override train.log_every=20 --override metrics.progress=false \
+      --override train.optimizer=$o --override metrics.out_dir=/tmp/run_$o --profile 3 > "$out/train_$o.log" 2>&1
+    echo "== train optimizer=$o rc=$? [$(( $(date +%s)-t0 ))s]"
+    grep -A 12 "^step profile" "$out/train_$o.log"; grep -E "^step +[0-9]+/" "$out/train_$o.log" | cut -c1-170
+  done
+  exit 0
+fi
 t0=$(date +%s)
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 scripts/memcheck_fused.py > "$out/memcheck_fused.log" 2>&1
