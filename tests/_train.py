@@ -3,6 +3,7 @@ torchrun with gloo on loopback) and read back rank 0's per-step losses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -27,6 +28,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank gloo group in this process (FSDP2 and DeviceMesh need a process group, even of one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def token_batches(n: int, B: int = 2, S: int = 16, seed: int = 0) -> list:
+    """``n`` (inputs, targets) pairs of random byte tokens, ``[B, S]`` each."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 259, (B, S), generator=g), torch.randint(0, 259, (B, S), generator=g))
+            for _ in range(n)]
 
 
 def _env(threads: int) -> dict:

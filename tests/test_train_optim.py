@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _train import free_port
+from _train import one_rank_group, token_batches
 from train.config import load_config
 from train.optim import AdamWBf16Grads, adamw_step_ref
 from train.parallelize import build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads
@@ -81,15 +80,11 @@ def test_kernel_matches_reference_under_the_interpreter():
 
 @pytest.fixture(scope="module")
 def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
-def _batches(n, B=2, S=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 259, (B, S), generator=g), torch.randint(0, 259, (B, S), generator=g))
-            for _ in range(n)]
+_batches = token_batches
 
 
 def test_training_steps_match_torch_adamw(one_rank, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _train import free_port
+from _train import one_rank_group, token_batches
 from train.config import load_config
 from train.model import Transformer
 from train.parallelize import (build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads,
@@ -24,16 +24,11 @@ SMALL = ["model.dim=32", "model.n_heads=2", "model.dense_inter_dim=64", "model.m
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """A one-rank gloo group (FSDP2 and DeviceMesh need a process group, even of one)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
-def _batches(n, B=2, S=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 259, (B, S), generator=g), torch.randint(0, 259, (B, S), generator=g))
-            for _ in range(n)]
+_batches = token_batches
 
 
 def _train(model, opt, pd, batches, max_norm=0.5):
