@@ -141,10 +141,12 @@ def test_emulated_edge_shapes():
     _check_world(2, 6, 6, [5, 3], 7, "random", torch.float16)
 
 
-def test_emulated_many_route_blocks():
-    """E = 64, K = 8: the route kernel tiles 32 tokens per block, so T = 100 / 70 spans 4 / 3 blocks
-    with a ragged last one -- the look-back must carry every block's slots into the next, and a
-    second dispatch on the same buffers must not read the first one's block status as ready."""
+def test_emulated_many_route_blocks(monkeypatch):
+    """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
+    last one -- the look-back must carry every block's slots into the next, and a second dispatch
+    on the same buffers must not read the first one's block status as ready."""
+    import tlx_dist.comm.symm as symm
+    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 32)
     world, xs, _ = _check_world(2, 64, 8, [100, 70], 4, "random")
     _check_world(2, 64, 8, [97, 33], 4, "heavy_imbalance")
     for seed in (40, 41):  # later dispatches on the same buffers (their look-back scratch is reused)
@@ -166,7 +168,10 @@ def test_route_lookback_through_aggregates(monkeypatch):
     the oracle's -- and a wrong sum along that path fails here."""
     import tlx_dist.comm.symm as symm
     monkeypatch.setattr(symm, "_ROUTE_AGG_ONLY", True)
+    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 16)  # 7 / 5 blocks
     _check_world(2, 64, 8, [100, 70], 4, "random")
+    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 4)   # E = 256, K = 8: 8 / 5 blocks of 32 slots
+    _check_world(2, 256, 8, [29, 17], 4, "random")
 
 
 def test_repeated_ops_reuse_buffers():

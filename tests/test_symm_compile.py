@@ -42,7 +42,7 @@ def _specs(amd: bool = False):
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
-            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=8,
+            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # symm._route's
                  USE_NVSHMEM=False, AGG_ONLY=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
         "_send_tokens_kernel": ("_send_tokens_kernel",
             dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",

@@ -844,9 +844,10 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     t, kk, m, g = _route_tile(idx_ptr, b, T, K, KP, E, BLOCK_T)
     ei = tl.arange(0, EP)
     wi = tl.arange(0, WP)
-    flat = tl.reshape(g, [BLOCK_T * KP])
-    onehot = (flat[:, None] == ei[None, :]).to(tl.int32)
-    h_E = tl.where(ei < E, tl.sum(onehot, axis=0), 0).to(tl.int64)
+    S: tl.constexpr = BLOCK_T * KP
+    flat = tl.reshape(g, [S])  # the block's slots in slot order; E = no slot
+    h_E32 = tl.histogram(flat, EP, mask=flat < E)
+    h_E = h_E32.to(tl.int64)
     dest = g // E_LOCAL
     h_W = tl.zeros([WP], tl.int64)
     for d in range(W):
@@ -882,10 +883,17 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     else:
         tl.atomic_xchg(status_ptr + b, tag + 2, sem="release", scope="gpu")
 
-    within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1       # earlier slots, same expert
-    q = within + tl.sum(onehot * x_E[None, :].to(tl.int32), axis=1)
-    sl = tl.reshape(t[:, None] * K + kk[None, :], [BLOCK_T * KP])
-    ok = tl.reshape(m, [BLOCK_T * KP])
+    # Rank of each slot among the block's slots of its expert, in slot order: sort (expert, slot)
+    # keys; a slot's rank is its sorted position minus its expert's first (the exclusive prefix of
+    # the histogram). O(S log^2 S) and no [S, E] tile, so BLOCK_T need not shrink as E grows.
+    key = tl.sort(flat * S + tl.arange(0, S))
+    e_s = key // S
+    p_s = key % S
+    ok = e_s < E
+    e_c = tl.minimum(e_s, EP - 1)
+    first = tl.gather(tl.cumsum(h_E32, axis=0) - h_E32, e_c, 0)
+    q = tl.arange(0, S) - first + tl.gather(x_E, e_c, 0).to(tl.int32)
+    sl = (b * BLOCK_T + p_s // KP) * K + p_s % KP
     tl.store(q_ptr + sl, q, mask=ok)
     tl.store(dest_ptr + t[:, None] * K + kk[None, :], dest, mask=m)
     tm = t < T

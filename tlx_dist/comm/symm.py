@@ -187,8 +187,8 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     W, E, NC = L.world_size, L.num_experts, L.num_counts
     dev = idx_TK.device
     EP, KP, WP = _next_pow2(E), _next_pow2(K), _next_pow2(W)
-    bt = max(1, min(64, 16384 // (EP * KP)))  # the [BLOCK_T*K, E] one-hot tile stays ~16K elements
-    bt = 1 << (bt.bit_length() - 1)
+    # ~1024 slots a block (sorted in the kernel), whatever E; no more tokens than the buffers take
+    bt = _ROUTE_BLOCK_T or max(1, min(1024 // KP, _next_pow2(L.max_tokens)))
     nb = max(1, -(-T // bt))
     nb_max = max(1, -(-L.max_tokens // bt))
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
@@ -205,6 +205,7 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
 
 
 _ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through every aggregate
+_ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automatic) to span many blocks
 
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None):
