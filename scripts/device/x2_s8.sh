@@ -6,6 +6,15 @@
 # 13.19 ms), and EP=2 training with moe_pipeline=fused and =separate (before: 38.7% vs 42.8% MFU).
 set -u
 out=${OUT:-/tmp/x2}; mkdir -p "$out"
+# (run scripts/device/h200_s8.sh 0 first: the route kernel changed after the last GPU runs)
+t0=$(date +%s)
+timeout 150 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_multigpu.py \
+  > "$out/t5_peer.log" 2>&1
+echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"
+t0=$(date +%s)
+timeout 200 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
+  --experts 64,256 --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
+echo "== dispatch rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 20 "^W=2" "$out/dispatch_w2.log" | grep -E "^(provider|nccl|rows_graph)"
 t0=$(date +%s)
 timeout 150 torchrun --standalone --nproc-per-node=2 bench/moe_layer.py --shapes olmoe --tokens 4096,16384 --profile \
   --json "$out/moe_layer_w2.json" > "$out/moe_layer_w2.log" 2>&1
