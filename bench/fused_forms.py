@@ -13,7 +13,9 @@ are already gathered -- the same FLOPs without the gather, the epilogue or the a
     wgrad_a     dW13 = x[src]^T @ dh          (gathered A)    x_perm^T @ dh
     wgrad_b     dW2 = ag^T @ dout[dst]        (gathered B)    ag^T @ dout_perm
 
-Routing: softmax top-K of random logits (seeded). Medians of triton.testing.do_bench (ms);
+The fused times include what each launch allocates and fills (the scatter forms' fp32 zeros, the
+dSwiGLU partials' sum); the anchors allocate only their output. Routing: softmax top-K of random
+logits (seeded). Medians of triton.testing.do_bench (ms);
 TFLOP/s = 2 * rows * in * out / time; "x anchor" = anchor time / fused time (> 1: fused faster).
 
     python bench/fused_forms.py [--shapes olmoe,qwen3-30b-a3b] [--tokens 16384] [--json out.json]

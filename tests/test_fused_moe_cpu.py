@@ -247,6 +247,8 @@ def test_tile_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"bytes of shared memory"):  # 6 x 32 KB ring + the 64 KB h tile
         _env_overrides("dswiglu:PREFETCH_H=1")
     assert _env_overrides("dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")["dswiglu"].smem_bytes("dswiglu") == 4 * 32768 + 65536
+    over = _env_overrides("wgrad:REGS=232;wgrad_a:GROUP_M=8")  # a later part refines the alias's fields
+    assert (over["wgrad_a"].REGS, over["wgrad_a"].GROUP_M, over["wgrad_b"].REGS, over["wgrad_b"].GROUP_M) == (232, 8, 232, 1)
     over = _env_overrides("wgrad_b:STAGES=4,LAG=2")
     assert set(over) == {"wgrad_b"} and over["wgrad_b"].STAGES == 4
     # dW13 gathers A (x[src]) and dW2 gathers B (dout[dst]); each launch reads its own config.

@@ -68,6 +68,19 @@ for n, scaled, with_copy in ((5000, True, True), (2048, False, True), (37, True,
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if with_copy:
         assert torch.equal(ck, p.bfloat16())
+# the copy's rounding on the bits: specials, the fp32 max (-> inf), ties, denormals, NaNs of any sign
+bits = torch.tensor([0xFFFFFFFF, 0xFFFF8000, 0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+                     0x3F818000, 0x00000001, 0x80000000, 0x007FFFFF], dtype=torch.int64).to(torch.int32)
+p = bits.view(torch.float32).clone()
+ck = torch.empty(p.numel(), dtype=torch.bfloat16)
+opt = AdamWBf16Grads.__new__(AdamWBf16Grads)
+opt.grad_scale = None
+opt._update(p, torch.zeros(p.numel(), dtype=torch.bfloat16), torch.zeros_like(p), torch.zeros_like(p), ck,
+            0.0, 0.9, 0.95, 1e-8, 0.0, 1)
+want = bits.view(torch.float32).bfloat16()
+nan = want.isnan()
+assert torch.equal(ck.isnan(), nan), (ck, want)   # NaN stays NaN (its payload is not kept)
+assert torch.equal(ck[~nan].view(torch.int16), want[~nan].view(torch.int16)), (ck.view(torch.int16), want.view(torch.int16))
 print("kernel ok")
 """
 
@@ -135,6 +148,29 @@ def test_training_steps_match_torch_adamw(one_rank, monkeypatch):
     opt2 = build_optimizer(ours, cfg)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], st["exp_avg"])
+
+
+def test_second_gradient_in_a_step_sums_in_fp32(one_rank):
+    """Two backwards before a step (accumulation): the kept gradient becomes fp32 g1 + g2, as the
+    cast path's master.grad; the norm and the update take it."""
+    cfg = load_config(DEBUG, SMALL + ["train.optimizer=adamw_bf16_grads"])
+    pd = build_mesh(cfg, "cpu")
+    m = build_model(cfg, pd, torch.device("cpu"), bf16=True)
+    opt = build_optimizer(m, cfg)
+    assert "fused" not in opt.defaults and opt.applies_grad_scale
+    (x, y), = _batches(1)
+    got = []
+    for _ in range(2):
+        m(x, y).backward()
+        got.append([None if g is None else g.clone() for g in m._local_mp.grads])
+    finish_grads(m, pd)
+    for g1, g2 in zip(*got):
+        if g1 is not None:
+            assert g2.dtype == torch.float32 and torch.equal(g2, g1.float() * 2)
+    clip_grad_norm_(m, pd, 0.5, opt)
+    assert opt.grad_scale is not None  # the clip factor goes to the update
+    opt.step()
+    assert not m._local_mp.pending_grads()
 
 
 def test_config_and_build_errors(one_rank):

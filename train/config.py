@@ -239,8 +239,10 @@ def _validate(cfg: Config) -> None:
             raise ValueError(f"train.{b}={getattr(t, b)} must be in [0, 1)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.dtype={t.dtype!r} must be 'auto', 'bf16' or 'fp32'")
-    if t.optimizer not in ("adamw", "adamw_bf16_grads"):
-        raise ValueError(f"train.optimizer={t.optimizer!r} must be one of 'adamw', 'adamw_bf16_grads'")
+    from .optim import OPTIMIZERS
+
+    if t.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer={t.optimizer!r} must be one of {', '.join(map(repr, OPTIMIZERS))}")
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT:
         raise ValueError(f"train.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                          f"{', '.join(repr(a) for a in ACTIVATION_CHECKPOINT)}")

@@ -95,7 +95,9 @@ class LocalMixedPrecision:
         def hook(compute: nn.Parameter) -> None:
             g = compute.grad
             if self.keep_grads:
-                self.grads[i] = g if self.grads[i] is None else self.grads[i].add_(g)
+                # a second gradient in one step (accumulation, reentrant recomputation) sums in
+                # fp32, as the cast path does
+                self.grads[i] = g if self.grads[i] is None else self.grads[i].to(master.dtype).add_(g)
                 compute.grad = None
                 return
             if master.grad is None:

@@ -70,7 +70,8 @@ if triton is not None:
         """fp32 -> bf16, round to nearest even, NaN kept NaN: on the bits (torch's rounding; the
         interpreter's float cast truncates)."""
         b = x.to(tl.uint32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        hi = b >> 16
+        r = hi + (((b & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16)  # never wraps (the interpreter checks)
         r = tl.where(x != x, 0x7FC0, r)
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
@@ -99,7 +100,15 @@ class AdamWBf16Grads(torch.optim.Optimizer):
     """AdamW for the masters of ``local_mp`` (a :class:`LocalMixedPrecision` in ``keep_grads``
     mode): reads each master's bf16 gradient from ``local_mp`` and writes its compute copy.
     ``grad_scale`` (a 0-dim tensor or None) divides every gradient as it is read, as torch's fused
-    AdamW does (``defaults["fused"]`` is True, so ``clip_grad_norm_`` hands the clip factor here)."""
+    AdamW does (``applies_grad_scale``: ``clip_grad_norm_`` hands the clip factor here). Not marked
+    ``fused`` in its defaults: torch's ``load_state_dict`` would move ``step`` to the device, and
+    reading it would sync the host every step after a resume.
+
+    Limitation: DCP's ``get_state_dict`` between a backward and the first ``step()`` of a run would
+    take that step's kept gradients into its zero-gradient initialisation (it only sees ``.grad``);
+    the training loop checkpoints after the step."""
+
+    applies_grad_scale = True
 
     BLOCK = 2048
 
@@ -109,7 +118,9 @@ class AdamWBf16Grads(torch.optim.Optimizer):
             raise ValueError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas={betas} must be in [0, 1)")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
+        if local_mp.dtype != torch.bfloat16:
+            raise ValueError(f"AdamWBf16Grads needs bf16 compute copies, got {local_mp.dtype}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.local_mp = local_mp
         self.grad_scale: Optional[torch.Tensor] = None
         local_mp.keep_grads = True
@@ -137,6 +148,8 @@ class AdamWBf16Grads(torch.optim.Optimizer):
                     st["step"] = torch.tensor(0.0)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if st["step"].device.type != "cpu":  # a checkpoint written by a fused optimizer: once
+                    st["step"] = st["step"].cpu()
                 st["step"] += 1
                 t = int(st["step"].item())  # a CPU tensor: no device sync
                 copied += copy is not None

@@ -228,7 +228,9 @@ def finish_grads(model: Transformer, pd: ParallelDims) -> None:
 
 
 def _fused(optimizer: Optional[torch.optim.Optimizer]) -> bool:
-    return optimizer is not None and bool(optimizer.defaults.get("fused"))
+    """The optimizer divides each gradient by its ``grad_scale`` as it reads it."""
+    return optimizer is not None and (bool(optimizer.defaults.get("fused"))
+                                      or bool(getattr(optimizer, "applies_grad_scale", False)))
 
 
 @torch.no_grad()

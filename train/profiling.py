@@ -65,7 +65,7 @@ _RULES = [  # (category, pattern), in priority order at one name
     ("communication", re.compile(r"^nccl:|c10d::|record_param_comms|FSDP::|all_gather|allgather|reduce_scatter"
                                  r"|reducescatter|all_reduce|allreduce|c10d_functional|^gloo:", re.I)),
     ("optimizer", re.compile(r"Optimizer\.step|Optimizer\.zero_grad|train\.clip_grad_norm|train\.router_bias"
-                             r"|_fused_adamw?_|FusedAdam", re.I)),
+                             r"|_fused_adamw?_|FusedAdam|^_adamw_kernel$", re.I)),
     ("expert GEMMs", re.compile(r"grouped_mm|grouped_gemm|grouped_wgrad|GroupedMm"
                                 r"|^_fused_(mm|wgrad)_\w*kernel", re.I)),
     ("attention", re.compile(r"scaled_dot_product|flash_attention|flash_fwd|flash_bwd|fmha|efficient_attention"

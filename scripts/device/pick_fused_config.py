@@ -12,7 +12,10 @@ best = {}
 for path in sys.argv[1:]:
     p = pathlib.Path(path)
     cfg = p.with_suffix(".cfg").read_text().strip() if p.with_suffix(".cfg").exists() else ""
-    parts = dict(x.split(":", 1) for x in cfg.split(";") if x)
+    parts = {}
+    for name, fields in (x.split(":", 1) for x in cfg.split(";") if x):
+        for form in (("wgrad_a", "wgrad_b") if name == "wgrad" else (name,)):  # the alias sets both
+            parts[form] = fields
     times = {}
     for r in json.loads(p.read_text())["rows"]:
         times[BASE[r["form"]]] = times.get(BASE[r["form"]], 0.0) + r["fused_ms"]

@@ -200,7 +200,7 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
                                  f"on {arch}: {sorted(names)})")
             kw[k] = int(v)
         for form in _ALIASES.get(name, (name,)):
-            cfg = dataclasses.replace(forms[form], **kw)
+            cfg = dataclasses.replace(out.get(form, forms[form]), **kw)  # later parts refine earlier ones
             if cfg.smem_bytes(form) > _SMEM_LIMIT:
                 raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
                                  "shared memory")
@@ -401,7 +401,8 @@ class _Hopper(_TlxFused):
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
         """dSwiGLU with PREFETCH_H: a TMA descriptor over h [N, 2F] in boxes of one consumer half."""
-        if epilogue != DSWIGLU or not cfg.PREFETCH_H:
+        F = h.shape[1] // 2
+        if epilogue != DSWIGLU or not cfg.PREFETCH_H or F % cfg.BN:  # (the gate box must end at F)
             return dict(h_desc=None, PREFETCH_H=False)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
