@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from tlx_dist.fused import expert_major_slots
+
 SHAPES = {  # name: (D, F, E, K), as bench/moe_layer.py
     "olmoe": (2048, 1024, 64, 8),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -44,10 +46,7 @@ def routing(T: int, E: int, K: int, device, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(T, E, generator=g).to(device)
     gate_TK, idx_TK = torch.softmax(logits, -1).topk(K, -1)
-    expert_S, order_S = torch.sort(idx_TK.reshape(-1), stable=True)
-    offsets_E = torch.searchsorted(expert_S, torch.arange(E, device=device, dtype=expert_S.dtype),
-                                   right=True, out_int32=True)
-    tok_N = torch.div(order_S, K, rounding_mode="floor").to(torch.int32)
+    tok_N, order_S, offsets_E = expert_major_slots(idx_TK, E)
     return tok_N, gate_TK.reshape(-1)[order_S].contiguous(), offsets_E
 
 

@@ -53,10 +53,11 @@ def _routing(torch, kind: str, T: int, E: int, K: int, num_dst, g):
         if kind == "half":
             logits[:, E // 2:] = -1e9
         idx = torch.softmax(logits, -1).topk(K, -1).indices
+    from tlx_dist.fused import expert_major_slots
+
     gate = torch.rand(T, K, generator=g) + 0.05
-    expert, order = torch.sort(idx.reshape(-1), stable=True)
-    offsets = torch.searchsorted(expert, torch.arange(E), right=True).to(torch.int32)
-    src = torch.div(order, K, rounding_mode="floor")
+    src, order, offsets = expert_major_slots(idx, E)
+    src = src.long()
     n_out = T if num_dst is None else num_dst
     dst = src.clone()
     if kind == "ep":  # source rows in a receive buffer, destinations a permuted smaller space

@@ -4,6 +4,8 @@
 # 1: fused forms kernel by kernel (bench/fused_forms.py) with the landed dW kernel (index load in the
 #    producer's critical path, copied to scripts/device/_old_fused_moe.py) and with the index prefetch;
 #    the fused GPU tier; then the one-GPU training recipe (tokens/s, MFU, per-category profile).
+# (the 'wgrad:' rounds below ran before dW13 / dW2 got separate configs; 'wgrad' now sets both on
+#  their own defaults, and some of these strings no longer fit shared memory there)
 # 2: tile-config sweep of every fused form (TLX_DIST_FUSED_CONFIG rounds, each compile-checked on CPU
 #    to fit 227 KB), then the training recipe with the fastest config of each form.
 set -u

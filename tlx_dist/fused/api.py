@@ -30,7 +30,7 @@ import torch
 
 from .backends import get_fused_backend, select_fused_backend
 
-__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports"]
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots"]
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -204,13 +204,21 @@ def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tenso
     for name, t in (("idx_TK", idx_TK), ("gate_TK", gate_TK)):
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
-    T, K = idx_TK.shape
-    E = w13_EDF2.shape[0]
-    # Slots sorted by expert (stable: token order within an expert); each expert's end row is the
-    # number of sorted ids <= e. A handful of small kernels, no host sync.
+    T = idx_TK.shape[0]
+    tok_N, order_S, offsets_E = expert_major_slots(idx_TK, w13_EDF2.shape[0])
+    gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
+    return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)
+
+
+def expert_major_slots(idx_TK: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, k) slots sorted by expert (stable: token order within an expert), as
+    :func:`fused_experts_rows` takes them: ``(tok_N int32 token of each row, order_S int64 slot
+    index t*K + k of each row, offsets_E int32 end row of each expert)``. A handful of small
+    kernels, no host sync."""
+    K = idx_TK.shape[1]
     expert_S, order_S = torch.sort(idx_TK.reshape(-1), stable=True)
+    # each expert's end row is the number of sorted ids <= e
     offsets_E = torch.searchsorted(expert_S, torch.arange(E, device=idx_TK.device, dtype=expert_S.dtype),
                                    right=True, out_int32=True)
     tok_N = torch.div(order_S, K, rounding_mode="floor").to(torch.int32)
-    gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
-    return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)
+    return tok_N, order_S, offsets_E
