@@ -401,9 +401,8 @@ class _Hopper(_TlxFused):
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
         """dSwiGLU with PREFETCH_H: a TMA descriptor over h [N, 2F] in boxes of one consumer half."""
-        F = h.shape[1] // 2
-        if epilogue != DSWIGLU or not cfg.PREFETCH_H or F % cfg.BN:  # (the gate box must end at F)
-            return dict(h_desc=None, PREFETCH_H=False)
+        if epilogue != DSWIGLU or not cfg.PREFETCH_H or h is None or (h.shape[1] // 2) % cfg.BN:
+            return dict(h_desc=None, PREFETCH_H=False)  # (the gate box must end at F)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return dict(h_desc=TensorDescriptor(h, list(h.shape), [h.stride(0), 1], [cfg.BM // 2, cfg.BN]),

@@ -1,0 +1,126 @@
+"""The TLX fused launchers' host path on CPU (tier T2): every launch of one forward + backward, for
+each GPU generation, with the kernels replaced by a recorder that binds the call to the real
+kernel's signature.
+
+The kernels themselves need a GPU (and are compiled in test_fused_compile.py /
+test_fused_blackwell_compile.py); what this covers is the Python between ``fused_experts`` and the
+launch -- descriptors, optional operands, tile configs and env overrides -- which no other CPU test
+executes. Session 6 shipped a launcher that read ``h.shape`` for forms that pass no ``h``; it
+failed at the first fused launch on the GPU, and this test fails on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tlx
+
+pytestmark = pytest.mark.skipif(not tlx.tlx_available(), reason="TLX (fbtriton) is not importable")
+
+_LAUNCH_OPTS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+class _Recorder:
+    """Stands in for a JITFunction: ``rec[grid](*args, **kw)`` checks that the call binds to the
+    kernel's parameters exactly (every parameter once, nothing unknown) and records it."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            names = list(self.fn.arg_names)
+            assert len(args) <= len(names), f"{self.fn.__name__}: {len(args)} positional > {len(names)} params"
+            bound = dict(zip(names, args))
+            extra = {k: v for k, v in kw.items() if k not in _LAUNCH_OPTS}
+            unknown = set(extra) - set(names)
+            assert not unknown, f"{self.fn.__name__}: unknown arguments {sorted(unknown)}"
+            twice = set(extra) & set(bound)
+            assert not twice, f"{self.fn.__name__}: given twice {sorted(twice)}"
+            bound.update(extra)
+            missing = [n for n in names if n not in bound]
+            assert not missing, f"{self.fn.__name__}: missing {missing}"
+            assert isinstance(grid, tuple) and all(isinstance(g, int) and g >= 1 for g in grid), grid
+            self.calls.append((self.fn.__name__, bound))
+
+        return launch
+
+
+def _prims(arch, monkeypatch, calls):
+    from tlx_dist.fused import tlx_backend as tb
+
+    cls = {"sm_90": tb._Hopper, "sm_100": tb._Blackwell}[arch]
+    mm, wg = cls._mm_kernel(), cls._wgrad_kernel()
+    monkeypatch.setattr(cls, "_mm_kernel", staticmethod(lambda: _Recorder(mm, calls)))
+    monkeypatch.setattr(cls, "_wgrad_kernel", staticmethod(lambda: _Recorder(wg, calls)))
+    monkeypatch.setattr(tb, "_grid", lambda device, bound: max(1, min(132, bound)))
+    # the scheduler's prep kernels are Triton launches of their own (GPU-tested elsewhere): stand-ins
+    counts = lambda off: torch.diff(off.long(), prepend=off.new_zeros(1).long())  # noqa: E731
+    monkeypatch.setattr(cls, "tile_cum", staticmethod(
+        lambda off, n, x=None: torch.cat([off.new_zeros(1), (-(-counts(off) // 128)).cumsum(0).to(off.dtype)])))
+    monkeypatch.setattr(cls, "wgrad_order", staticmethod(
+        lambda off: torch.argsort(counts(off), descending=True, stable=True).to(torch.int32)))
+    return cls
+
+
+def _operands(T=40, D=256, F=128, E=4, K=2, R=None):
+    g = torch.Generator().manual_seed(0)
+    R = T if R is None else R
+    N = T * K
+    x = torch.randn(R, D, generator=g).to(torch.bfloat16)
+    e = torch.randint(0, E, (N,), generator=g)
+    order = torch.argsort(e, stable=True)
+    tok = (torch.arange(N) // K)[order].to(torch.int32)
+    offsets = torch.bincount(e, minlength=E).cumsum(0).to(torch.int32)
+    gate = torch.rand(N, generator=g)
+    w13 = torch.randn(E, D, 2 * F, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(E, F, D, generator=g).to(torch.bfloat16)
+    return x, tok, gate, w13, w2, offsets
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("env", ["", "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2"])
+def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
+    from tlx_dist.fused import tlx_backend as tb
+    from tlx_dist.fused.backends import compose_backward, compose_forward
+
+    if env and arch != "sm_90":
+        pytest.skip("PREFETCH_H is a Hopper option")
+    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, env)
+    monkeypatch.setattr(tb, "_CACHE", {})
+    calls = []
+    p = _prims(arch, monkeypatch, calls)
+    x, tok, gate, w13, w2, offsets = _operands()
+    T, D = x.shape
+    out, h = compose_forward(p, x, tok, tok, gate, w13, w2, offsets, T)
+    assert out.shape == (T, D) and h.shape == (tok.shape[0], w13.shape[2])
+    dout = torch.randn(T, D).to(torch.bfloat16)
+    dx, dgate, dw13, dw2 = compose_backward(p, dout, x, tok, tok, gate, w13, w2, offsets, h)
+    assert dx.shape == x.shape and dgate.shape == gate.shape and dw13.shape == w13.shape and dw2.shape == w2.shape
+    mm = [c for n, c in calls if "wgrad" not in n]
+    wg = [c for n, c in calls if "wgrad" in n]
+    assert len(mm) == 4 and len(wg) == 2, [n for n, _ in calls]
+    assert [c["EPILOGUE"] for c in mm] == [tb.SWIGLU, tb.SCATTER, tb.DSWIGLU, tb.SCATTER]
+    assert [c["A_GATHER"] for c in mm] == [True, False, True, False]
+    assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == [(True, False), (False, True)]
+    if arch == "sm_90":
+        # the dSwiGLU launch takes the h descriptor exactly when the override asks for it
+        assert [c["PREFETCH_H"] for c in mm] == [False, False, bool(env), False]
+        assert (mm[2]["h_desc"] is not None) == bool(env)
+
+
+def test_prefetch_h_falls_back_when_f_is_not_a_tile_multiple(monkeypatch):
+    """F % BN != 0: the gate box would cross into the up half, so the launch reads h directly."""
+    from tlx_dist.fused import tlx_backend as tb
+    from tlx_dist.fused.backends import compose_backward, compose_forward
+
+    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")
+    monkeypatch.setattr(tb, "_CACHE", {})
+    calls = []
+    p = _prims("sm_90", monkeypatch, calls)
+    x, tok, gate, w13, w2, offsets = _operands(F=96)
+    out, h = compose_forward(p, x, tok, tok, gate, w13, w2, offsets, x.shape[0])
+    compose_backward(p, torch.randn_like(out), x, tok, tok, gate, w13, w2, offsets, h)
+    dsw = [c for n, c in calls if "wgrad" not in n and c["EPILOGUE"] == tb.DSWIGLU]
+    assert len(dsw) == 1 and dsw[0]["PREFETCH_H"] is False and dsw[0]["h_desc"] is None
