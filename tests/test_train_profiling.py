@@ -224,9 +224,13 @@ def _h200_like_step():
     t.device("Optimizer.step#AdamW.step", 450, 500, linked=opt.id, kind="gpu_user_annotation")
     t.device("Stream Wait Event", 500, 520, kind="cuda_sync", linked=adamw.id)
     t.device("void at::native::vectorized_elementwise_kernel<4>", 50, 90, linked=99999)  # warm-up op
-    want_us = {"other GEMMs": 100, "exchange": 50, "expert GEMMs": 200, "optimizer": 50, "other": 20,
+    # Launched while the host sat in "Command Buffer Full" (as on the H200, where 95 ms/step of the
+    # window's kernels, the whole AdamW update among them, resolved to no op): linked to no op in
+    # the trace, yet inside the step's device span -- it counts, by its own name.
+    t.device("_adamw_kernel", 570, 590, linked=88888)
+    want_us = {"other GEMMs": 100, "exchange": 50, "expert GEMMs": 200, "optimizer": 70, "other": 30,
                "elementwise/casts": 20}
-    return t, {c: want_us.get(c, 0) / 1e3 for c in CATEGORIES}, (40 + 10) / 1e3
+    return t, {c: want_us.get(c, 0) / 1e3 for c in CATEGORIES}, 40 / 1e3
 
 
 def _no_new_fields(trace, linked=True, kind=True):
@@ -256,8 +260,9 @@ def test_each_kernel_counted_once_by_its_launching_op(linked, kind):
     for c in CATEGORIES:
         assert ms[c] == pytest.approx(want[c], abs=1e-12), (c, ms)
     total = sum(ms[c] for c in CATEGORIES)
-    assert total == pytest.approx(0.44) and ms["device busy"] == pytest.approx(0.44)
-    assert ms["kernel time"] == pytest.approx(0.44) and ms["left out"] == pytest.approx(left_out)
+    assert total == pytest.approx(0.47) and ms["device busy"] == pytest.approx(0.47)
+    assert ms["kernel time"] == pytest.approx(0.47) and ms["left out"] == pytest.approx(left_out)
+    assert ms["unlinked"] == pytest.approx(0.03)  # the memset and the AdamW kernel
     assert ms["step (wall)"] == pytest.approx(1.0)
 
 
@@ -265,12 +270,13 @@ def test_steps_divide_and_table_states_busy_fraction():
     t, want, _ = _h200_like_step()
     ms = step_profile(t.events, steps=2, device=True)
     assert ms["expert GEMMs"] == pytest.approx(want["expert GEMMs"] / 2)
-    assert ms["step (wall)"] == pytest.approx(0.5) and ms["device busy"] == pytest.approx(0.22)
+    assert ms["step (wall)"] == pytest.approx(0.5) and ms["device busy"] == pytest.approx(0.235)
     text = format_profile(ms, device=True)
-    assert "device busy 0.22 ms/step = 44.0% of the wall step time" in text
-    assert "left out: 0.03 ms/step" in text
+    assert "device busy 0.23 ms/step = 47.0% of the wall step time" in text
+    assert "of which 0.01 ms/step launched by no op in the trace" in text
+    assert "left out: 0.02 ms/step" in text
     rows = dict(re.findall(r"^(\S.*?)\s+(\d+\.\d+)(?:\s+[\d.]+%)?$", text, re.M))
-    assert float(rows["total"]) == pytest.approx(0.22, abs=0.005)
+    assert float(rows["total"]) == pytest.approx(0.235, abs=0.005)
 
 
 def test_concurrent_streams_are_split_not_summed():

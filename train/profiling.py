@@ -206,17 +206,38 @@ def _share_concurrent(spans: list[tuple[float, float, object, str]]) -> tuple[di
     return out, busy
 
 
+def _step_windows(events: list) -> dict:
+    """Per device, the ``[start, end)`` intervals of the GPU-side ``ProfilerStep#N`` spans: torch
+    draws each host step scope on the device timeline from the first to the last record launched
+    inside it. Empty where the trace has none (an older torch, or a CPU-only trace)."""
+    out: dict = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU or not _is_step(e.name):
+            continue
+        kind = _kind(e)
+        if kind == "gpu_user_annotation" or (kind is None and e.is_user_annotation):
+            out.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
+    return out
+
+
 def step_profile(events: Iterable, steps: int, device: bool) -> dict:
     """Milliseconds per step in each of :data:`CATEGORIES` from ``prof.events()`` over ``steps``
     profiled steps, plus ``"step (wall)"``: the mean duration of the ``ProfilerStep#N`` scopes.
 
     ``device=True``: device work only (kernels, memcpy, memset; not the GPU-side annotation spans
     nor sync records), each record counted once and categorised by its own name and the op that
-    launched it (:func:`_launchers`) with that op's enclosing ops and scopes. Time when records
-    overlap on one device (several streams) is split evenly among them, so the categories sum to
-    ``"device busy"``: the time the device ran anything. Also ``"kernel time"`` (the records'
-    summed durations, >= busy) and ``"left out"``: device time of records no op in the trace
-    launched (work queued before the profiled steps), in no category.
+    launched it (:func:`_launchers`) with that op's enclosing ops and scopes. Which records count:
+    those that start inside the device side of the profiled steps (the GPU ``ProfilerStep#N``
+    spans); without such spans in the trace, those some op in the trace launched. A record in the
+    window that no op in the trace launched is categorised by its name alone and its time is also
+    reported as ``"unlinked"``: on the H200 (h200_1gpu, 3 steps) that was 95 ms/step, the kernels
+    launched while the host sat in CUPTI's "Command Buffer Full" with the GPU a step behind --
+    dropping them, as this function once did, lost the whole AdamW update and a fifth of the
+    expert GEMMs from the table. Time when records overlap on one device (several streams) is split
+    evenly among them, so the categories sum to ``"device busy"``: the time the device ran
+    anything. Also ``"kernel time"`` (the records' summed durations, >= busy) and ``"left out"``:
+    device time of the records that do not count (work queued before the profiled steps), in no
+    category.
 
     ``device=False``: self CPU time of each op inside a ``ProfilerStep`` scope (so the categories
     sum to at most the step time); ``"left out"``: self CPU time of ops outside those scopes.
@@ -231,16 +252,31 @@ def step_profile(events: Iterable, steps: int, device: bool) -> dict:
     out: dict[str, float] = {}
     if device:
         work = [e for e in events if _is_device_work(e)]
+        windows = _step_windows(events)
         cat_of: dict[tuple, str] = {}
         spans = []
+        unlinked = 0.0
         for w, op in zip(work, _launchers(ops, work)):
-            if op is None:
-                left_out += w.time_range.end - w.time_range.start
+            dur = w.time_range.end - w.time_range.start
+            win = windows.get(w.device_index)
+            if win is not None:  # the device side of the profiled steps is known: it decides
+                if not any(s <= w.time_range.start < e for s, e in win):
+                    left_out += dur
+                    continue
+            elif op is None:
+                left_out += dur
                 continue
-            key = (id(op), w.name)
-            if key not in cat_of:
-                cat_of[key] = categorize(w.name, [op.name, *_stack(op)])
+            if op is None:  # in the steps' device window, launched by no op the trace holds
+                unlinked += dur
+                key = (None, w.name)
+                if key not in cat_of:
+                    cat_of[key] = categorize(w.name)
+            else:
+                key = (id(op), w.name)
+                if key not in cat_of:
+                    cat_of[key] = categorize(w.name, [op.name, *_stack(op)])
             spans.append((w.time_range.start, w.time_range.end, w.device_index, cat_of[key]))
+        out["unlinked"] = unlinked
         shares, busy = _share_concurrent(spans)
         for c, v in shares.items():
             us[c] += v
@@ -277,9 +313,12 @@ def format_profile(prof_ms: dict, device: bool) -> str:
         overlap = prof_ms["kernel time"] - prof_ms["device busy"]
         lines.append(f"device busy {prof_ms['device busy']:.2f} ms/step = {pct} of the wall step time; kernels ran "
                      f"{prof_ms['kernel time']:.2f} ms/step ({overlap:.2f} ms on concurrent streams, split evenly)")
+        if prof_ms.get("unlinked", 0) > 0:
+            lines.append(f"of which {prof_ms['unlinked']:.2f} ms/step launched by no op in the trace (the host blocked "
+                         f"on a full launch queue): categorised by kernel name alone")
         if prof_ms["left out"] > 0:
-            lines.append(f"left out: {prof_ms['left out']:.2f} ms/step of device work launched before the profiled "
-                         f"steps")
+            lines.append(f"left out: {prof_ms['left out']:.2f} ms/step of device work outside the profiled steps "
+                         f"(queued before them)")
     else:
         lines.append(f"ops cover {pct} of the wall step time (the rest: Python between ops)")
         if prof_ms["left out"] > 0:
