@@ -2,7 +2,8 @@
 # Session 7 one-GPU calls (carry .carry):  source .carry/setup.sh && bash scripts/device/h200_s9.sh A|B
 #   A: the fused GPU tiers after the launcher fix (h=None), then h200_1gpu for 200 steps with torch's
 #      fused AdamW against train.optimizer=adamw_bf16_grads (issue 10: 45% MFU, loss curve unchanged).
-#   B: memcheck of the fused kernels, layer latency eager/graph at T=1024/4096, fused forms.
+#   B: memcheck of the fused kernels, the recipe's step profile with the corrected device window
+#      (30 steps, now on adamw_bf16_grads), OLMoE layer latency eager/graph at T=1024/4096.
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 if [ "${1:-A}" = A ]; then
@@ -29,6 +30,12 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck -
 echo "== memcheck fused rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok|FAILED' "$out/memcheck_fused.log" | tr '\n' ' ')"
 grep -A 8 "FAILED" "$out/memcheck_fused.log" | head -n 12
 t0=$(date +%s)
-timeout 200 python3 bench/moe_layer.py --shapes olmoe,qwen3-30b-a3b --tokens "" --latency-tokens 1024,4096 \
+timeout 150 torchrun --standalone --nproc-per-node=1 -m train.pretrain --config configs/h200_1gpu.toml \
+  --override train.steps=30 --override train.log_every=10 --override metrics.progress=false \
+  --override metrics.out_dir=/tmp/run_prof --profile 3 > "$out/train_prof.log" 2>&1
+echo "== train profile rc=$? [$(( $(date +%s)-t0 ))s]"
+grep -A 16 "^step profile" "$out/train_prof.log"; grep -E "^step +[0-9]+/" "$out/train_prof.log" | cut -c1-150
+t0=$(date +%s)
+timeout 230 python3 bench/moe_layer.py --shapes olmoe --tokens "" --latency-tokens 1024,4096 \
   --json "$out/moe_latency.json" > "$out/moe_latency.log" 2>&1
 echo "== layer latency rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^\|" "$out/moe_latency.log"; tail -n 3 "$out/moe_latency.log"
