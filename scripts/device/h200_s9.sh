@@ -25,7 +25,7 @@ if [ "${1:-A}" = A ]; then
   exit 0
 fi
 t0=$(date +%s)
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 scripts/memcheck_fused.py > "$out/memcheck_fused.log" 2>&1
 echo "== memcheck fused rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok|FAILED' "$out/memcheck_fused.log" | tr '\n' ' ')"
 grep -A 8 "FAILED" "$out/memcheck_fused.log" | head -n 12
@@ -36,6 +36,6 @@ timeout 150 torchrun --standalone --nproc-per-node=1 -m train.pretrain --config 
 echo "== train profile rc=$? [$(( $(date +%s)-t0 ))s]"
 grep -A 16 "^step profile" "$out/train_prof.log"; grep -E "^step +[0-9]+/" "$out/train_prof.log" | cut -c1-150
 t0=$(date +%s)
-timeout 230 python3 bench/moe_layer.py --shapes olmoe --tokens "" --latency-tokens 1024,4096 \
+timeout 210 python3 bench/moe_layer.py --shapes olmoe --tokens "" --latency-tokens 1024,4096 \
   --json "$out/moe_latency.json" > "$out/moe_latency.log" 2>&1
 echo "== layer latency rc=$? [$(( $(date +%s)-t0 ))s]"; grep -E "^\|" "$out/moe_latency.log"; tail -n 3 "$out/moe_latency.log"
