@@ -126,15 +126,26 @@ def eager_ms(fn, x, g, params, reps: int) -> float:
 
 
 def graph_ms(fn, x, g, params, reps: int) -> float:
+    """Median replay time of one fwd+bwd captured in a CUDA graph. Before the capture, one eager
+    step runs with host syncs made errors, so that a syncing op is named by its traceback instead
+    of surfacing as an invalidated capture."""
     def step():
-        return torch.autograd.grad(fn(x), [x] + params, g)
+        xi = x.detach().requires_grad_(True)
+        return torch.autograd.grad(fn(xi), [xi] + params, g)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
             step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -176,7 +187,8 @@ def _graph_in_child(shape: str, provider: str, T: int, reps: int) -> dict:
     row = rows[0] if rows else {}
     if f"{provider}_graph_ms" in row:
         return {f"{provider}_graph_ms": row[f"{provider}_graph_ms"]}
-    return {f"{provider}_graph_error": row.get(f"{provider}_error", "no graph time in the child's row")}
+    return {f"{provider}_graph_error": row.get(f"{provider}_graph_error",
+                                               row.get(f"{provider}_error", "no graph time in the child's row"))}
 
 
 def rel_err(a, b) -> float:
@@ -360,7 +372,13 @@ def main() -> int:
                               f"{kernel_profile(step, 3, torch.cuda.synchronize)}", flush=True)
                     if T in lat_tokens:
                         if args.graph_in_process:
-                            row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps)
+                            try:
+                                row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps)
+                            except Exception:  # the child's row says where: the frames, not just the message
+                                import traceback
+
+                                row[f"{p}_graph_error"] = traceback.format_exc()[-1500:]
+                                raise
                         else:  # a failed capture poisons the CUDA context: each capture in a child
                             row.update(_graph_in_child(name, p, T, args.reps))
                     row[f"{p}_first_s"] = time.time() - t0
