@@ -125,7 +125,7 @@ def eager_ms(fn, x, g, params, reps: int) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fn, x, g, params, reps: int) -> float:
+def graph_ms(fn, x, g, params, reps: int, capture_mode: str = "global") -> float:
     """Median replay time of one fwd+bwd captured in a CUDA graph. Before the capture, one eager
     step runs with host syncs made errors, so that a syncing op is named by its traceback instead
     of surfacing as an invalidated capture."""
@@ -147,7 +147,7 @@ def graph_ms(fn, x, g, params, reps: int) -> float:
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_mode):
         step()
     graph.replay()
     torch.cuda.synchronize()
@@ -163,7 +163,7 @@ def graph_ms(fn, x, g, params, reps: int) -> float:
     return statistics.median(times)
 
 
-def _graph_in_child(shape: str, provider: str, T: int, reps: int) -> dict:
+def _graph_in_child(shape: str, provider: str, T: int, reps: int, capture_mode: str = "global") -> dict:
     """``{provider}_graph_ms`` (or ``{provider}_graph_error``) from a child process running this
     script with ``--graph-in-process`` for one (shape, provider, T): an invalidated capture leaves
     the CUDA context and RNG state unusable, which must not cost the other providers' numbers."""
@@ -175,6 +175,7 @@ def _graph_in_child(shape: str, provider: str, T: int, reps: int) -> dict:
         out = os.path.join(d, "row.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--providers", provider,
                "--tokens", "", "--latency-tokens", str(T), "--reps", str(reps), "--graph-in-process",
+               "--capture-mode", capture_mode,
                "--json", out]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -322,6 +323,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print the per-kernel GPU time of one fwd+bwd per provider (torchrun mode: rank 0's)")
     ap.add_argument("--json", default="bench_moe_layer.json")
+    ap.add_argument("--capture-mode", default="global", choices=("global", "thread_local", "relaxed"),
+                    help="torch.cuda.graph's capture_error_mode (a capture that passes only with thread_local / "
+                         "relaxed was invalidated by an unsafe CUDA call on another thread)")
     ap.add_argument("--graph-in-process", action="store_true",
                     help="capture the CUDA graphs in this process (default: one child process per capture)")
     args = ap.parse_args()
@@ -373,14 +377,14 @@ def main() -> int:
                     if T in lat_tokens:
                         if args.graph_in_process:
                             try:
-                                row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps)
+                                row[f"{p}_graph_ms"] = graph_ms(fn, x, g, params, args.reps, args.capture_mode)
                             except Exception:  # the child's row says where: the frames, not just the message
                                 import traceback
 
                                 row[f"{p}_graph_error"] = traceback.format_exc()[-1500:]
                                 raise
                         else:  # a failed capture poisons the CUDA context: each capture in a child
-                            row.update(_graph_in_child(name, p, T, args.reps))
+                            row.update(_graph_in_child(name, p, T, args.reps, args.capture_mode))
                     row[f"{p}_first_s"] = time.time() - t0
                 except Exception as err:  # keep the other providers' numbers
                     row[f"{p}_error"] = f"{type(err).__name__}: {err}"[:500]

@@ -1,0 +1,103 @@
+"""Which part of bench/moe_layer.py's fwd+bwd invalidates its CUDA-graph capture (session 7: all three
+providers failed, the pure-torch anchor included, while the library's own layer-capture tests pass).
+
+Each piece is captured in a child process of its own (a failed capture poisons the CUDA context):
+
+    python scripts/device/graph_bisect.py [--T 1024] [--mode global]
+
+Pieces, OLMoE shape (D=2048, F=1024, E=64, K=8), bf16: the router forward; router fwd+bwd; the
+torchtitan-style experts on fixed routing, fwd and fwd+bwd; the fused and separate MoELayer,
+forward only and fwd+bwd; the same layer at the shape of the passing GPU test (D=256, T=512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+PIECES = ("router_fwd", "router_fwd_bwd", "tt_fwd", "tt_fwd_bwd", "fused_fwd", "fused_fwd_bwd", "separate_fwd",
+          "separate_fwd_bwd", "fused_fwd_bwd_small")
+
+
+def child(piece: str, T: int, mode: str) -> None:
+    import os
+    from unittest import mock
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    from moe_layer import torchtitan_experts
+
+    from tlx_dist import MoEConfig, MoELayer
+
+    small = piece.endswith("_small")
+    D, Fe, E, K = (256, 128, 16, 4) if small else (2048, 1024, 64, 8)
+    T = 512 if small else T
+    cfg = MoEConfig(dim=D, moe_inter_dim=Fe, num_experts=E, top_k=K, dtype="bfloat16", aux_loss_coef=0.0,
+                    z_loss_coef=0.0, init_std=D ** -0.5)
+    with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
+        layer = MoELayer(cfg, device="cuda", pipeline="fused")
+    with torch.no_grad():
+        layer.router.weight.normal_(std=D ** -0.5)
+        layer.w13.normal_(std=D ** -0.5)
+        layer.w2.normal_(std=Fe ** -0.5)
+    if piece.startswith("separate"):
+        layer.pipeline = "separate"
+    x0 = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    r0 = layer.router(x0)
+    idx, gate = r0.idx_TK.clone(), r0.gate_TK.detach().clone()
+    params = list(layer.parameters())
+    bwd = "bwd" in piece
+
+    def step():
+        x = x0.detach().requires_grad_(True)
+        if piece.startswith("router"):
+            out = layer.router(x).gate_TK
+            gg = torch.ones_like(out)
+            ins = [x, layer.router.weight]
+        elif piece.startswith("tt"):
+            out = torchtitan_experts(x, idx, gate, layer.w13, layer.w2)
+            gg, ins = g, [x, layer.w13, layer.w2]
+        else:
+            out = layer(x)
+            gg, ins = g, [x] + params
+        return torch.autograd.grad(out, ins, gg, allow_unused=True) if bwd else out
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    print("CAPTURED")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--mode", default="global", choices=("global", "thread_local", "relaxed"))
+    ap.add_argument("--child", default="")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.T, args.mode)
+        return 0
+    for piece in PIECES:
+        p = subprocess.run([sys.executable, __file__, "--child", piece, "--T", str(args.T), "--mode", args.mode],
+                           capture_output=True, text=True, timeout=300)
+        ok = p.returncode == 0 and "CAPTURED" in p.stdout
+        why = "" if ok else " | " + " ".join((p.stdout + p.stderr).strip().splitlines()[-3:])[-300:]
+        print(f"{piece:<22} {'captured' if ok else 'FAILED'}{why}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
