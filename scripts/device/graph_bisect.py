@@ -85,12 +85,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--mode", default="global", choices=("global", "thread_local", "relaxed"))
+    ap.add_argument("--pieces", default=",".join(PIECES))
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.T, args.mode)
         return 0
-    for piece in PIECES:
+    for piece in args.pieces.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", piece, "--T", str(args.T), "--mode", args.mode],
                            capture_output=True, text=True, timeout=300)
         ok = p.returncode == 0 and "CAPTURED" in p.stdout
