@@ -184,6 +184,25 @@ def test_config_and_build_errors(one_rank):
         build_optimizer(m, cfg)
 
 
+def test_auto_picks_bf16_grads_only_where_it_applies(one_rank):
+    """``train.optimizer = "auto"`` (the h200_1gpu recipe): AdamWBf16Grads on one bf16 rank, torch's
+    AdamW where the bf16-gradient update does not apply (fp32 here; more ranks likewise) -- so the
+    recipe still runs under bench/scaling.py at ep = 2 instead of failing."""
+    cfg = load_config(DEBUG, SMALL + ["train.optimizer=auto"])
+    pd = build_mesh(cfg, "cpu")
+    assert isinstance(build_optimizer(build_model(cfg, pd, torch.device("cpu"), bf16=True), cfg), AdamWBf16Grads)
+    cfg32 = load_config(DEBUG, [s for s in SMALL if s != "train.dtype=bf16"] + ["train.dtype=fp32",
+                                                                               "train.optimizer=auto"])
+    opt = build_optimizer(build_model(cfg32, build_mesh(cfg32, "cpu"), torch.device("cpu"), bf16=False), cfg32)
+    assert type(opt) is torch.optim.AdamW
+
+
+def test_h200_recipe_selects_auto():
+    from train.pretrain import CONFIGS
+
+    assert load_config(str(CONFIGS / "h200_1gpu.toml"), []).train.optimizer == "auto"
+
+
 @pytest.mark.parametrize("target", [90, 100, "gfx942"])
 @pytest.mark.parametrize("grad", ["bf16", "fp32"])
 def test_kernel_compiles(target, grad):

@@ -116,7 +116,8 @@ class TrainConfig:
     crash_at_step: int = 0       # testing only: os._exit after this step (simulates a killed job)
     comm_timeout_s: float = 600.0  # a collective waiting longer than this fails (a rank died or hangs)
     optimizer: str = "adamw"     # "adamw" | "adamw_bf16_grads" (one rank, bf16: bf16 gradients, the
-                                 # compute copies written by the update; train/optim.py)
+                                 # compute copies written by the update; train/optim.py) | "auto"
+                                 # (adamw_bf16_grads on one bf16 rank, else adamw)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["AdamWBf16Grads", "adamw_step_ref", "OPTIMIZERS"]
 
-OPTIMIZERS = ("adamw", "adamw_bf16_grads")
+OPTIMIZERS = ("adamw", "adamw_bf16_grads", "auto")  # auto: adamw_bf16_grads where it applies, else adamw
 
 try:
     import triton

@@ -279,7 +279,8 @@ def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
 def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = None) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms and the embedding. Groups are split by mesh so that every
     foreach kernel sees DTensors of one mesh. ``train.optimizer = "adamw_bf16_grads"``:
-    :class:`train.optim.AdamWBf16Grads` over the one-rank bf16 masters (``fused`` does not apply)."""
+    :class:`train.optim.AdamWBf16Grads` over the one-rank bf16 masters (``fused`` does not apply);
+    ``"auto"``: that where every parameter is such a master (bf16 on one rank), else torch's AdamW."""
     t = cfg.train
     groups: dict[tuple, list] = {}
     for name, p in model.named_parameters():
@@ -288,9 +289,10 @@ def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = Non
         groups.setdefault((mesh, decay), []).append(p)
     param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
                     for (_, decay), ps in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
-    if t.optimizer == "adamw_bf16_grads":
-        lmp = getattr(model, "_local_mp", None)
-        if lmp is None or len(lmp.slots) != len(list(model.parameters())):
+    lmp = getattr(model, "_local_mp", None)
+    local_bf16 = lmp is not None and len(lmp.slots) == len(list(model.parameters()))
+    if t.optimizer == "adamw_bf16_grads" or (t.optimizer == "auto" and local_bf16):
+        if not local_bf16:
             raise ValueError("train.optimizer='adamw_bf16_grads' needs bf16 training on one rank (every parameter "
                              "a local bf16 master: train.dtype bf16, world size 1); use train.optimizer='adamw'")
         from .optim import AdamWBf16Grads

@@ -132,7 +132,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
               f"params total={pc.total / 1e6:.1f}M active={pc.active / 1e6:.1f}M flops/token={fpt / 1e9:.3f}G "
               f"peak={'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     log.print(f"compile={'on' if cfg.train.compile else 'off'} activation_checkpoint={cfg.train.activation_checkpoint} "
-              f"optimizer={cfg.train.optimizer}")
+              f"optimizer={cfg.train.optimizer} ({type(optimizer).__name__})")
     moe_layers = model.moe_layers()
     moe_ids = model.moe_layer_ids()
     if moe_layers:  # which grouped-GEMM kernel the experts run (decided per call; same shapes each step)
