@@ -230,10 +230,10 @@ def step_profile(events: Iterable, steps: int, device: bool) -> dict:
     those that start inside the device side of the profiled steps (the GPU ``ProfilerStep#N``
     spans); without such spans in the trace, those some op in the trace launched. A record in the
     window that no op in the trace launched is categorised by its name alone and its time is also
-    reported as ``"unlinked"``: on the H200 (h200_1gpu, 3 steps) that was 95 ms/step, the kernels
-    launched while the host sat in CUPTI's "Command Buffer Full" with the GPU a step behind --
-    dropping them, as this function once did, lost the whole AdamW update and a fifth of the
-    expert GEMMs from the table. Time when records overlap on one device (several streams) is split
+    reported as ``"unlinked"``: on the H200 (h200_1gpu, 3 steps) 24 ms/step, the AdamW update
+    among them -- most likely launched while the host sat in CUPTI's "Command Buffer Full" with
+    the GPU a step behind. This function once dropped every record no op launched (95 ms/step
+    there, most of it queued before the steps), which lost those 24 ms from the table. Time when records overlap on one device (several streams) is split
     evenly among them, so the categories sum to ``"device busy"``: the time the device ran
     anything. Also ``"kernel time"`` (the records' summed durations, >= busy) and ``"left out"``:
     device time of the records that do not count (work queued before the profiled steps), in no
