@@ -37,6 +37,7 @@ def _specs(amd: bool = False):
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
+                  SRC_ROW=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     return {
         "_route_kernel": ("_route_kernel",
@@ -48,14 +49,14 @@ def _specs(amd: bool = False):
             dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                  start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32"),
             dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
-                 BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, **tiles, **wait,
+                 BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, **tiles, **wait,
                  **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
         "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
-        "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32"),
+        "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
                                  dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
-                                      RECV_COPY=True)),
+                                      RECV_COPY=True, SRC_ROW=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),

@@ -251,6 +251,55 @@ def test_world_size_one_torch_symmetric_memory():
             dist.destroy_process_group()
 
 
+def test_launches_per_op_on_gpu():
+    """Issue 8's launch budget on the device, at world size 1 on torch symmetric memory: in steady
+    state a dispatch (either form) launches exactly route, send and expand, and a combine (either
+    form) reduce-send and reduce-receive -- no torch kernel besides (the expanded-row offsets are
+    capped and the row form's gather index written by the kernels themselves; until session 7 a
+    clamp and a division ran as torch ops after every dispatch)."""
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device(DEV, 0))
+        try:
+            E, K, D, T = 64, 8, 1024, 256
+            sd = SymmDispatcher(E, dist.group.WORLD, max_tokens=T, capacity=2.0, validate=False)
+            x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+            idx = torch.rand(T, E, device=DEV).topk(K, dim=1).indices
+            gate = torch.rand(T, K, device=DEV)
+
+            launched = {}
+
+            def prof(name, fn):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    out = fn()
+                    torch.cuda.synchronize()
+                launched[name] = [e.name for e in p.events() if e.device_type == DeviceType.CUDA
+                                  and getattr(e, "activity_type", "kernel") in ("kernel", "gpu_memcpy", "gpu_memset")]
+                return out
+
+            with torch.no_grad():
+                for _ in range(2):  # compile, build the buffers; the second round is steady state
+                    launched.clear()
+                    r, h = prof("dispatch", lambda: sd.dispatch(x, idx, gate))
+                    prof("combine", lambda: sd.combine_weighted(r, h, gate))
+                    recv, src, gate_n, hr = prof("dispatch_rows", lambda: sd.dispatch_rows(x, idx, gate))
+                    prof("combine_rows", lambda: sd.combine_rows(recv, hr))
+            want_d = ["_route_kernel", "_send_tokens_kernel", "_expand_kernel"]
+            want_c = ["_reduce_send_kernel", "_reduce_recv_kernel"]
+            assert launched == {"dispatch": want_d, "combine": want_c, "dispatch_rows": want_d,
+                                "combine_rows": want_c}, launched
+            sd.check()
+            sd.buffers.close()
+        finally:
+            dist.destroy_process_group()
+
+
 def test_layer_fwd_bwd_cuda_graph_with_symm_dispatcher():
     """A whole MoELayer forward+backward (symm dispatcher, static capacity, world size 1 on torch
     symmetric memory) captured in one CUDA graph; replays equal eager. In a child process: a failed

@@ -204,7 +204,7 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
            W: tl.constexpr, WP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
            E_LOCAL: tl.constexpr, NC: tl.constexpr,
            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
-           HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+           HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr, OFFS_CAP: tl.constexpr = -1):
     """At the top of every op's first data kernel (every CTA): waits FLAGS[s] >= epoch for every
     s (peer s finished its previous op: ``_end_op``) -- or, with counts (dispatch), CFLAGS[s] >=
     epoch (peer s posted this op's counts, ``_post_counts``, which it does only once in this op).
@@ -214,7 +214,9 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
     back (a benign race of identical stores):
         lay[0:E]          start[g] = first expanded row of (this source, expert g) on g's rank
                           = sum_{g' < g, same rank} sum_s C[s, g'] + sum_{s < RANK} C[s, g]
-        lay[E:E+e]        rows per local expert;  offs[0:e] (int32) their cumulative ends
+        lay[E:E+e]        rows per local expert;  offs[0:e] (int32) their cumulative ends, capped
+                          at OFFS_CAP (>= 0: the expanded rows the op has; the grouped GEMMs'
+                          offsets, so no torch op clamps them afterwards)
         lay[E+e:E+e+W]    token rows this rank receives from each source."""
     my = tl.load(peers_ptr + RANK)
     epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
@@ -242,7 +244,10 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
         tl.store(lay_ptr + ei, seg_excl + src_prefix, mask=ei < E)
         mine = (seg == RANK) & (ei < E)
         tl.store(lay_ptr + E + ei - RANK * E_LOCAL, tot, mask=mine)
-        tl.store(offs_ptr + ei - RANK * E_LOCAL, (seg_excl + tot).to(tl.int32), mask=mine)
+        ends = seg_excl + tot
+        if OFFS_CAP >= 0:
+            ends = tl.minimum(ends, OFFS_CAP)
+        tl.store(offs_ptr + ei - RANK * E_LOCAL, ends.to(tl.int32), mask=mine)
         tl.store(lay_ptr + E + E_LOCAL + si, tl.load(rows + E + RANK, mask=si < W, other=0), mask=si < W)
     tl.debug_barrier()
 
@@ -405,16 +410,17 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         OFF_SMETA: tl.constexpr = 0, OFF_SGATES: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                         offs_ptr=None, BARRIER: tl.constexpr = False, E: tl.constexpr = 1, EP: tl.constexpr = 1,
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
-                        OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
+                        OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
+                        OFFS_CAP: tl.constexpr = -1):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
-    ``offs``). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
+    ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
     slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent.
     USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
         _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
-               WITH_META, TIMEOUT_NS, CLOCK)
+               WITH_META, TIMEOUT_NS, CLOCK, OFFS_CAP)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(T, BLOCK_T)
@@ -493,7 +499,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    pes_ptr=None, OFF_SDGATE: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
-                   WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False):
+                   WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
+                   src_row_ptr=None, SRC_ROW: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -510,7 +517,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     the ``[N]`` fp32 gradient of those gates) instead of ``<recv[n], y[pos]>``; ``WAIT_ROWS=False``
     skips the wait for token rows (an op that sent none this epoch); ``RECV_COPY`` copies every
     received row n to ``out[n]`` (``out`` is then ``[W*T_MAX, D]``) -- inside the op, before END
-    lets a peer's next op overwrite the region."""
+    lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
+    n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -596,6 +604,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             ok_t = mk & (pos_t >= 0) & (pos_t < N_EXP)
             over = tl.maximum(over, tl.max((mk & (pos_t >= N_EXP)).to(tl.int32), axis=1))
             tl.store(src_map_ptr + pos_t, rk, mask=ok_t)
+            if SRC_ROW:  # the row form's gather index: the receive row itself (n = rk // K)
+                tl.store(src_row_ptr + pos_t, rk // K, mask=ok_t)
             if GATE_N:
                 tl.store(gate_n_ptr + pos_t, gate_t.to(gate_n_ptr.dtype.element_ty), mask=ok_t)
             if COPY:

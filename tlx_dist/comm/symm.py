@@ -208,9 +208,11 @@ _ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through eve
 _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automatic) to span many blocks
 
 
-def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None):
+def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
+                 offs_cap: Optional[int] = None):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
-    into ``lay`` / ``offs``), then sends the token rows (gates cast to the activation dtype here)."""
+    into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
+    sends the token rows (gates cast to the activation dtype here)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -227,12 +229,13 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
-        **_await_meta(bufs))
+        OFFS_CAP=-1 if offs_cap is None else offs_cap, **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
-            dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False):
+            dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
+            src_row_N: Optional[torch.Tensor] = None):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
     only with ``recv_copy`` (the receive rows ``[W*T_max, D]``); ``end``: the op's last kernel."""
@@ -252,6 +255,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(_end_meta(bufs))
     if recv_copy:
         extra.update(RECV_COPY=True)
+    if src_row_N is not None:
+        extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
@@ -308,9 +313,10 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # reference does.
     gates = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
              else gate_TK.detach() if gate_TK.is_contiguous() else gate_TK.detach().contiguous())
-    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e)
+    n = expanded_rows(capacity, bufs)  # static, or None for "exact"
+    # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand)
+    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n)
     yield
-    n = expanded_rows(capacity, bufs)
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
     src_map = torch.empty(n, dtype=torch.int32, device=dev)
@@ -323,21 +329,22 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         # overwrite the region as soon as it has)
         x_exp = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev)
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
+        src_N = torch.empty(n, dtype=torch.int32, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True)
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 end=True)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
-        offsets_e=offsets_e if capacity == "exact" else offsets_e.clamp(max=n),
+        offsets_e=offsets_e,
         recv_counts_e=recv_counts_e, tokens_per_expert_E=counts_C[:E],
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs)
     if rows:
-        return x_exp, torch.div(src_map, K, rounding_mode="floor"), gate_N, handle
+        return x_exp, src_N, gate_N, handle
     return x_exp, handle
 
 
