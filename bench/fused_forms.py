@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -32,13 +33,8 @@ import torch
 
 from tlx_dist.fused import expert_major_slots
 
-SHAPES = {  # name: (D, F, E, K), as bench/moe_layer.py
-    "olmoe": (2048, 1024, 64, 8),
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "deepseek-v2-lite": (2048, 1408, 64, 6),
-    "mixtral": (4096, 14336, 8, 2),
-    "deepseek-v3-rank": (7168, 2048, 32, 8),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import SHAPES  # noqa: E402  name: (D, F, E, K), one table for the benches
 
 
 def routing(T: int, E: int, K: int, device, seed: int = 0):

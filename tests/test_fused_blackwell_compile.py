@@ -22,21 +22,12 @@ import tempfile
 import pytest
 
 import tlx
-from test_fused_compile import FORMS
+from test_fused_compile import _SMEM_LIMIT, FORMS, PORTABLE
 
 pytestmark = pytest.mark.skipif(not tlx.tlx_available(), reason="TLX (fbtriton) is not importable")
 
-_SMEM_LIMIT = 227 * 1024
 _NUM_SMS = 148  # B200
-# Launch flags that identify each form, in the order one forward + backward launches them.
-LAUNCHES = {
-    "swiglu": dict(EPILOGUE=1, A_GATHER=True, HAS_SCALE=False),
-    "scatter": dict(EPILOGUE=2, A_GATHER=False, HAS_SCALE=True),
-    "dswiglu": dict(EPILOGUE=3, A_GATHER=True, HAS_SCALE=True),
-    "scatter_t": dict(EPILOGUE=2, A_GATHER=False, HAS_SCALE=False),
-    "wgrad_a": dict(A_GATHER=True, B_GATHER=False),
-    "wgrad_b": dict(A_GATHER=False, B_GATHER=True),
-}
+LAUNCHES = PORTABLE  # the launch flags that identify each form, in launch order
 
 
 def _base(form: str) -> str:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _train import free_port
+from _train import one_rank_group
 from train.config import UsageError, load_config
 from train.metrics import MetricLogger, eta_seconds
 from train.pretrain import main, plot_run, train
@@ -100,9 +99,8 @@ def test_resumed_log_keeps_each_step_once(tmp_path):
 
 @pytest.fixture
 def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield torch.device("cpu")
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield torch.device("cpu")
 
 
 def test_resume_mismatch_and_resume_at_end(one_rank, tmp_path, capsys):

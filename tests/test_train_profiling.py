@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from tests._train import DEBUG, TINY, free_port
+from tests._train import DEBUG, TINY, one_rank_group
 from train.profiling import CATEGORIES, annotate_dispatchers, categorize, format_profile, step_profile
 
 STEP = "ProfilerStep#4"
@@ -320,9 +319,8 @@ def test_cpu_profile_counts_self_time_inside_steps_only():
 
 @pytest.fixture
 def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield torch.device("cpu")
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield torch.device("cpu")
 
 
 def test_profile_flag_table_fits_in_the_step(one_rank, capsys):

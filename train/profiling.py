@@ -266,15 +266,11 @@ def step_profile(events: Iterable, steps: int, device: bool) -> dict:
             elif op is None:
                 left_out += dur
                 continue
-            if op is None:  # in the steps' device window, launched by no op the trace holds
+            if op is None:  # in the steps' device window, launched by no op the trace holds: by name
                 unlinked += dur
-                key = (None, w.name)
-                if key not in cat_of:
-                    cat_of[key] = categorize(w.name)
-            else:
-                key = (id(op), w.name)
-                if key not in cat_of:
-                    cat_of[key] = categorize(w.name, [op.name, *_stack(op)])
+            key = (id(op) if op is not None else None, w.name)
+            if key not in cat_of:
+                cat_of[key] = categorize(w.name, [op.name, *_stack(op)] if op is not None else ())
             spans.append((w.time_range.start, w.time_range.end, w.device_index, cat_of[key]))
         out["unlinked"] = unlinked
         shares, busy = _share_concurrent(spans)

@@ -604,8 +604,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             ok_t = mk & (pos_t >= 0) & (pos_t < N_EXP)
             over = tl.maximum(over, tl.max((mk & (pos_t >= N_EXP)).to(tl.int32), axis=1))
             tl.store(src_map_ptr + pos_t, rk, mask=ok_t)
-            if SRC_ROW:  # the row form's gather index: the receive row itself (n = rk // K)
-                tl.store(src_row_ptr + pos_t, rk // K, mask=ok_t)
+            if SRC_ROW:  # the row form's gather index: the receive row itself
+                tl.store(src_row_ptr + pos_t, tl.broadcast_to(n[:, None], [BLOCK_R, KP]), mask=ok_t)
             if GATE_N:
                 tl.store(gate_n_ptr + pos_t, gate_t.to(gate_n_ptr.dtype.element_ty), mask=ok_t)
             if COPY:
