@@ -5,7 +5,7 @@ Each piece is captured in a child process of its own (a failed capture poisons t
 
     python scripts/device/graph_bisect.py [--T 1024] [--mode global]
 
-Pieces, OLMoE shape (D=2048, F=1024, E=64, K=8), bf16: the router forward; router fwd+bwd; the
+Pieces, OLMoE shape (D=2048, F=1024, E=64, K=8), bf16: the router GEMM alone (torch.mm, out_dtype=fp32); the router forward; router fwd+bwd; the
 torchtitan-style experts on fixed routing, fwd and fwd+bwd; the fused and separate MoELayer,
 forward only and fwd+bwd; the same layer at the shape of the passing GPU test (D=256, T=512).
 """
@@ -16,7 +16,7 @@ import argparse
 import subprocess
 import sys
 
-PIECES = ("router_fwd", "router_fwd_bwd", "tt_fwd", "tt_fwd_bwd", "fused_fwd", "fused_fwd_bwd", "separate_fwd",
+PIECES = ("mm_f32", "router_fwd", "router_fwd_bwd", "tt_fwd", "tt_fwd_bwd", "fused_fwd", "fused_fwd_bwd", "separate_fwd",
           "separate_fwd_bwd", "fused_fwd_bwd_small")
 
 
@@ -53,7 +53,10 @@ def child(piece: str, T: int, mode: str) -> None:
 
     def step():
         x = x0.detach().requires_grad_(True)
-        if piece.startswith("router"):
+        if piece == "mm_f32":  # the router's GEMM alone: torch.mm with out_dtype=float32
+            out = torch.mm(x, layer.router.weight.t(), out_dtype=torch.float32)
+            gg, ins = torch.ones_like(out), [x]
+        elif piece.startswith("router"):
             out = layer.router(x).gate_TK
             gg = torch.ones_like(out)
             ins = [x, layer.router.weight]
@@ -75,7 +78,13 @@ def child(piece: str, T: int, mode: str) -> None:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=mode):
-        step()
+        try:
+            step()
+        except Exception:  # the first error, with its frames (capture_end's error only follows it)
+            import traceback
+
+            print("FIRST ERROR IN CAPTURE:\n" + traceback.format_exc(), flush=True)
+            raise
     graph.replay()
     torch.cuda.synchronize()
     print("CAPTURED")
@@ -87,6 +96,7 @@ def main() -> int:
     ap.add_argument("--mode", default="global", choices=("global", "thread_local", "relaxed"))
     ap.add_argument("--pieces", default=",".join(PIECES))
     ap.add_argument("--child", default="")
+    ap.add_argument("--log-dir", default="", help="write each child's whole output there (<piece>_<mode>.log)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.T, args.mode)
@@ -95,7 +105,13 @@ def main() -> int:
         p = subprocess.run([sys.executable, __file__, "--child", piece, "--T", str(args.T), "--mode", args.mode],
                            capture_output=True, text=True, timeout=300)
         ok = p.returncode == 0 and "CAPTURED" in p.stdout
-        why = "" if ok else " | " + " ".join((p.stdout + p.stderr).strip().splitlines()[-3:])[-300:]
+        text = p.stdout + p.stderr
+        if args.log_dir:
+            with open(f"{args.log_dir}/{piece}_{args.mode}.log", "w") as f:
+                f.write(text)
+        # the first error names the cause; capture_end's "previous error during capture" only follows it
+        errs = [ln.strip() for ln in text.splitlines() if "Error" in ln and "previous error during capture" not in ln]
+        why = "" if ok else " | " + (errs[0] if errs else " ".join(text.strip().splitlines()[-3:]))[-300:]
         print(f"{piece:<22} {'captured' if ok else 'FAILED'}{why}", flush=True)
     return 0
 

@@ -12,17 +12,17 @@ set -u
 out=${OUT:-/tmp/x2}; mkdir -p "$out"
 if [ "${1:-1}" = 1 ]; then
 t0=$(date +%s)
-timeout 120 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_multigpu.py \
+timeout 100 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_multigpu.py \
   > "$out/t5_peer.log" 2>&1
 echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"
 t0=$(date +%s)
-timeout 120 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
+timeout 110 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
   --experts 64,256 --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
 echo "== dispatch W=2 rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 30 "^W=2" "$out/dispatch_w2.log" | grep -E "^(provider|nccl|symm|rows)"
 t0=$(date +%s)
 for r in 0 1; do
   MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 RANK=$r LOCAL_RANK=$r \
-    GROUP_RANK=$r timeout 300 python3 -m pytest -m multigpu -v -p no:cacheprovider --timeout 150 --timeout-method=thread \
+    GROUP_RANK=$r timeout 290 python3 -m pytest -m multigpu -v -p no:cacheprovider --timeout 150 --timeout-method=thread \
     --durations=0 tests/test_symm_nvshmem_multigpu.py > "$out/t5_nvshmem_rank$r.log" 2>&1 &
 done; wait
 echo "== T5 NVSHMEM [$(( $(date +%s)-t0 ))s]"; grep -E "PASSED|FAILED|ERROR|passed|failed|Timeout|s call" "$out/t5_nvshmem_rank0.log" | cut -c1-150 | tail -n 18
