@@ -363,6 +363,11 @@ def main() -> int:
                     out = fn(x)
                     dw13 = torch.autograd.grad(out, [layer.w13], g)[0]
                     results[p] = (out.detach(), dw13)
+                    # No autograd graph may outlive this probe: a live graph keeps the parameters'
+                    # AccumulateGrad nodes, made on the default stream, and the capture's backward
+                    # would then make the legacy stream wait on the capturing one
+                    # (cudaErrorStreamCaptureImplicit, session 7's failed captures).
+                    del out
                     ms = eager_ms(fn, x, g, params, args.reps)
                     row[f"{p}_eager_ms"] = ms
                     row[f"{p}_tflops"] = flops / ms * 1e-9

@@ -139,6 +139,47 @@ def test_rows_interleave_with_the_copying_ops():
     world.close()
 
 
+def test_own_rows_skip_the_shared_region():
+    """A rank's own token rows never pass through its symmetric regions in the row form: dispatch
+    (and combine's backward) store them straight into the op's output, and the reductions read this
+    rank's own partial rows where they are. Both regions' own parts are poisoned with NaN first and
+    must still be NaN after all four ops, whose results must still be right."""
+    W, E, K, D, T = 2, 4, 2, 8, 6
+    dt = torch.float64
+    world = EmulatedWorld(W, T, D, K, E, dt, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(T, D, generator=gen, dtype=dt) for _ in range(W)]
+    idxs = [_kind_routing(9 + s, T, K, E, W, "random") for s in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=dt) for _ in range(W)]
+    recv = [b.recv_rows() for b in world.buffers]
+    combs = []
+    for d, b in enumerate(world.buffers):
+        L = b.layout
+        combs.append(b._region(L.off_comb, L.max_tokens * W * D * L.dtype.itemsize).view(dt).view(L.max_tokens, W, D))
+        recv[d][d * T:(d + 1) * T] = float("nan")
+        combs[d][:, d] = float("nan")
+    rows = world.dispatch_rows(xs, idxs, gates)
+    parts = []
+    for r, src, gate_N, h in rows:  # identity experts: the partial row is the sum of its slots' gates times x
+        n = int(h.offsets_e[-1])
+        p = torch.zeros_like(r)
+        p.index_add_(0, src[:n].long(), gate_N[:n, None] * r[src[:n].long()])
+        parts.append(p)
+    outs = world.combine_rows(parts, [h for *_, h in rows])
+    g = [torch.randn(T, D, generator=gen, dtype=dt) for _ in range(W)]
+    gp = world.combine_rows_grad(g, [h for *_, h in rows])
+    back = world.dispatch_rows_grad(gp, [None] * W, [h for *_, h in rows])
+    for s in range(W):
+        _close(outs[s], gates[s].sum(1, keepdim=True) * xs[s], "rows with own rows local: identity experts")
+        sent_to = [(idxs[s] // (E // W) == d).any(1) for d in range(W)]  # the ranks each token went to
+        _close(back[s][0], g[s] * sum(m.to(dt)[:, None] for m in sent_to), "dx: the gradient once per rank")
+    for d in range(W):
+        assert torch.isnan(recv[d][d * T:(d + 1) * T]).all(), f"rank {d}: its own rows went through RECV"
+        assert torch.isnan(combs[d][:, d]).all(), f"rank {d}: its own partial rows went through COMB"
+    world.check()
+    world.close()
+
+
 def test_single_rank_rows_autograd_matches_fused_local():
     """W = 1 (no process group, "local" buffers): dispatch_rows -> fused_experts_rows ->
     combine_rows under autograd vs the one-rank fused_experts, output and every gradient, fp64."""

@@ -37,43 +37,47 @@ def _specs(amd: bool = False):
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
-                  SRC_ROW=False,
+                  SRC_ROW=False, LOCAL_ROWS=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
+    send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
+                    start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64")
+    send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
+                   BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
+                   **tiles, **wait,
+                   **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))
+    rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
+                     peers_ptr="*i64", RANK="i32", N_EXP="i32")
+    rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
+                    USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))
+    rrecv_sig = dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32",
+                     PART_ADDR="i64")
+    rrecv_cx = dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, T_MAX=T_MAX,
+                    LOCAL_ROWS=False, **tiles, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS"))
     return {
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
             dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # symm._route's
                  USE_NVSHMEM=False, AGG_ONLY=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
-        "_send_tokens_kernel": ("_send_tokens_kernel",
-            dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
-                 start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32"),
-            dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
-                 BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, **tiles, **wait,
-                 **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
+        "_send_tokens_kernel": ("_send_tokens_kernel", send_sig, send_cx),
+        # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
+        "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True)),
         "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
                                  dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
-                                      RECV_COPY=True, SRC_ROW=True)),
+                                      RECV_COPY=True, SRC_ROW=True, LOCAL_ROWS=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),
-        "_reduce_send_kernel[rows]": ("_reduce_send_kernel",
-            dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
-                 peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=False, ROWS=True, ACC=tl.float32, BLOCK_R=8, **tiles,
-                 BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
-        "_reduce_send_kernel": ("_reduce_send_kernel",
-            dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
-                 peers_ptr="*i64", RANK="i32", N_EXP="i32"),
-            dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, **tiles,
-                 BARRIER=True, USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))),
-        "_reduce_recv_kernel": ("_reduce_recv_kernel",
-            dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32"),
-            dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, **tiles, **wait,
-                 **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS"))),
+        "_reduce_send_kernel[rows]": ("_reduce_send_kernel", rsend_sig,
+                                      dict(rsend_cx, GATED=False, ROWS=True, LOCAL_ROWS=True)),
+        "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False,
+                                                                      LOCAL_ROWS=False)),
+        "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
+        # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
+        "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
         "_gate_grad_recv_kernel": ("_gate_grad_recv_kernel",
             dict(out_ptr="*fp32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),
             dict(W=W, BLOCK=1024, END=True, WP3=32, USE_NVSHMEM=False, **wait,
@@ -182,7 +186,8 @@ def test_kernels_compile_with_signal_semantics(compiled):
     if "ld16" in compiled["_expand_kernel"]:  # NVIDIA PTX
         for name, ld_max, st_max in (("_send_tokens_kernel", 1, 1), ("_expand_kernel", 1, 1),
                                      ("_expand_kernel[rows]", 1, 1), ("_reduce_send_kernel", 0, 0),
-                                     ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0)):
+                                     ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0),
+                                     ("_send_tokens_kernel[rows]", 1, 1), ("_reduce_recv_kernel[rows]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"
             assert info["ld16"] <= ld_max and info["st16"] <= st_max, \

@@ -69,6 +69,8 @@ def _nvshmem_specs():
         "_route_kernel": variant("_route_kernel"),  # its last block publishes the dispatch counts
         "_send_tokens_kernel": variant("_send_tokens_kernel"),
         "_send_tokens_kernel[grad]": variant("_send_tokens_kernel", WITH_META=False),  # combine's backward: dy rows
+        # the row form: own rows go straight to the op's output, the rest as before
+        "_send_tokens_kernel[rows]": variant("_send_tokens_kernel[rows]"),
         "_expand_kernel[grad]": variant("_expand_kernel[grad]"),
         "_reduce_send_kernel": variant("_reduce_send_kernel"),
         # the fused EP pipeline's row form: partial rows home, given gate gradients home
@@ -77,6 +79,7 @@ def _nvshmem_specs():
         # every op's last kernel raises the readiness for the next op on every peer
         "_expand_kernel[end]": variant("_expand_kernel"),
         "_reduce_recv_kernel[end]": variant("_reduce_recv_kernel"),
+        "_reduce_recv_kernel[rows_end]": variant("_reduce_recv_kernel[rows]"),
         "_gate_grad_recv_kernel[end]": variant("_gate_grad_recv_kernel"),
     }
     quiet = {"_expand_kernel[dispatch]": variant("_expand_kernel", END=False)}  # FROM_META, no END: sends nothing
@@ -286,9 +289,10 @@ def compiled(request):
 
 # the op's last kernels of the dispatch (FROM_META expand) and of the reductions: the readiness
 # signal of _end_op and nothing to put
-SIGNAL_ONLY = ("_expand_kernel[end]", "_reduce_recv_kernel[end]", "_gate_grad_recv_kernel[end]")
-SENDERS = ("_route_kernel", "_send_tokens_kernel", "_expand_kernel[end]", "_reduce_recv_kernel[end]",
-           "_gate_grad_recv_kernel[end]",
+SIGNAL_ONLY = ("_expand_kernel[end]", "_reduce_recv_kernel[end]", "_reduce_recv_kernel[rows_end]",
+               "_gate_grad_recv_kernel[end]")
+SENDERS = ("_route_kernel", "_send_tokens_kernel", "_send_tokens_kernel[rows]", "_expand_kernel[end]",
+           "_reduce_recv_kernel[end]", "_reduce_recv_kernel[rows_end]", "_gate_grad_recv_kernel[end]",
            "_send_tokens_kernel[grad]", "_expand_kernel[grad]", "_reduce_send_kernel", "_reduce_send_kernel[rows]",
            "_expand_kernel[rows_dgate]")
 

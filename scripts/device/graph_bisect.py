@@ -46,8 +46,10 @@ def child(piece: str, T: int, mode: str) -> None:
         layer.pipeline = "separate"
     x0 = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    r0 = layer.router(x0)
-    idx, gate = r0.idx_TK.clone(), r0.gate_TK.detach().clone()
+    with torch.no_grad():  # a live graph here broke every later backward capture (see bench/moe_layer.py)
+        r0 = layer.router(x0)
+    idx, gate = r0.idx_TK.clone(), r0.gate_TK.clone()
+    del r0
     params = list(layer.parameters())
     bwd = "bwd" in piece
 

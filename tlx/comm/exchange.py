@@ -411,12 +411,15 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         offs_ptr=None, BARRIER: tl.constexpr = False, E: tl.constexpr = 1, EP: tl.constexpr = 1,
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
                         OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
-                        OFFS_CAP: tl.constexpr = -1):
+                        OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
     slot whose expert g lives on d, else -1; then t) and ``gate[t, :]``. Then one release add per destination of the rows sent.
-    USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``)."""
+    USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``).
+    LOCAL_ROWS (the row form): this rank's own rows skip the shared region and go straight to row
+    ``RANK*T_MAX + send_row[t, RANK]`` of the op's output ``[W*T_MAX, D]`` at address OWN_ADDR (its
+    metadata still goes to META: the expand kernel reads it for every source)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
         _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
@@ -447,7 +450,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 far_any = far_any | far.to(tl.int32)
                 m = sent & (base != 0)
             dst = (RANK * T_MAX + row).to(tl.int64)
-            recv = tl.multiple_of((base + OFF_RECV).to(tl.pointer_type(DT)), 16) + dst * D
+            rbase = base + OFF_RECV
+            if LOCAL_ROWS:
+                rbase = tl.where(d == RANK, OWN_ADDR, rbase)
+            recv = tl.multiple_of(rbase.to(tl.pointer_type(DT)), 16) + dst * D
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = m[:, None] & (cols < D)[None, :]
@@ -500,7 +506,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
                    WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
-                   src_row_ptr=None, SRC_ROW: tl.constexpr = False):
+                   src_row_ptr=None, SRC_ROW: tl.constexpr = False, LOCAL_ROWS: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -518,7 +524,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     skips the wait for token rows (an op that sent none this epoch); ``RECV_COPY`` copies every
     received row n to ``out[n]`` (``out`` is then ``[W*T_MAX, D]``) -- inside the op, before END
     lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
-    n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards)."""
+    n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_ROWS
+    (with RECV_COPY): source RANK's rows are already in ``out`` (the send kernel's LOCAL_ROWS) and
+    only the other sources' rows are copied."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -545,9 +553,12 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
         else:
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
         if RECV_COPY:  # the receive rows themselves, out of the shared region before the op ends
+            cv = valid
+            if LOCAL_ROWS:
+                cv = valid & (s != RANK)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
-                cm = valid[:, None] & (cols < D)[None, :]
+                cm = cv[:, None] & (cols < D)[None, :]
                 rows = n.to(tl.int64)[:, None] * D + cols[None, :]
                 tl.store(out_ptr + rows, tl.load(recv + rows, mask=cm, other=0.0), mask=cm)
         if GATE_GRAD:
@@ -656,7 +667,8 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                         ROWS: tl.constexpr = False, BARRIER: tl.constexpr = False, OFF_STATE: tl.constexpr = 0,
-                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
+                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
+                        LOCAL_ROWS: tl.constexpr = False):
     """BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
     (``[W*T_MAX, D]``, one row per received row,
     already summed over this rank's slots) goes home as it is. Otherwise,
@@ -664,7 +676,9 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
     over this rank's slots of t (products in the activation dtype, as the per-token reference
     computes them), accumulated in fp32 and rounded once, stored into row (t, RANK)
     of the source's COMB. Then one release add per source of the rows sent back. USE_NVSHMEM: rows
-    of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``)."""
+    of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``). LOCAL_ROWS (with
+    ROWS): rows whose source is this rank stay in ``y`` (``_reduce_recv_kernel`` reads them there);
+    they are still counted in the release add, as the receive kernel waits for them."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     if BARRIER:  # the op's phase 2 (no counts): wait for every peer's signal
         _await(peers_ptr, peers_ptr, peers_ptr, RANK, W, WP, 1, 1, 1, 1, OFF_STATE, OFF_FLAGS, 0, False,
@@ -686,9 +700,11 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
             dst = tl.multiple_of((sbase + OFF_COMB).to(tl.pointer_type(DT)), 16) + (tok * W + RANK) * D
             near = valid
+            if LOCAL_ROWS:
+                near = valid & (s != RANK)
             if USE_NVSHMEM:
                 far = valid & (sbase == 0)
-                near = valid & (sbase != 0)
+                near = near & (sbase != 0)
                 stage = tl.multiple_of((my + OFF_SCOMB).to(tl.pointer_type(DT)), 16) + n.to(tl.int64) * D
             if not ROWS:  # the block's slots, loaded once (not once per column chunk)
                 kk = tl.arange(0, KP)
@@ -726,11 +742,20 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
 
 
 @triton.jit
-def _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W: tl.constexpr, D: tl.constexpr, ACC: tl.constexpr):
-    """``acc + COMB[t, dd]`` (one column chunk) for the tokens of the block that went to rank ``dd``."""
-    sent = tl.sum(tl.where(wr[None, :] == dd, sent_t, 0), axis=1) > 0
-    return acc + tl.load(comb + (t64 * W + dd)[:, None] * D + cols[None, :], mask=sent[:, None] & cm,
-                         other=0.0).to(ACC)
+def _add_rank_chunk(acc, dd, wr, row_t, comb_addr, t64, cols, cm, RANK, part_addr, W: tl.constexpr, D: tl.constexpr,
+                    T_MAX: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr, LOCAL_ROWS: tl.constexpr):
+    """``acc + COMB[t, dd]`` (one column chunk) for the tokens of the block that went to rank ``dd``
+    (``row_t[:, dd] >= 0``); LOCAL_ROWS: rank ``RANK``'s own partial rows are read where its
+    reduce-send left them, row ``RANK*T_MAX + row`` of ``y`` at ``part_addr``."""
+    row = tl.sum(tl.where(wr[None, :] == dd, row_t, 0), axis=1)
+    sent = row >= 0
+    base = comb_addr
+    ri = t64 * W + dd
+    if LOCAL_ROWS:
+        base = tl.where(dd == RANK, part_addr, base)
+        ri = tl.where(dd == RANK, RANK * T_MAX + row.to(tl.int64), ri)
+    src = tl.multiple_of(base.to(tl.pointer_type(DT)), 16)
+    return acc + tl.load(src + ri[:, None] * D + cols[None, :], mask=sent[:, None] & cm, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -739,9 +764,12 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                         OFF_COMB: tl.constexpr, ACC: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                         CLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                         END: tl.constexpr = False, WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0,
-                        pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
+                        pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, PART_ADDR=0, T_MAX: tl.constexpr = 1,
+                        LOCAL_ROWS: tl.constexpr = False):
     """Waits for ``rows_to[d]`` rows back from every rank d, then ``out[t] = sum_d COMB[t, d]``
-    over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0."""
+    over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0.
+    LOCAL_ROWS: the partial row of this rank itself is row ``RANK*T_MAX + send_row[t, RANK]`` of
+    the reduce-send's ``y`` (``[W*T_MAX, D]`` at PART_ADDR), which did not copy it to COMB."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -751,25 +779,26 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
         _wait_geq((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d), err_ptr,
                   OP_COMBINE, d, TIMEOUT_NS, CLOCK)
     tl.debug_barrier()
-    comb = tl.multiple_of((my + OFF_COMB).to(tl.pointer_type(DT)), 16)
+    comb_addr = my + OFF_COMB
     wr = tl.arange(0, WP)
     for b in range(pid, tl.cdiv(T, BLOCK_T), nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
         t64 = t.to(tl.int64)
-        # which ranks each token went to, once per block (not once per column chunk)
-        sent_t = (tl.load(send_row_ptr + t[:, None] * W + wr[None, :], mask=tm[:, None] & (wr < W)[None, :],
-                          other=-1) >= 0).to(tl.int32)
+        # which ranks each token went to (its receive row there, -1: none), once per block
+        row_t = tl.load(send_row_ptr + t[:, None] * W + wr[None, :], mask=tm[:, None] & (wr < W)[None, :], other=-1)
         for c0 in range(0, D, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             cm = (cols < D)[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_D], ACC)
             if W <= 8:  # unrolled: the W partial rows of a chunk load together (the sum keeps d's order)
                 for dd in tl.static_range(W):
-                    acc = _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W, D, ACC)
+                    acc = _add_rank_chunk(acc, dd, wr, row_t, comb_addr, t64, cols, cm, RANK, PART_ADDR, W, D, T_MAX,
+                                          ACC, DT, LOCAL_ROWS)
             else:
                 for dd in range(W):
-                    acc = _add_rank_chunk(acc, dd, wr, sent_t, comb, t64, cols, cm, W, D, ACC)
+                    acc = _add_rank_chunk(acc, dd, wr, row_t, comb_addr, t64, cols, cm, RANK, PART_ADDR, W, D, T_MAX,
+                                          ACC, DT, LOCAL_ROWS)
             tl.store(out_ptr + t64[:, None] * D + cols[None, :], acc.to(DT), mask=tm[:, None] & cm)
     if END:  # the op's last kernel: ready for the next op
         _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)

@@ -209,10 +209,12 @@ _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automat
 
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
-                 offs_cap: Optional[int] = None):
+                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
-    sends the token rows (gates cast to the activation dtype here)."""
+    sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
+    ``[W*T_max, D]`` output): this rank's own rows are stored there directly, not in the shared
+    region (the expand kernel then copies only the other sources' rows)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -229,16 +231,18 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
-        OFFS_CAP=-1 if offs_cap is None else offs_cap, **_await_meta(bufs))
+        OFFS_CAP=-1 if offs_cap is None else offs_cap,
+        **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}), **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
-            src_row_N: Optional[torch.Tensor] = None):
+            src_row_N: Optional[torch.Tensor] = None, local_rows: bool = False):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
-    only with ``recv_copy`` (the receive rows ``[W*T_max, D]``); ``end``: the op's last kernel."""
+    only with ``recv_copy`` (the receive rows ``[W*T_max, D]``; ``local_rows``: this rank's own
+    rows are already there, sent by ``_send_tokens(own_rows=out_ND)``); ``end``: the op's last kernel."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden)
     c = _common(bufs)
@@ -257,6 +261,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(RECV_COPY=True)
     if src_row_N is not None:
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
+    if local_rows:
+        extra.update(LOCAL_ROWS=True)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
@@ -314,8 +320,11 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     gates = (torch.ones(T, K, dtype=L.dtype, device=dev) if gate_TK is None
              else gate_TK.detach() if gate_TK.is_contiguous() else gate_TK.detach().contiguous())
     n = expanded_rows(capacity, bufs)  # static, or None for "exact"
+    # Row form: the receive rows' copy, which this rank's own rows reach straight from the send kernel
+    recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand)
-    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n)
+    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
+                 own_rows=recv_RD)
     yield
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
@@ -325,13 +334,13 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     gate_RK = torch.empty(R, K, dtype=L.dtype, device=dev)
     tok_R = torch.empty(R, dtype=torch.int32, device=dev)
     if rows:
-        # the receive rows, copied out by the kernel before it ends the op (a peer's next op may
-        # overwrite the region as soon as it has)
-        x_exp = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev)
+        # the other sources' receive rows, copied out by the kernel before it ends the op (a peer's
+        # next op may overwrite the region as soon as it has)
+        x_exp = recv_RD
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N)
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N, local_rows=True)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
@@ -348,8 +357,10 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     return x_exp, handle
 
 
-def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> None:
-    """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows."""
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> torch.Tensor:
+    """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows.
+    Row form: rows of this rank's own tokens stay in ``y``, which is returned for ``_reduce_recv``
+    to read them there (the caller keeps it alive until then)."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd = _tiles(L.hidden)
@@ -357,10 +368,14 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}), **_await_meta(bufs))
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True, "LOCAL_ROWS": True} if rows else {}),
+        **_await_meta(bufs))
+    return y
 
 
-def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Tensor:
+def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The last kernel of a reducing op: the per-rank partial rows of each token, summed. ``part``:
+    the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read."""
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
     br, bd = _tiles(L.hidden)
@@ -368,7 +383,8 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch.Te
     _send_launch(bufs, k._reduce_recv_kernel, _grid(-(-T // br), bufs.device),
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
         OFF_COMB=L.off_comb,
-        BLOCK_T=br, BLOCK_D=bd, num_warps=4, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}))
+        BLOCK_T=br, BLOCK_D=bd, num_warps=4, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}),
+        **(dict(PART_ADDR=part.data_ptr(), T_MAX=L.max_tokens, LOCAL_ROWS=True) if part is not None else {}))
     return out
 
 
@@ -384,9 +400,9 @@ def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch
 
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
-    _reduce_send(bufs, y_ND, h, gated, rows)  # waits for every peer's readiness first
+    y = _reduce_send(bufs, y_ND, h, gated, rows)  # waits for every peer's readiness first
     yield
-    return _reduce_recv(bufs, h)
+    return _reduce_recv(bufs, h, part=y if rows else None)
 
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
@@ -424,14 +440,15 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
 def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]`` on every rank r
     went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)  # waits first
-    yield
     L = bufs.layout
     g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
+    # waits first; this rank's own rows go straight to g_part
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part)
+    yield
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
-    # waits for every row, copies them out, then ends the op (indices go to scratch)
+    # waits for every row, copies the other sources' out, then ends the op (indices go to scratch)
     _expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
-            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True)
+            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True, local_rows=True)
     return g_part
 
 
@@ -440,14 +457,14 @@ def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Op
     """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
     and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
     returns ``(g_TD, g_gate_TK or None)``."""
-    _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
+    g_RD = _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
         g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
         _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
                 gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
     yield
-    g_TD = _reduce_recv(bufs, h, end=g_gate_N is None)
+    g_TD = _reduce_recv(bufs, h, end=g_gate_N is None, part=g_RD)
     return g_TD, (_gate_grad_recv(bufs, h) if g_gate_N is not None else None)
 
 
