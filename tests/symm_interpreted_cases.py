@@ -141,6 +141,27 @@ def test_emulated_edge_shapes():
     _check_world(2, 6, 6, [5, 3], 7, "random", torch.float16)
 
 
+def test_tiles_widen_only_for_few_rows():
+    """symm._tiles: 8 x 512 at the usual widths once there are enough row blocks; wider and shorter
+    tiles (down to 2 x 2048) for few rows; never wider than the row needs."""
+    from tlx_dist.comm.symm import _tiles
+    assert _tiles(7168) == (8, 512) and _tiles(7168, 2 * 16384) == (8, 512) and _tiles(7168, 2048) == (8, 512)
+    assert _tiles(7168, 1024) == (4, 1024)
+    assert _tiles(7168, 128) == _tiles(7168, 1) == (2, 2048)
+    assert _tiles(2048, 128) == (2, 2048) and _tiles(1024, 128) == (4, 1024)
+    assert _tiles(6, 3) == (512, 8) and _tiles(256, 3) == (16, 256)
+
+
+def test_emulated_world_short_wide_tiles(monkeypatch):
+    """The row-moving kernels with 2-row, 1-row and multi-chunk tiles whose last column chunk is
+    ragged (what symm._tiles picks for few rows at large D, here forced at a small D)."""
+    import tlx_dist.comm.symm as symm
+    for tiles in ((2, 16), (1, 32)):
+        monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, t=tiles: t)
+        _check_world(2, 8, 3, [5, 4], 40, "random")
+        _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
+
+
 def test_emulated_many_route_blocks(monkeypatch):
     """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
     last one -- the look-back must carry every block's slots into the next, and a second dispatch

@@ -104,6 +104,15 @@ def test_rows_world_matches_brute_force(Ts, kind, rpn):
     world.close()
 
 
+def test_rows_world_short_wide_tiles(monkeypatch):
+    """The row form with 2-row tiles of two column chunks (what symm._tiles picks for few rows at
+    large D, forced here at D = 8): forward and backward against the brute force."""
+    import tlx_dist.comm.symm as symm
+    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None: (2, 4))
+    test_rows_world_matches_brute_force([5, 3], "random", None)
+    test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
+
+
 def test_rows_interleave_with_the_copying_ops():
     """Row-form and expanded-form ops on the same buffers, alternating: epochs, arrival counters and
     the gate-gradient region are shared, so a mistake in either shows up in the other."""

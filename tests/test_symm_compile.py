@@ -78,6 +78,17 @@ def _specs(amd: bool = False):
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
+        # few rows (symm._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
+        "_send_tokens_kernel[wide]": ("_send_tokens_kernel", send_sig, dict(send_cx, BLOCK_T=2, BLOCK_D=2048)),
+        "_expand_kernel[wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
+                                                                BLOCK_R=2, BLOCK_D=2048)),
+        "_expand_kernel[grad_wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True,
+                                                                     BLOCK_R=2, BLOCK_D=2048)),
+        "_reduce_send_kernel[wide]": ("_reduce_send_kernel", rsend_sig,
+                                      dict(rsend_cx, GATED=True, ROWS=False, LOCAL_ROWS=False, BLOCK_R=2,
+                                           BLOCK_D=2048)),
+        "_reduce_recv_kernel[wide]": ("_reduce_recv_kernel", rrecv_sig,
+                                      dict(rrecv_cx, LOCAL_ROWS=True, BLOCK_T=2, BLOCK_D=2048)),
         "_gate_grad_recv_kernel": ("_gate_grad_recv_kernel",
             dict(out_ptr="*fp32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", S="i32"),
             dict(W=W, BLOCK=1024, END=True, WP3=32, USE_NVSHMEM=False, **wait,
@@ -187,7 +198,9 @@ def test_kernels_compile_with_signal_semantics(compiled):
         for name, ld_max, st_max in (("_send_tokens_kernel", 1, 1), ("_expand_kernel", 1, 1),
                                      ("_expand_kernel[rows]", 1, 1), ("_reduce_send_kernel", 0, 0),
                                      ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0),
-                                     ("_send_tokens_kernel[rows]", 1, 1), ("_reduce_recv_kernel[rows]", 0, 0)):
+                                     ("_send_tokens_kernel[rows]", 1, 1), ("_reduce_recv_kernel[rows]", 0, 0),
+                                     ("_send_tokens_kernel[wide]", 1, 1), ("_expand_kernel[wide]", 1, 1),
+                                     ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"
             assert info["ld16"] <= ld_max and info["st16"] <= st_max, \

@@ -136,10 +136,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tiles(D: int) -> tuple[int, int]:
-    """(BLOCK rows, BLOCK_D columns): ~4K-element tiles."""
+_WIDE_BELOW_BLOCKS = 256  # fewer row blocks than this (about 2 per H200 SM): wider, shorter tiles
+_WIDEST = 2048
+
+
+def _tiles(D: int, rows: Optional[int] = None) -> tuple[int, int]:
+    """(BLOCK rows, BLOCK_D columns) of the row-moving kernels: ~4K-element tiles, 8 x 512 at the
+    usual widths. Given the ``rows`` a launch walks, tiles get wider and shorter (up to 2 x 2048)
+    while that leaves fewer than ``_WIDE_BELOW_BLOCKS`` row blocks: each program walks a row's
+    column chunks one after another (load, then store to a peer), so at T = 128 rows and D = 7168 a
+    8 x 512 tile gave 16 programs with 28 dependent copies each, and 2 x 2048 gives 64 with 8."""
     bd = min(512, _next_pow2(D))
-    return max(1, 4096 // bd), bd
+    br = max(1, 4096 // bd)
+    if rows is not None:
+        while br > 2 and bd < min(_WIDEST, _next_pow2(D)) and -(-rows // br) < _WIDE_BELOW_BLOCKS:
+            bd, br = 2 * bd, br // 2
+    return br, bd
 
 
 def _grid(n_blocks: int, dev: torch.device) -> tuple[int]:
@@ -219,7 +231,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
         x_TD = x_TD.contiguous()
-    bt, bd = _tiles(D)
+    bt, bd = _tiles(D, T)
     dummy = send_row_TW
     E = L.num_experts
     _send_launch(
@@ -244,7 +256,7 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
     only with ``recv_copy`` (the receive rows ``[W*T_max, D]``; ``local_rows``: this rank's own
     rows are already there, sent by ``_send_tokens(own_rows=out_ND)``); ``end``: the op's last kernel."""
     L, k = bufs.layout, _kernels(bufs.device)
-    br, bd = _tiles(L.hidden)
+    br, bd = _tiles(L.hidden, L.recv_rows)
     c = _common(bufs)
     extra = {}
     if gate_N is not None:
@@ -363,7 +375,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
     to read them there (the caller keeps it alive until then)."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
-    br, bd = _tiles(L.hidden)
+    br, bd = _tiles(L.hidden, L.recv_rows)
     _send_launch(bufs, k._reduce_send_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
@@ -378,7 +390,7 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
     the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read."""
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
-    br, bd = _tiles(L.hidden)
+    br, bd = _tiles(L.hidden, T)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
     _send_launch(bufs, k._reduce_recv_kernel, _grid(-(-T // br), bufs.device),
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
