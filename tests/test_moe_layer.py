@@ -179,3 +179,37 @@ def test_ksum_bound_is_one_bf16_ulp_at_the_max():
     with pytest.raises(AssertionError, match="one bf16 ulp"):  # 1.0 apart: two ulps at 64
         assert_close_ksum_bf16(torch.tensor([64.0], dtype=torch.bfloat16), torch.tensor([65.0], dtype=torch.bfloat16))
     assert_close_ksum_bf16(torch.tensor([64.0], dtype=torch.bfloat16), torch.tensor([64.5], dtype=torch.bfloat16))
+
+
+def _router_accumulator(out: torch.Tensor, weight: torch.Tensor):
+    """The AccumulateGrad node of ``weight`` in ``out``'s autograd graph."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if getattr(fn, "variable", None) is weight:
+            return fn
+        todo.extend(f for f, _ in fn.next_functions)
+    raise AssertionError("the router weight is not in the graph")
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_forward_does_not_keep_the_last_steps_graph(coef):
+    """A forward starts from fresh autograd nodes for the router weight once the previous step's
+    outputs are gone: the layer's own ``last_stats`` (logits and losses, in the graph) must not keep
+    the old AccumulateGrad node alive into the next forward. Autograd would reuse that node with the
+    stream it was made on, and a CUDA-graph capture after one eager step on the default stream then
+    fails in its backward (cudaErrorStreamCaptureImplicit; session 7's benchmark captures)."""
+    torch.manual_seed(0)
+    layer = MoELayer(make_cfg(aux_loss_coef=coef, z_loss_coef=coef))
+    x = torch.randn(6, layer.cfg.dim)
+    y = layer(x)
+    (y.sum() + layer.aux_loss).backward()
+    _router_accumulator(y, layer.router.weight).metadata["first_step"] = True
+    del y
+    y2 = layer(x)
+    assert "first_step" not in _router_accumulator(y2, layer.router.weight).metadata, \
+        "the previous step's AccumulateGrad node was reused: something still holds its graph"
+    assert layer.last_stats is not None and torch.isfinite(layer.aux_loss)

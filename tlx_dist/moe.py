@@ -200,6 +200,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_TD = x.reshape(-1, self.cfg.dim)
+        # The last forward's stats hold its autograd graph (logits, losses), and with it the router
+        # weight's AccumulateGrad node, which autograd reuses while it lives and which keeps the
+        # stream it was made on. Dropped before routing: a step that ran on the default stream then
+        # does not leak that stream into a later CUDA-graph capture on a side stream
+        # (cudaErrorStreamCaptureImplicit at the capture's backward).
+        self.last_stats = None
         route = self.router(x_TD)
         self.last_stats = route.stats
         if self._fused(x_TD):
