@@ -6,6 +6,7 @@
 # MoE-layer test over NVSHMEM (each GPU its own node).
 set -u
 out=${OUT:-/tmp/x2}; mkdir -p "$out"
+source "$(dirname "${BASH_SOURCE[0]}")/_x2_steps.sh"
 t0=$(date +%s)
 CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests/test_fused_ep_gpu.py \
   tests/test_symm_gpu.py -k "not (random-8 or zero_token_experts-8 or heavy_imbalance-8 or one_expert-8)" \
@@ -18,19 +19,7 @@ wait $p1; r1=$?; wait $p2; r2=$?
 echo "== GPU tiers rc=$r1, layer latency rc=$r2 [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_tiers.log")"
 grep -E "^(FAILED|ERROR)" "$out/gpu_tiers.log" | cut -c1-300 | head -n 8
 grep -E "^\| (olmoe|shape)|graph_error|failed" "$out/moe_latency.log" | cut -c1-300 | tail -n 6
-t0=$(date +%s)
-timeout 100 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider tests/test_symm_multigpu.py \
-  > "$out/t5_peer.log" 2>&1
-echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"
-t0=$(date +%s)
-timeout 110 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
-  --experts 64,256 --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
-echo "== dispatch W=2 rc=$? [$(( $(date +%s)-t0 ))s]"; grep -A 30 "^W=2" "$out/dispatch_w2.log" | grep -E "^(provider|nccl|symm|rows)"
-t0=$(date +%s)
-for r in 0 1; do
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 RANK=$r LOCAL_RANK=$r \
-    GROUP_RANK=$r timeout 150 python3 -m pytest -m multigpu -q -p no:cacheprovider -k "moe_layer or skips" \
-    tests/test_symm_nvshmem_multigpu.py > "$out/t5_nvshmem_rank$r.log" 2>&1 &
-done; wait
-echo "== T5 NVSHMEM (MoE layer, skipped op) [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_nvshmem_rank0.log" | tail -n 1)"
+t5_peer
+dispatch_w2
+t5_nvshmem "moe_layer or skips" 150
 exit 0
