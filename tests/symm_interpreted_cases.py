@@ -162,6 +162,30 @@ def test_emulated_world_short_wide_tiles(monkeypatch):
         _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
 
 
+def test_expanded_form_reads_own_rows_from_x(monkeypatch):
+    """In the expanded form a rank's own token rows are not copied into its receive region: the
+    expand kernel reads them from x (dispatch) and from g (combine's backward). The region's own
+    block is poisoned with NaN when the world is built; every result must still match the oracles
+    (_check_world) and the block must still be NaN after all four ops."""
+    blocks = []
+    real_init = EmulatedWorld.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        for d, b in enumerate(self.buffers):
+            own = b.recv_rows()[d * b.layout.max_tokens:(d + 1) * b.layout.max_tokens]
+            own.fill_(float("nan"))
+            blocks.append((d, own))
+
+    monkeypatch.setattr(EmulatedWorld, "__init__", init)
+    world, _, _ = _check_world(2, 8, 3, [5, 4], 40, "random")
+    world4, _, _ = _check_world(4, 8, 2, [3, 0, 4, 2], 6, "heavy_imbalance")
+    world4.close()
+    for d, own in blocks:
+        assert torch.isnan(own).all(), f"rank {d}: its own rows went through RECV"
+    world.close()
+
+
 def test_emulated_many_route_blocks(monkeypatch):
     """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
     last one -- the look-back must carry every block's slots into the next, and a second dispatch

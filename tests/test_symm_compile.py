@@ -33,16 +33,18 @@ def _specs(amd: bool = False):
     o = lambda *names: {n: offs[n] for n in names}  # noqa: E731
     tiles = dict(BLOCK_D=512)
     exp_sig = dict(out_ptr="*bf16", src_map_ptr="*i32", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32",
-                   rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32")
+                   rows_from_ptr="*i64", y_ptr="*bf16", peers_ptr="*i64", RANK="i32", N_EXP="i32", x_ptr="*bf16",
+                   stride_x="i64")
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
-                  SRC_ROW=False, LOCAL_ROWS=False,
+                  SRC_ROW=False, LOCAL_ROWS=False, LOCAL_X=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                     start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64")
     send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
+                   LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
@@ -61,9 +63,10 @@ def _specs(amd: bool = False):
                  USE_NVSHMEM=False, AGG_ONLY=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
         "_send_tokens_kernel": ("_send_tokens_kernel", send_sig, send_cx),
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
-        "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True)),
-        "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True)),
-        "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(FROM_META=False, GATE_GRAD=True, **exp_cx)),
+        "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
+        "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
+                                                           LOCAL_X=True)),
+        "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True, LOCAL_X=True)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
                                  dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
@@ -81,9 +84,9 @@ def _specs(amd: bool = False):
         # few rows (symm._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
         "_send_tokens_kernel[wide]": ("_send_tokens_kernel", send_sig, dict(send_cx, BLOCK_T=2, BLOCK_D=2048)),
         "_expand_kernel[wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
-                                                                BLOCK_R=2, BLOCK_D=2048)),
+                                                                BLOCK_R=2, BLOCK_D=2048, LOCAL_X=True)),
         "_expand_kernel[grad_wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True,
-                                                                     BLOCK_R=2, BLOCK_D=2048)),
+                                                                     BLOCK_R=2, BLOCK_D=2048, LOCAL_X=True)),
         "_reduce_send_kernel[wide]": ("_reduce_send_kernel", rsend_sig,
                                       dict(rsend_cx, GATED=True, ROWS=False, LOCAL_ROWS=False, BLOCK_R=2,
                                            BLOCK_D=2048)),

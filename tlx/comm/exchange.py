@@ -411,7 +411,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         offs_ptr=None, BARRIER: tl.constexpr = False, E: tl.constexpr = 1, EP: tl.constexpr = 1,
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
                         OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
-                        OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False):
+                        OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False,
+                        LOCAL_X: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -419,7 +420,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     USE_NVSHMEM: rows for off-node ranks are staged (SROWS/SMETA/SGATES) and put (``_nvshmem_put_tokens``).
     LOCAL_ROWS (the row form): this rank's own rows skip the shared region and go straight to row
     ``RANK*T_MAX + send_row[t, RANK]`` of the op's output ``[W*T_MAX, D]`` at address OWN_ADDR (its
-    metadata still goes to META: the expand kernel reads it for every source)."""
+    metadata still goes to META: the expand kernel reads it for every source). LOCAL_X: this rank's
+    own rows are not copied at all (only their metadata); the expand kernel reads them from ``x``."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
         _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
@@ -454,9 +456,12 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             if LOCAL_ROWS:
                 rbase = tl.where(d == RANK, OWN_ADDR, rbase)
             recv = tl.multiple_of(rbase.to(tl.pointer_type(DT)), 16) + dst * D
+            mr = m
+            if LOCAL_X:
+                mr = m & (d != RANK)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
-                cm = m[:, None] & (cols < D)[None, :]
+                cm = mr[:, None] & (cols < D)[None, :]
                 v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
                 tl.store(recv[:, None] + cols[None, :], v, mask=cm)
             if WITH_META:
@@ -493,6 +498,22 @@ def _store_slot_chunk(v, k, kk, pos_t, ok_i, cols, cm, out_ptr, D: tl.constexpr)
 
 
 @triton.jit
+def _recv_chunk(recv, n, ok, cols, cm, x_ptr, stride_x, tok, s, RANK, D: tl.constexpr, LOCAL_X: tl.constexpr):
+    """One column chunk of received rows ``n`` (rows with ``ok``); LOCAL_X: rows whose source is this
+    rank itself are read from its own ``x`` (row ``tok``), as the send kernel skipped them."""
+    if LOCAL_X:
+        mine = s == RANK
+        v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=(ok & (s != RANK))[:, None] & cm,
+                    other=0.0)
+        vx = tl.load(x_ptr + tok.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=(ok & mine)[:, None] & cm,
+                     other=0.0)
+        v = tl.where(mine[:, None], vx, v)
+    else:
+        v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & cm, other=0.0)
+    return v
+
+
+@triton.jit
 def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, y_ptr, peers_ptr, RANK,
                    N_EXP,
                    W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr,
@@ -506,7 +527,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
                    WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
-                   src_row_ptr=None, SRC_ROW: tl.constexpr = False, LOCAL_ROWS: tl.constexpr = False):
+                   src_row_ptr=None, SRC_ROW: tl.constexpr = False, LOCAL_ROWS: tl.constexpr = False,
+                   x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -526,7 +548,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
     n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_ROWS
     (with RECV_COPY): source RANK's rows are already in ``out`` (the send kernel's LOCAL_ROWS) and
-    only the other sources' rows are copied."""
+    only the other sources' rows are copied; LOCAL_X (COPY, the expanded form and combine's backward):
+    this rank's own rows are read from its ``x`` (row = the token), which the send kernel's LOCAL_X
+    did not copy into RECV."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -586,7 +610,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                     for c0 in range(0, D, BLOCK_D):
                         cols = c0 + tl.arange(0, BLOCK_D)
                         cm = ok[:, None] & (cols < D)[None, :]
-                        v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=cm, other=0.0)
+                        v = _recv_chunk(recv, n, ok, cols, (cols < D)[None, :], x_ptr, stride_x, tok, s, RANK, D, LOCAL_X)
                         yv = tl.load(y_ptr + p64[:, None] * D + cols[None, :], mask=cm, other=0.0).to(ACC)
                         dg += tl.sum(v.to(ACC) * yv, axis=1)
                         tl.store(out_ptr + p64[:, None] * D + cols[None, :],
@@ -627,8 +651,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                 for c0 in range(0, D, BLOCK_D):
                     cols = c0 + tl.arange(0, BLOCK_D)
                     cm = (cols < D)[None, :]
-                    v = tl.load(recv + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
-                                other=0.0)
+                    v = _recv_chunk(recv, n, valid, cols, cm, x_ptr, stride_x, tok, s, RANK, D, LOCAL_X)
                     if K <= 8:  # unrolled: the K stores of a chunk go out back to back
                         for k in tl.static_range(K):
                             _store_slot_chunk(v, k, kk, pos_t, ok_i, cols, cm, out_ptr, D)

@@ -221,15 +221,18 @@ _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automat
 
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
-                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None):
+                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
     ``[W*T_max, D]`` output): this rank's own rows are stored there directly, not in the shared
-    region (the expand kernel then copies only the other sources' rows)."""
+    region (the expand kernel then copies only the other sources' rows); ``skip_own``: they are not
+    copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
+        if skip_own:
+            raise ValueError("skip_own needs row-contiguous x_TD (the expand kernel reads this rank's rows there)")
         x_TD = x_TD.contiguous()
     bt, bd = _tiles(D, T)
     dummy = send_row_TW
@@ -244,17 +247,20 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
-        **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}), **_await_meta(bufs))
+        **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}),
+        **({"LOCAL_X": True} if skip_own else {}), **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
-            src_row_N: Optional[torch.Tensor] = None, local_rows: bool = False):
+            src_row_N: Optional[torch.Tensor] = None, local_rows: bool = False,
+            x_own: Optional[torch.Tensor] = None):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
     only with ``recv_copy`` (the receive rows ``[W*T_max, D]``; ``local_rows``: this rank's own
-    rows are already there, sent by ``_send_tokens(own_rows=out_ND)``); ``end``: the op's last kernel."""
+    rows are already there, sent by ``_send_tokens(own_rows=out_ND)``); ``x_own``: the rows this rank
+    sent with ``_send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden, L.recv_rows)
     c = _common(bufs)
@@ -275,6 +281,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
     if local_rows:
         extra.update(LOCAL_ROWS=True)
+    if x_own is not None:
+        extra.update(x_ptr=x_own, stride_x=x_own.stride(0), LOCAL_X=True)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
@@ -322,6 +330,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
+    if x_TD.stride(-1) != 1:  # held here until the expand kernel has read this rank's own rows
+        x_TD = x_TD.contiguous()
     q_TK, send_row_TW, counts_C = _route(bufs, idx)  # + the signal
     yield
     lay = torch.empty(E + e + W, dtype=torch.int64, device=dev)
@@ -336,7 +346,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand)
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD)
+                 own_rows=recv_RD, skip_own=not rows)
     yield
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
@@ -356,7 +366,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                end=True)
+                end=True, x_own=x_TD)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
         offsets_e=offsets_e,
@@ -431,13 +441,16 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     """Backward of combine: returns ``(g_y_ND, g_gate_TK)``: ``g_y[row of (t, k)] = gate[t, k] *
     g_TD[t]`` and ``g_gate[t, k] = <g_TD[t], y[row of (t, k)]>`` (fp32; fp64 for fp64 rows)."""
     L = bufs.layout
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False)  # waits first
+    g_TD = g_TD if g_TD.stride(-1) == 1 else g_TD.contiguous()
+    # waits first; this rank's own rows stay in g_TD, where the expand kernel reads them
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, skip_own=True)
     yield
     n = h.num_recv_rows
     g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
     scratch = torch.empty(n, dtype=torch.int32, device=bufs.device)
     y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
-    _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True)
+    _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True,
+            x_own=g_TD)
     yield
     return g_y, _gate_grad_recv(bufs, h)
 
