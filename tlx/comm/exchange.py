@@ -22,7 +22,9 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
                            that slot's expert lives elsewhere), then the source token id
     GATES  [R, K]          the K gates of each received row, in the activation dtype
     RECV   [R, D]          token rows; rows [s*T_MAX, s*T_MAX + rows_from[s]) come from source s
+                           != RANK (a rank's own rows stay in x, or go straight to the row form's output)
     COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
+                           (row form: (t, RANK) unused, the own partial row is read where it is)
     DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
   staging, only with the NVSHMEM backend (sources of NVSHMEM puts must be symmetric memory):
     SROWS  [T_MAX, D]      token rows (x or dy) of this rank bound for another node, staged once

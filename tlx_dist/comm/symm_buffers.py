@@ -304,8 +304,9 @@ class SymmBuffers:
 
     def recv_rows(self) -> torch.Tensor:
         """``[W*T_max, D]`` view of this rank's receive region: block s holds source s's token rows
-        (the first ``rows_from[s]`` of ``T_max`` are valid after a dispatch). Overwritten by the
-        next op: clone what must outlive it."""
+        (the first ``rows_from[s]`` of ``T_max`` are valid after a dispatch) for every s but this
+        rank, whose own rows never pass through it. Overwritten by the next op: clone what must
+        outlive it."""
         L = self.layout
         return self._region(L.off_recv, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(
             L.recv_rows, L.hidden)
