@@ -453,8 +453,15 @@ def test_moe_layer_with_symm_dispatcher_matches_local():
     torch.manual_seed(0)
     cfg = dataclasses.replace(make_cfg(), dtype="float64")
     a, b = MoELayer(cfg, dispatcher="local"), MoELayer(cfg, dispatcher="symm")
+    layers_agree(a, b)
+    assert isinstance(b.dispatcher, SymmDispatcher) and b.dispatcher.buffers.layout.max_tokens == 10
+
+
+def layers_agree(a, b) -> torch.Tensor:
+    """``b`` with ``a``'s weights: same output, dx and parameter gradients on a [2, 5, D] fp64
+    batch; returns the input ``b`` saw."""
     b.load_state_dict(a.state_dict())
-    x = torch.randn(2, 5, cfg.dim, dtype=torch.float64)
+    x = torch.randn(2, 5, a.cfg.dim, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ya, yb = a(xa), b(xb)
     _close(yb, ya, "output")
@@ -463,7 +470,7 @@ def test_moe_layer_with_symm_dispatcher_matches_local():
     _close(xb.grad, xa.grad, "dx")
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         _close(pb.grad, pa.grad, n)
-    assert isinstance(b.dispatcher, SymmDispatcher) and b.dispatcher.buffers.layout.max_tokens == 10
+    return xb
 
 
 def test_launches_per_op(monkeypatch):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from symm_interpreted_cases import _close, _kind_routing  # noqa: E402
+from symm_interpreted_cases import _close, _kind_routing, layers_agree  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
 from tlx_dist.comm.symm import SymmDispatcher, SymmHandle  # noqa: E402
 from tlx_dist.fused import fused_experts, fused_experts_rows  # noqa: E402
@@ -225,16 +225,7 @@ def test_moe_layer_fused_ep_matches_separate():
     cfg = dataclasses.replace(make_cfg(), dtype="float64")
     a = MoELayer(cfg, dispatcher="local", pipeline="separate")
     b = MoELayer(cfg, dispatcher="symm", pipeline="fused")
-    b.load_state_dict(a.state_dict())
-    x = torch.randn(2, 5, cfg.dim, dtype=torch.float64)
-    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ya, yb = a(xa), b(xb)
-    _close(yb, ya, "output")
-    ya.square().sum().backward()
-    yb.square().sum().backward()
-    _close(xb.grad, xa.grad, "dx")
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-        _close(pb.grad, pa.grad, n)
+    xb = layers_agree(a, b)
     assert isinstance(b.dispatcher, SymmDispatcher) and b._fused(xb.reshape(-1, cfg.dim))
 
 
