@@ -44,7 +44,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from _profile import kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
+from _profile import host_profile, kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
@@ -322,6 +322,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="print the per-kernel GPU time of one fwd+bwd per provider (torchrun mode: rank 0's)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="print where the host spends one eager fwd+bwd per provider (cProfile, cumulative)")
     ap.add_argument("--json", default="bench_moe_layer.json")
     ap.add_argument("--capture-mode", default="global", choices=("global", "thread_local", "relaxed"),
                     help="torch.cuda.graph's capture_error_mode (a capture that passes only with thread_local / "
@@ -371,14 +373,19 @@ def main() -> int:
                     ms = eager_ms(fn, x, g, params, args.reps)
                     row[f"{p}_eager_ms"] = ms
                     row[f"{p}_tflops"] = flops / ms * 1e-9
+                    def fwd(fn=fn):
+                        for q in params:
+                            q.grad = None
+                        x.grad = None
+                        return fn(x)
+
                     if args.profile:
-                        def step(fn=fn):
-                            for q in params:
-                                q.grad = None
-                            x.grad = None
-                            fn(x).backward(g)
                         print(f"\n{name} T={T} {p}: per-kernel GPU time of one fwd+bwd\n"
-                              f"{kernel_profile(step, 3, torch.cuda.synchronize)}", flush=True)
+                              f"{kernel_profile(lambda: fwd().backward(g), 3, torch.cuda.synchronize)}", flush=True)
+                    if args.host_profile:
+                        print(f"\n{name} T={T} {p}: host side of one eager fwd+bwd\n"
+                              f"{host_profile(fwd, lambda out: out.backward(g), 5, torch.cuda.synchronize)}",
+                              flush=True)
                     if T in lat_tokens:
                         if args.graph_in_process:
                             try:
