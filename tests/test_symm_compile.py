@@ -38,7 +38,7 @@ def _specs(amd: bool = False):
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
-                  SRC_ROW=False, LOCAL_ROWS=False, LOCAL_X=False,
+                  SRC_ROW=False, LOCAL_X=False,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                     start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64")
@@ -70,14 +70,13 @@ def _specs(amd: bool = False):
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
                                  dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
-                                      RECV_COPY=True, SRC_ROW=True, LOCAL_ROWS=True)),
+                                      RECV_COPY=True, SRC_ROW=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),
         "_reduce_send_kernel[rows]": ("_reduce_send_kernel", rsend_sig,
-                                      dict(rsend_cx, GATED=False, ROWS=True, LOCAL_ROWS=True)),
-        "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False,
-                                                                      LOCAL_ROWS=False)),
+                                      dict(rsend_cx, GATED=False, ROWS=True)),
+        "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
@@ -88,7 +87,7 @@ def _specs(amd: bool = False):
         "_expand_kernel[grad_wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True,
                                                                      BLOCK_R=2, BLOCK_D=2048, LOCAL_X=True)),
         "_reduce_send_kernel[wide]": ("_reduce_send_kernel", rsend_sig,
-                                      dict(rsend_cx, GATED=True, ROWS=False, LOCAL_ROWS=False, BLOCK_R=2,
+                                      dict(rsend_cx, GATED=True, ROWS=False, BLOCK_R=2,
                                            BLOCK_D=2048)),
         "_reduce_recv_kernel[wide]": ("_reduce_recv_kernel", rrecv_sig,
                                       dict(rrecv_cx, LOCAL_ROWS=True, BLOCK_T=2, BLOCK_D=2048)),

@@ -529,7 +529,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    gate_n_ptr=None, COPY: tl.constexpr = True, GATE_N: tl.constexpr = False,
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
                    WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
-                   src_row_ptr=None, SRC_ROW: tl.constexpr = False, LOCAL_ROWS: tl.constexpr = False,
+                   src_row_ptr=None, SRC_ROW: tl.constexpr = False,
                    x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
@@ -546,11 +546,10 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     GATE_GRAD, COPY=False) sends the gate gradients ``y[pos]`` computed elsewhere (``y`` is then
     the ``[N]`` fp32 gradient of those gates) instead of ``<recv[n], y[pos]>``; ``WAIT_ROWS=False``
     skips the wait for token rows (an op that sent none this epoch); ``RECV_COPY`` copies every
-    received row n to ``out[n]`` (``out`` is then ``[W*T_MAX, D]``) -- inside the op, before END
-    lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
-    n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_ROWS
-    (with RECV_COPY): source RANK's rows are already in ``out`` (the send kernel's LOCAL_ROWS) and
-    only the other sources' rows are copied; LOCAL_X (COPY, the expanded form and combine's backward):
+    received row n of the other sources to ``out[n]`` (``out`` is then ``[W*T_MAX, D]``; source
+    RANK's rows are already there, stored by the send kernel's LOCAL_ROWS) -- inside the op, before
+    END lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
+    n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_X (COPY, the expanded form and combine's backward):
     this rank's own rows are read from its ``x`` (row = the token), which the send kernel's LOCAL_X
     did not copy into RECV."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -578,10 +577,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             tl.store(tok_ptr + n, tok, mask=inr)
         else:
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
-        if RECV_COPY:  # the receive rows themselves, out of the shared region before the op ends
-            cv = valid
-            if LOCAL_ROWS:
-                cv = valid & (s != RANK)
+        if RECV_COPY:  # the other sources' receive rows, out of the shared region before the op ends
+            cv = valid & (s != RANK)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = cv[:, None] & (cols < D)[None, :]
@@ -692,8 +689,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                         ROWS: tl.constexpr = False, BARRIER: tl.constexpr = False, OFF_STATE: tl.constexpr = 0,
-                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
-                        LOCAL_ROWS: tl.constexpr = False):
+                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
     """BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
     (``[W*T_MAX, D]``, one row per received row,
     already summed over this rank's slots) goes home as it is. Otherwise,
@@ -701,8 +697,8 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
     over this rank's slots of t (products in the activation dtype, as the per-token reference
     computes them), accumulated in fp32 and rounded once, stored into row (t, RANK)
     of the source's COMB. Then one release add per source of the rows sent back. USE_NVSHMEM: rows
-    of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``). LOCAL_ROWS (with
-    ROWS): rows whose source is this rank stay in ``y`` (``_reduce_recv_kernel`` reads them there);
+    of off-node sources are staged in SCOMB and put (``_nvshmem_put_partials``). ROWS: rows
+    whose source is this rank stay in ``y`` (``_reduce_recv_kernel`` reads them there);
     they are still counted in the release add, as the receive kernel waits for them."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     if BARRIER:  # the op's phase 2 (no counts): wait for every peer's signal
@@ -725,7 +721,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
             dst = tl.multiple_of((sbase + OFF_COMB).to(tl.pointer_type(DT)), 16) + (tok * W + RANK) * D
             near = valid
-            if LOCAL_ROWS:
+            if ROWS:  # this rank's own partial rows stay in y
                 near = valid & (s != RANK)
             if USE_NVSHMEM:
                 far = valid & (sbase == 0)

@@ -254,12 +254,12 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
-            src_row_N: Optional[torch.Tensor] = None, local_rows: bool = False,
+            src_row_N: Optional[torch.Tensor] = None,
             x_own: Optional[torch.Tensor] = None):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
-    only with ``recv_copy`` (the receive rows ``[W*T_max, D]``; ``local_rows``: this rank's own
-    rows are already there, sent by ``_send_tokens(own_rows=out_ND)``); ``x_own``: the rows this rank
+    only with ``recv_copy`` (the other sources' receive rows into ``[W*T_max, D]``, whose own-rank
+    rows ``_send_tokens(own_rows=out_ND)`` stored); ``x_own``: the rows this rank
     sent with ``_send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden, L.recv_rows)
@@ -279,8 +279,6 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(RECV_COPY=True)
     if src_row_N is not None:
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
-    if local_rows:
-        extra.update(LOCAL_ROWS=True)
     if x_own is not None:
         extra.update(x_ptr=x_own, stride_x=x_own.stride(0), LOCAL_X=True)
     _send_launch(
@@ -362,7 +360,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N, local_rows=True)
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
@@ -390,7 +388,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True, "LOCAL_ROWS": True} if rows else {}),
+        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}),
         **_await_meta(bufs))
     return y
 
@@ -473,7 +471,7 @@ def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
     # waits for every row, copies the other sources' out, then ends the op (indices go to scratch)
     _expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
-            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True, local_rows=True)
+            gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True)
     return g_part
 
 
