@@ -9,6 +9,7 @@ the plain-torch bf16 computation as the scale.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -180,12 +181,11 @@ def test_cuda_graph_capture_and_replay():
     world.check()
 
 
-def test_world_size_one_torch_symmetric_memory():
-    """The real backend: torch symmetric memory (CUDA) rendezvous over a one-rank NCCL group; the
-    dispatcher vs LocalDispatcher, forward and backward, plus MoELayer symm vs local."""
+@contextlib.contextmanager
+def _one_rank_nccl():
+    """A one-rank NCCL process group (torch symmetric memory's CUDA backend rendezvous over it),
+    destroyed afterwards; skips when this process already has one."""
     import torch.distributed as dist
-
-    from tlx_dist import MoEConfig, MoELayer
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
@@ -193,62 +193,73 @@ def test_world_size_one_torch_symmetric_memory():
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device(DEV, 0))
         try:
-            E, K, D, T = 64, 8, 2048, 512
-            bufs = SymmBuffers(T, D, K, E, torch.bfloat16, dist.group.WORLD)
-            assert bufs.backend == "cuda" and bufs.layout.recv_rows == T
-            sd = SymmDispatcher(E, dist.group.WORLD, buffers=bufs, validate=False)
-            x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-            x2 = x.detach().clone().requires_grad_(True)
-            gate = torch.rand(T, K, device=DEV, requires_grad=True)
-            gate2 = gate.detach().clone().requires_grad_(True)
-            idx = torch.rand(T, E, device=DEV).topk(K, dim=1).indices
-            recv, h = sd.dispatch(x, idx, gate)
-            lrecv, lh = LocalDispatcher(E).dispatch(x2, idx)
-            assert recv.shape[0] == T * K  # capacity="exact"
-            assert torch.equal(recv, lrecv) and torch.equal(h.offsets_e, lh.offsets_e)
-            # One rank: the same products in bf16 and the same fp32 k-sum as the local path.
-            y, ly = sd.combine_weighted(recv * 3, h, gate), LocalDispatcher(E).combine_weighted(lrecv * 3, lh, gate2)
-            assert_close_ksum_bf16(ly, y)
-            gy = torch.randn_like(y)
-            (y.float() * gy.float()).sum().backward()
-            (ly.float() * gy.float()).sum().backward()
-            assert_close_ksum_bf16(x2.grad, x.grad)
-            # The local path rounds each gate gradient to bf16 (autograd of a bf16 product); ours
-            # keeps fp32: they differ by up to one bf16 ulp (2**-8), bounded here with a factor 2.
-            torch.testing.assert_close(gate.grad, gate2.grad, rtol=2 ** -7, atol=2 ** -7 * float(gate2.grad.abs().max()))
-
-            cfg = MoEConfig(dim=512, moe_inter_dim=256, num_experts=16, top_k=4, dtype="bfloat16")
-            torch.manual_seed(0)
-            a = MoELayer(cfg, dist.group.WORLD, dispatcher="all_to_all", device=DEV)
-            b = MoELayer(cfg, dist.group.WORLD, dispatcher="symm", device=DEV)
-            b.load_state_dict(a.state_dict())
-            xm = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16)
-            xa, xb = xm.clone().requires_grad_(True), xm.clone().requires_grad_(True)
-            oa, ob = a(xa), b(xb)
-            assert_close_ksum_bf16(oa, ob)
-            oa.float().square().sum().backward()
-            ob.float().square().sum().backward()
-            assert_close_ksum_bf16(xa.grad, xb.grad)
-            for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-                torch.testing.assert_close(pb.grad, pa.grad, rtol=2e-2, atol=2e-2 * float(pa.grad.abs().max()), msg=n)
-
-            # A whole MoELayer forward+backward on the symm dispatcher with a static capacity makes
-            # no host sync (sync debug mode "error" raises on one).
-            c = MoELayer(cfg, dist.group.WORLD, device=DEV, dispatcher="symm", capacity=2.0)
-            c.load_state_dict(a.state_dict())
-            xc = xm.clone().requires_grad_(True)
-            c(xc).float().square().sum().backward()  # compile, build the buffers
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                c(xc).float().square().sum().backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            c.dispatcher.check()
-            bufs.close()
-            b.dispatcher.buffers.close()
+            yield dist.group.WORLD
         finally:
             dist.destroy_process_group()
+
+
+def test_world_size_one_torch_symmetric_memory():
+    """The real backend: torch symmetric memory (CUDA) rendezvous over a one-rank NCCL group; the
+    dispatcher vs LocalDispatcher, forward and backward, plus MoELayer symm vs local."""
+    import torch.distributed as dist
+
+    from tlx_dist import MoEConfig, MoELayer
+
+    with _one_rank_nccl():
+        E, K, D, T = 64, 8, 2048, 512
+        bufs = SymmBuffers(T, D, K, E, torch.bfloat16, dist.group.WORLD)
+        assert bufs.backend == "cuda" and bufs.layout.recv_rows == T
+        sd = SymmDispatcher(E, dist.group.WORLD, buffers=bufs, validate=False)
+        x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_(True)
+        gate = torch.rand(T, K, device=DEV, requires_grad=True)
+        gate2 = gate.detach().clone().requires_grad_(True)
+        idx = torch.rand(T, E, device=DEV).topk(K, dim=1).indices
+        recv, h = sd.dispatch(x, idx, gate)
+        lrecv, lh = LocalDispatcher(E).dispatch(x2, idx)
+        assert recv.shape[0] == T * K  # capacity="exact"
+        assert torch.equal(recv, lrecv) and torch.equal(h.offsets_e, lh.offsets_e)
+        # One rank: the same products in bf16 and the same fp32 k-sum as the local path.
+        y, ly = sd.combine_weighted(recv * 3, h, gate), LocalDispatcher(E).combine_weighted(lrecv * 3, lh, gate2)
+        assert_close_ksum_bf16(ly, y)
+        gy = torch.randn_like(y)
+        (y.float() * gy.float()).sum().backward()
+        (ly.float() * gy.float()).sum().backward()
+        assert_close_ksum_bf16(x2.grad, x.grad)
+        # The local path rounds each gate gradient to bf16 (autograd of a bf16 product); ours
+        # keeps fp32: they differ by up to one bf16 ulp (2**-8), bounded here with a factor 2.
+        torch.testing.assert_close(gate.grad, gate2.grad, rtol=2 ** -7, atol=2 ** -7 * float(gate2.grad.abs().max()))
+
+        cfg = MoEConfig(dim=512, moe_inter_dim=256, num_experts=16, top_k=4, dtype="bfloat16")
+        torch.manual_seed(0)
+        a = MoELayer(cfg, dist.group.WORLD, dispatcher="all_to_all", device=DEV)
+        b = MoELayer(cfg, dist.group.WORLD, dispatcher="symm", device=DEV)
+        b.load_state_dict(a.state_dict())
+        xm = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16)
+        xa, xb = xm.clone().requires_grad_(True), xm.clone().requires_grad_(True)
+        oa, ob = a(xa), b(xb)
+        assert_close_ksum_bf16(oa, ob)
+        oa.float().square().sum().backward()
+        ob.float().square().sum().backward()
+        assert_close_ksum_bf16(xa.grad, xb.grad)
+        for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=2e-2, atol=2e-2 * float(pa.grad.abs().max()), msg=n)
+
+        # A whole MoELayer forward+backward on the symm dispatcher with a static capacity makes
+        # no host sync (sync debug mode "error" raises on one).
+        c = MoELayer(cfg, dist.group.WORLD, device=DEV, dispatcher="symm", capacity=2.0)
+        c.load_state_dict(a.state_dict())
+        xc = xm.clone().requires_grad_(True)
+        c(xc).float().square().sum().backward()  # compile, build the buffers
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            c(xc).float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        c.dispatcher.check()
+        bufs.close()
+        b.dispatcher.buffers.close()
 
 
 def test_launches_per_op_on_gpu():
@@ -261,43 +272,36 @@ def test_launches_per_op_on_gpu():
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device(DEV, 0))
-        try:
-            E, K, D, T = 64, 8, 1024, 256
-            sd = SymmDispatcher(E, dist.group.WORLD, max_tokens=T, capacity=2.0, validate=False)
-            x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
-            idx = torch.rand(T, E, device=DEV).topk(K, dim=1).indices
-            gate = torch.rand(T, K, device=DEV)
+    with _one_rank_nccl():
+        E, K, D, T = 64, 8, 1024, 256
+        sd = SymmDispatcher(E, dist.group.WORLD, max_tokens=T, capacity=2.0, validate=False)
+        x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+        idx = torch.rand(T, E, device=DEV).topk(K, dim=1).indices
+        gate = torch.rand(T, K, device=DEV)
 
-            launched = {}
+        launched = {}
 
-            def prof(name, fn):
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                    out = fn()
-                    torch.cuda.synchronize()
-                launched[name] = [e.name for e in p.events() if e.device_type == DeviceType.CUDA
-                                  and getattr(e, "activity_type", "kernel") in ("kernel", "gpu_memcpy", "gpu_memset")]
-                return out
+        def prof(name, fn):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                out = fn()
+                torch.cuda.synchronize()
+            launched[name] = [e.name for e in p.events() if e.device_type == DeviceType.CUDA
+                              and getattr(e, "activity_type", "kernel") in ("kernel", "gpu_memcpy", "gpu_memset")]
+            return out
 
-            with torch.no_grad():
-                for _ in range(2):  # compile, build the buffers; the second round is steady state
-                    launched.clear()
-                    r, h = prof("dispatch", lambda: sd.dispatch(x, idx, gate))
-                    prof("combine", lambda: sd.combine_weighted(r, h, gate))
-                    recv, src, gate_n, hr = prof("dispatch_rows", lambda: sd.dispatch_rows(x, idx, gate))
-                    prof("combine_rows", lambda: sd.combine_rows(recv, hr))
-            want_d = ["_route_kernel", "_send_tokens_kernel", "_expand_kernel"]
-            want_c = ["_reduce_send_kernel", "_reduce_recv_kernel"]
-            assert launched == {"dispatch": want_d, "combine": want_c, "dispatch_rows": want_d,
-                                "combine_rows": want_c}, launched
-            sd.check()
-            sd.buffers.close()
-        finally:
-            dist.destroy_process_group()
+        with torch.no_grad():
+            for _ in range(2):  # compile, build the buffers; the second round is steady state
+                launched.clear()
+                r, h = prof("dispatch", lambda: sd.dispatch(x, idx, gate))
+                prof("combine", lambda: sd.combine_weighted(r, h, gate))
+                recv, src, gate_n, hr = prof("dispatch_rows", lambda: sd.dispatch_rows(x, idx, gate))
+                prof("combine_rows", lambda: sd.combine_rows(recv, hr))
+        want_d = ["_route_kernel", "_send_tokens_kernel", "_expand_kernel"]
+        want_c = ["_reduce_send_kernel", "_reduce_recv_kernel"]
+        assert launched == {"dispatch": want_d, "combine": want_c, "dispatch_rows": want_d,
+                            "combine_rows": want_c}, launched
+        sd.check()
+        sd.buffers.close()
 
 
 def test_layer_fwd_bwd_cuda_graph_with_symm_dispatcher():
