@@ -125,14 +125,11 @@ def eager_ms(fn, x, g, params, reps: int) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fn, x, g, params, reps: int, capture_mode: str = "global") -> float:
-    """Median replay time of one fwd+bwd captured in a CUDA graph. Before the capture, one eager
-    step runs with host syncs made errors, so that a syncing op is named by its traceback instead
-    of surfacing as an invalidated capture."""
-    def step():
-        xi = x.detach().requires_grad_(True)
-        return torch.autograd.grad(fn(xi), [xi] + params, g)
-
+def capture(step, capture_mode: str = "global") -> "torch.cuda.CUDAGraph":
+    """``step()`` in a CUDA graph, replayed once: warmed up twice on a side stream, run once more
+    with host syncs made errors (a syncing op is named by its traceback instead of surfacing as an
+    invalidated capture), then captured; the first error inside the capture is printed with its
+    frames (capture_end's own error only follows it). Also scripts/device/graph_bisect.py's."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -148,9 +145,25 @@ def graph_ms(fn, x, g, params, reps: int, capture_mode: str = "global") -> float
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=capture_mode):
-        step()
+        try:
+            step()
+        except Exception:
+            import traceback
+
+            print("FIRST ERROR IN CAPTURE:\n" + traceback.format_exc(), flush=True)
+            raise
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_ms(fn, x, g, params, reps: int, capture_mode: str = "global") -> float:
+    """Median replay time of one fwd+bwd captured in a CUDA graph (:func:`capture`)."""
+    def step():
+        xi = x.detach().requires_grad_(True)
+        return torch.autograd.grad(fn(xi), [xi] + params, g)
+
+    graph = capture(step, capture_mode)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -27,7 +27,7 @@ def child(piece: str, T: int, mode: str) -> None:
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-    from moe_layer import torchtitan_experts
+    from moe_layer import capture, torchtitan_experts
 
     from tlx_dist import MoEConfig, MoELayer
 
@@ -70,25 +70,7 @@ def child(piece: str, T: int, mode: str) -> None:
             gg, ins = g, [x] + params
         return torch.autograd.grad(out, ins, gg, allow_unused=True) if bwd else out
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=mode):
-        try:
-            step()
-        except Exception:  # the first error, with its frames (capture_end's error only follows it)
-            import traceback
-
-            print("FIRST ERROR IN CAPTURE:\n" + traceback.format_exc(), flush=True)
-            raise
-    graph.replay()
-    torch.cuda.synchronize()
+    capture(step, mode)  # the bench's own warm-up, sync check and capture
     print("CAPTURED")
 
 
