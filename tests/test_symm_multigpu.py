@@ -132,6 +132,55 @@ def test_moe_layer_fused_ep_vs_all_to_all(group):
     b.dispatcher.check()
 
 
+@pytest.mark.parametrize("kind", ["random", "heavy_imbalance", "one_token"])
+def test_row_form_matches_all_to_all(group, kind):
+    """The fused EP pipeline's exchange (``dispatch_rows``), whose receive copy runs in the send
+    kernel's extra programs as rows land (``symm._recv_mode`` "overlap": real ranks only), three ops
+    in a row over many 64-row arrival blocks: every expanded row reads exactly the all-to-all's row;
+    identity experts through ``combine_rows`` and autograd (``combine_rows``' backward copies dy rows
+    the same way) give ``sum_k gate * x`` and its gradients; every arrival counter ends at zero."""
+    import torch.distributed as dist
+
+    from tlx_dist.comm import AllToAllDispatcher, SymmBuffers, SymmDispatcher
+    from tlx_dist.comm.symm import _recv_mode
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    E, K, D, T_max = 8 * W, 4, 2048, 1000
+    bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group)
+    assert _recv_mode(bufs) == "overlap"
+    sd, ad = SymmDispatcher(E, group, buffers=bufs), AllToAllDispatcher(E, group)
+    g = torch.Generator(device="cuda").manual_seed(10 + r)
+    for rep in range(3):
+        T = (1 if r == 0 else T_max) if kind == "one_token" else T_max - 37 * r - rep
+        if kind == "heavy_imbalance":  # everything to rank 0
+            idx = torch.rand(T, E // W, device="cuda", generator=g).topk(K, dim=1).indices
+        else:
+            idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        gate = torch.rand(T, K, device="cuda", generator=g)
+        xs, gs = x.clone().requires_grad_(True), gate.clone().requires_grad_(True)
+        recv, src, gate_N, h = sd.dispatch_rows(xs, idx, gs)
+        ra, _ = ad.dispatch(x, idx, gate)
+        n = int(h.offsets_e[-1])
+        assert n == ra.shape[0]
+        assert torch.equal(recv[src[:n].long()], ra), f"rep {rep}: expanded rows differ from the all-to-all's"
+        part = torch.zeros(recv.shape, device="cuda", dtype=torch.float32).index_add(
+            0, src[:n].long(), gate_N[:n, None] * recv[src[:n].long()].float()).to(torch.bfloat16)
+        out = sd.combine_rows(part, h)
+        ref = (gate.sum(1, keepdim=True) * x.float())
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -6, atol=2 ** -6 * float(ref.abs().max()))
+        gy = torch.randn(out.shape, device="cuda", generator=g).to(torch.bfloat16)
+        (out.float() * gy.float()).sum().backward()
+        torch.testing.assert_close(xs.grad.float(), gate.sum(1, keepdim=True) * gy.float(), rtol=2 ** -6,
+                                   atol=2 ** -6 * float(gy.float().abs().max()) * K)
+        dg = (x.float() * gy.float()).sum(1, keepdim=True).expand(T, K)
+        torch.testing.assert_close(gs.grad, dg, rtol=2 ** -6, atol=2 ** -6 * float(dg.abs().max()))
+    sd.check()
+    torch.cuda.synchronize()
+    assert not bufs.recv_block_counters().any(), "an arrival counter was left non-zero"
+    bufs.close()
+
+
 def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     """Real ranks (peer pointers): rank 1 skips a dispatch. Rank 0's waits give up after timeout_s (1 s)
     instead of hanging, its dispatch returns, and check() names the op, the waiting rank and the

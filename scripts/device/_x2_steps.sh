@@ -3,7 +3,7 @@
 
 t5_peer() {  # T5 on peer pointers (torchrun, 2 ranks)
   local t0=$(date +%s)
-  timeout 100 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider \
+  timeout 130 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider --timeout 100 \
     tests/test_symm_multigpu.py > "$out/t5_peer.log" 2>&1
   echo "== T5 peer rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5_peer.log" | tail -n 1)"
 }
