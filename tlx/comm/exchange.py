@@ -26,10 +26,6 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
     COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
                            (row form: (t, RANK) unused, the own partial row is read where it is)
     DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
-    RBLK   [W, NRB]    int64  row form: RBLK[s, j] = rows of RECV block j of source s (RB rows each,
-                           ``SymmLayout.recv_block``) landed so far; the sender adds after each of its
-                           token blocks, the receive-side copy (``_copy_arrived``) waits for the
-                           block's row count, copies the block out and zeroes the counter
   staging, only with the NVSHMEM backend (sources of NVSHMEM puts must be symmetric memory):
     SROWS  [T_MAX, D]      token rows (x or dy) of this rank bound for another node, staged once
                            per token whichever ranks receive it
@@ -50,12 +46,6 @@ before the next, so no kernel waits on a signal raised by a later launch):
                their source) | _gate_grad_recv (ends the op)
   ("|" separates phases; the waits of a phase sit at the top of its first kernel, ``_await``; the
   op's last kernel raises this rank's readiness for its next op, ``_end_op``.)
-  Row form (the fused EP pipeline; dispatch and combine's backward): the other sources' rows are
-  copied out of RECV into the op's ``[W*T_MAX, D]`` output block by block as they land (RBLK). On
-  real ranks over peer pointers that copy runs in the send kernel itself, in extra programs after
-  the sending ones (``RECV_ROLE``), so it overlaps the transfer; the emulated world (whose ranks
-  launch one after another) runs it in the expand kernel; the NVSHMEM route copies after the
-  whole-op ARRIVE wait, as before.
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
@@ -413,61 +403,6 @@ def _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, 
 
 
 @triton.jit
-def _copy_arrived(out, rows_from_ptr, my, q, nq, RANK, err_ptr, DT: tl.constexpr, W: tl.constexpr,
-                  T_MAX: tl.constexpr, D: tl.constexpr, OFF_RECV: tl.constexpr, OFF_RBLK: tl.constexpr,
-                  RB: tl.constexpr, NRB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                  TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
-    """The row form's receive-side copy, by program ``q`` of ``nq``: for every source s != RANK and
-    its RECV blocks j = q, q + nq, ... (RB rows each, ``rows_from[s]`` rows in all), waits until
-    RBLK[s, j] holds the block's row count (bounded: ``_wait_geq``, OP_TOKENS), copies receive rows
-    ``s*T_MAX + [j*RB, min((j+1)*RB, rows_from[s]))`` to the same rows of ``out``, and zeroes the
-    counter: its sender adds to it again only in a later op, after this rank ended this one."""
-    recv = tl.multiple_of((my + OFF_RECV).to(tl.pointer_type(DT)), 16)
-    ctr = (my + OFF_RBLK).to(tl.pointer_type(tl.int64))
-    for s in range(W):
-        if s != RANK:
-            n_rows = tl.load(rows_from_ptr + s)
-            for j in range(q, tl.cdiv(n_rows, RB), nq):
-                lo = j * RB
-                hi = tl.minimum(lo + RB, n_rows)
-                c = ctr + s * NRB + j
-                _wait_geq(c, hi - lo, err_ptr, OP_TOKENS, s, TIMEOUT_NS, CLOCK)
-                tl.debug_barrier()
-                for r0 in range(lo, hi, BLOCK_R):
-                    i = r0 + tl.arange(0, BLOCK_R)
-                    n = (s * T_MAX + i).to(tl.int64)
-                    rm = i < hi
-                    for c0 in range(0, D, BLOCK_D):
-                        cols = c0 + tl.arange(0, BLOCK_D)
-                        cm = rm[:, None] & (cols < D)[None, :]
-                        rows = n[:, None] * D + cols[None, :]
-                        tl.store(out + rows, tl.load(recv + rows, mask=cm), mask=cm)
-                tl.atomic_xchg(c, 0, sem="relaxed", scope="sys")
-
-
-@triton.jit
-def _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W: tl.constexpr, OFF_RBLK: tl.constexpr,
-                   RB: tl.constexpr, NRB: tl.constexpr):
-    """After a token block's rows went out (CTA barrier first): for each peer d != RANK, one release
-    add per RECV block of d that the block's rows fell in, of the rows that fell there. A source's
-    rows to d are numbered in token order (``send_row``), so a token block's rows to d are one
-    contiguous run ``[lo, lo + cnt)``, which spans at most ``1 + BLOCK_T // RB`` counters."""
-    tl.debug_barrier()
-    for d in range(W):
-        if d != RANK:
-            row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
-            sent = row >= 0
-            cnt = tl.sum(sent.to(tl.int32))
-            if cnt > 0:
-                lo = tl.min(tl.where(sent, row, 2147483647))
-                ctr = (tl.load(peers_ptr + d) + OFF_RBLK + RANK * NRB * 8).to(tl.pointer_type(tl.int64))
-                for j in range(lo // RB, (lo + cnt - 1) // RB + 1):
-                    a = tl.maximum(lo, j * RB)
-                    e = tl.minimum(lo + cnt, j * RB + RB)
-                    tl.atomic_add(ctr + j, (e - a).to(tl.int64), sem="release", scope="sys")
-
-
-@triton.jit
 def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_ptr, gate_ptr, peers_ptr, RANK,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
@@ -479,9 +414,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
                         OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
                         OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False,
-                        LOCAL_X: tl.constexpr = False, BLK_SIGNAL: tl.constexpr = False,
-                        OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
-                        RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None):
+                        LOCAL_X: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -490,15 +423,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     LOCAL_ROWS (the row form): this rank's own rows skip the shared region and go straight to row
     ``RANK*T_MAX + send_row[t, RANK]`` of the op's output ``[W*T_MAX, D]`` at address OWN_ADDR (its
     metadata still goes to META: the expand kernel reads it for every source). LOCAL_X: this rank's
-    own rows are not copied at all (only their metadata); the expand kernel reads them from ``x``.
-    Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
-
-    The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
-    destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
-    launch receivers, not senders: after ``_await`` they copy the other sources' rows (``rows_from``
-    of each) from this rank's RECV to OWN_ADDR as they land (``_copy_arrived``). Receivers only wait
-    for peers' senders, and senders never wait for receivers, so the receiving programs (the last
-    ones, fewer than the GPU holds at once) cannot starve the sending ones."""
+    own rows are not copied at all (only their metadata); the expand kernel reads them from ``x``."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
         _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
@@ -506,22 +431,14 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(T, BLOCK_T)
-    b0 = pid
-    if RECV_ROLE:
-        nprog = N_SEND
-        if pid >= N_SEND:  # a receiving program: copies, and sends nothing (b0 past the last block)
-            my_r = tl.load(peers_ptr + RANK)
-            _copy_arrived(tl.multiple_of(OWN_ADDR.to(tl.pointer_type(DT)), 16), rows_from_ptr, my_r, pid - N_SEND,
-                          tl.num_programs(0) - N_SEND, RANK, (my_r + OFF_STATE + 16).to(tl.pointer_type(tl.int64)),
-                          DT, W, T_MAX, D, OFF_RECV, OFF_RBLK, RB, NRB, BLOCK_T, BLOCK_D, TIMEOUT_NS, CLOCK)
-            b0 = nblocks
+    per = tl.cdiv(nblocks, nprog)
     wr = tl.arange(0, WP)
     hist = tl.zeros([WP], tl.int64)
     kk = tl.arange(0, KP)
     km = kk < K
     if USE_NVSHMEM:
         my = tl.load(peers_ptr + RANK)
-    for b in range(b0, nblocks, nprog):
+    for b in range(pid * per, tl.minimum(pid * per + per, nblocks)):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
         if USE_NVSHMEM:
@@ -570,8 +487,6 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
                                 W, K, KP, D, T_MAX, META_W, OFF_META, OFF_GATES, OFF_RECV, OFF_SROWS, OFF_SMETA,
                                 OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
-        if BLK_SIGNAL:
-            _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB)
     _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
@@ -615,8 +530,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
                    WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
                    src_row_ptr=None, SRC_ROW: tl.constexpr = False,
-                   x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False, BLK: tl.constexpr = False,
-                   OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1):
+                   x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -637,8 +551,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     END lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
     n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_X (COPY, the expanded form and combine's backward):
     this rank's own rows are read from its ``x`` (row = the token), which the send kernel's LOCAL_X
-    did not copy into RECV. BLK (with RECV_COPY): that copy goes block by block as RBLK counts the
-    rows landed (``_copy_arrived``; the emulated world's form of the send kernel's RECV_ROLE)."""
+    did not copy into RECV."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -664,7 +577,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             tl.store(tok_ptr + n, tok, mask=inr)
         else:
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
-        if RECV_COPY and not BLK:  # the other sources' receive rows, out of the shared region before the op ends
+        if RECV_COPY:  # the other sources' receive rows, out of the shared region before the op ends
             cv = valid & (s != RANK)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
@@ -748,9 +661,6 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             if USE_NVSHMEM:
                 _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, W, K, T_MAX,
                                         ACC.primitive_bitwidth // 8, OFF_DGATE, OFF_SDGATE, BLOCK_R)
-    if RECV_COPY and BLK:
-        _copy_arrived(out_ptr, rows_from_ptr, my, pid, nprog, RANK, err_ptr, DT, W, T_MAX, D, OFF_RECV, OFF_RBLK, RB,
-                      NRB, BLOCK_R, BLOCK_D, TIMEOUT_NS, CLOCK)
     if tl.max(over) > 0:
         tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     if GATE_GRAD:

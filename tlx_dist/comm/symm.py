@@ -220,44 +220,14 @@ _ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through eve
 _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automatic) to span many blocks
 
 
-def _recv_mode(bufs: SymmBuffers) -> str:
-    """Where the row form copies the other sources' rows out of RECV (``tlx/comm/exchange.py``):
-    ``"overlap"`` (real ranks over peer pointers: extra programs of the send kernel, block by block
-    as rows land), ``"blocks"`` (the emulated world, whose ranks launch one after another, and one
-    rank: the same block-by-block copy, in the expand kernel) or ``"after"`` (the NVSHMEM route: the
-    expand kernel, after the op's rows all arrived)."""
-    if bufs.use_nvshmem:
-        return "after"
-    if bufs.backend in ("emulated", "local") or bufs.world_size == 1:
-        return "blocks"
-    return "overlap"
-
-
-def _recv_programs(bufs: SymmBuffers) -> int:
-    """Receiving programs of an ``"overlap"`` send launch: a quarter of the SMs at most (they are the
-    launch's last programs and wait for peers, so they must never fill the GPU), one per RECV block
-    at least."""
-    L = bufs.layout
-    return max(1, min(_num_programs(str(bufs.device)) // 16, (L.world_size - 1) * L.recv_blocks))
-
-
-def _blk_meta(bufs: SymmBuffers) -> dict:
-    L = bufs.layout
-    return dict(OFF_RBLK=L.off_rblk, RB=L.recv_block, NRB=L.recv_blocks)
-
-
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
-                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
-                 rows_from: Optional[torch.Tensor] = None):
+                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
     ``[W*T_max, D]`` output): this rank's own rows are stored there directly, not in the shared
     region (the expand kernel then copies only the other sources' rows); ``skip_own``: they are not
-    copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous).
-    With ``own_rows``, the other sources' rows reach it block by block (``_recv_mode``): in
-    ``"overlap"`` mode this launch's last programs copy them as they land; ``rows_from`` (int64
-    ``[W]``, rows from each source) is then where they read how many to expect."""
+    copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -267,20 +237,8 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     bt, bd = _tiles(D, T)
     dummy = send_row_TW
     E = L.num_experts
-    grid = _grid(-(-T // bt), bufs.device)
-    rows_meta = {}
-    if own_rows is not None:
-        rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True)
-        mode = _recv_mode(bufs)
-        if mode != "after":
-            rows_meta.update(BLK_SIGNAL=True, **_blk_meta(bufs))
-        if mode == "overlap":
-            if rows_from is None:
-                raise ValueError("the overlapped receive copy needs rows_from (rows from each source)")
-            rows_meta.update(RECV_ROLE=True, N_SEND=grid[0], rows_from_ptr=rows_from)
-            grid = (grid[0] + _recv_programs(bufs),)
     _send_launch(
-        bufs, k._send_tokens_kernel, grid,
+        bufs, k._send_tokens_kernel, _grid(-(-T // bt), bufs.device),
         x_TD, x_TD.stride(0), T, send_row_TW, idx_TK if with_meta else dummy, q_TK if with_meta else dummy,
         lay if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
@@ -289,7 +247,8 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
-        **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **_await_meta(bufs))
+        **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}),
+        **({"LOCAL_X": True} if skip_own else {}), **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
@@ -316,11 +275,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(WAIT_ROWS=False)
     if end:
         extra.update(_end_meta(bufs))
-    mode = _recv_mode(bufs)
-    if recv_copy and mode != "overlap":  # "overlap": the send kernel copied them
+    if recv_copy:
         extra.update(RECV_COPY=True)
-        if mode == "blocks":
-            extra.update(BLK=True, **_blk_meta(bufs))
     if src_row_N is not None:
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
     if x_own is not None:
@@ -388,7 +344,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand)
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD, skip_own=not rows, rows_from=rows_from_W)
+                 own_rows=recv_RD, skip_own=not rows)
     yield
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
@@ -510,8 +466,7 @@ def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle
     L = bufs.layout
     g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
     # waits first; this rank's own rows go straight to g_part
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part,
-                 rows_from=h.rows_from_W)
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part)
     yield
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
     # waits for every row, copies the other sources' out, then ends the op (indices go to scratch)
