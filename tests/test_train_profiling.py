@@ -400,6 +400,15 @@ def test_annotated_dispatchers_keep_the_pipeline_and_scope_the_combine(monkeypat
     wide = MoEConfig(dim=16, moe_inter_dim=40, num_experts=4, top_k=2, dtype="float32")
     assert not MoELayer(wide, pipeline="auto")._fused(x)
     assert MoELayer(wide, pipeline="fused")._fused(x)
+    # Under EP, auto takes the fused form over the symmetric exchange, not over all-to-all.
+    from tlx_dist.comm import AllToAllDispatcher
+    from tlx_dist.comm.symm import SymmDispatcher
+    ep = MoELayer(cfg, pipeline="auto")
+    ep.ep_size = 2
+    ep.dispatcher = object.__new__(SymmDispatcher)
+    assert ep._fused(x)
+    ep.dispatcher = object.__new__(AllToAllDispatcher)
+    assert not ep._fused(x)
     with annotate_dispatchers([layer]):
         assert layer._fused(x), "the wrapper turned the fused pipeline off"
         layer.pipeline = "separate"

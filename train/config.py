@@ -67,9 +67,9 @@ class ParallelConfig:
     expert rows per rank as a factor of tokens*top_k; 0 = exact (one host read per layer per step),
     > 0 = static (no host sync; overflow raises at the next log step, naming this key).
     moe_pipeline: the MoE layers' ``pipeline`` (``tlx_dist.MoELayer``): ``"auto"`` (the fused TLX
-    pipeline on one EP rank where it runs, separate ops otherwise), ``"fused"`` (also under expert
-    parallelism, over the symmetric exchange's row form: needs dispatcher symm, or auto resolving to
-    it) or ``"separate"``."""
+    pipeline where it runs -- one EP rank, or ep > 1 over the symmetric exchange -- separate ops
+    otherwise), ``"fused"`` (also under expert parallelism, over the symmetric exchange's row form:
+    needs dispatcher symm, or auto resolving to it) or ``"separate"``."""
 
     ep: int = 1
     dp: int = 0
