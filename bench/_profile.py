@@ -27,15 +27,33 @@ def kernel_profile(step, iters: int, sync, top: int = 16, per: str = "step") -> 
 
 
 
-def host_profile(fwd, bwd, iters: int, sync, top: int = 20) -> str:
-    """The host side of one eager step, the GPU drained before each: median time to enqueue the
-    forward (``out = fwd()``) and the backward (``bwd(out)``), then the forward's ``top`` functions by
-    cumulative CPU time (cProfile, per call; the backward runs on autograd's device thread, which
-    cProfile does not see). Enqueue time close to the step's eager time means a host-bound step."""
-    import cProfile
+def _stats_rows(pr, iters: int) -> tuple[list, list]:
+    """(cumulative, self) rows ``(us per step, calls per step, where)`` of a cProfile run."""
     import pstats
+
+    cum, own = [], []
+    for (fname, line, func), (_cc, nc, tt, ct, _callers) in pstats.Stats(pr).stats.items():
+        where = fname.split("site-packages/")[-1].split("/work/main/")[-1]
+        key = f"{where}:{line}({func})"
+        cum.append((ct / iters, nc / iters, key))
+        own.append((tt / iters, nc / iters, key))
+    cum.sort(reverse=True)
+    own.sort(reverse=True)
+    return cum, own
+
+
+def host_profile(fwd, bwd, iters: int, sync, top: int = 20, top_self: int = 12) -> str:
+    """The host side of one eager step, the GPU drained before each: median time to enqueue the
+    forward (``out = fwd()``) and the backward (``bwd(out)``); then, for each half, its ``top``
+    functions by cumulative CPU time and its ``top_self`` by self time (cProfile, per step). The
+    profiled backward runs with autograd's device threads off
+    (``torch.autograd.set_multithreading_enabled(False)``), so it runs on this thread, where
+    cProfile sees it. Enqueue time close to the step's eager time means a host-bound step."""
+    import cProfile
     import statistics
     import time
+
+    import torch
 
     tf, tb = [], []
     for _ in range(iters):
@@ -49,22 +67,24 @@ def host_profile(fwd, bwd, iters: int, sync, top: int = 20) -> str:
         tf.append(t1 - t0)
         tb.append(t2 - t1)
     sync()
-    pr = cProfile.Profile()
+    pf, pb = cProfile.Profile(), cProfile.Profile()
     for _ in range(iters):
         sync()
-        pr.enable()
+        pf.enable()
         out = fwd()
-        pr.disable()
-        bwd(out)
+        pf.disable()
+        with torch.autograd.set_multithreading_enabled(False):
+            pb.enable()
+            bwd(out)
+            pb.disable()
         del out
     sync()
-    rows = []
-    for (fname, line, func), (_cc, nc, _tt, ct, _callers) in pstats.Stats(pr).stats.items():
-        where = fname.split("site-packages/")[-1].split("/work/main/")[-1]
-        rows.append((ct / iters, nc / iters, f"{where}:{line}({func})"))
-    rows.sort(reverse=True)
     out = [f"  host enqueue per step: forward {statistics.median(tf) * 1e6:.0f} us, "
-           f"backward {statistics.median(tb) * 1e6:.0f} us (median of {iters})",
-           f"  {'us/step':>9} {'calls':>7}  forward function (cumulative CPU time)"]
-    out += [f"  {t * 1e6:9.1f} {c:7.1f}  {k[:100]}" for t, c, k in rows[:top]]
+           f"backward {statistics.median(tb) * 1e6:.0f} us (median of {iters})"]
+    for half, pr in (("forward", pf), ("backward", pb)):
+        cum, own = _stats_rows(pr, iters)
+        out.append(f"  {'us/step':>9} {'calls':>7}  {half} function (cumulative CPU time)")
+        out += [f"  {t * 1e6:9.1f} {c:7.1f}  {k[:100]}" for t, c, k in cum[:top]]
+        out.append(f"  {'us/step':>9} {'calls':>7}  {half} function (self CPU time)")
+        out += [f"  {t * 1e6:9.1f} {c:7.1f}  {k[:100]}" for t, c, k in own[:top_self]]
     return "\n".join(out)

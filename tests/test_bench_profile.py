@@ -22,11 +22,22 @@ def test_host_profile_times_both_halves_and_names_the_forward():
     def my_forward():
         return (x @ w).relu()
 
-    text = host_profile(my_forward, lambda out: out.sum().backward(), 4, lambda: syncs.append(1), top=8)
+    def my_backward(out):
+        out.sum().backward()
+
+    text = host_profile(my_forward, my_backward, 4, lambda: syncs.append(1), top=8, top_self=40)
     lines = text.splitlines()
     assert lines[0].startswith("  host enqueue per step: forward ") and "backward" in lines[0]
-    row = next(ln for ln in lines if "my_forward" in ln)
+    heads = [i for i, ln in enumerate(lines) if ln.strip().startswith("us/step")]
+    assert [lines[i].split("  ")[-1] for i in heads] == [
+        "forward function (cumulative CPU time)", "forward function (self CPU time)",
+        "backward function (cumulative CPU time)", "backward function (self CPU time)"]
+    fwd_rows, bwd_rows = lines[heads[0]:heads[2]], lines[heads[2]:]
+    row = next(ln for ln in fwd_rows if "my_forward" in ln)
     assert float(row.split()[1]) == 1.0  # one call per step
+    assert not any("my_backward" in ln for ln in fwd_rows)
+    row = next(ln for ln in bwd_rows if "my_backward" in ln)  # the backward half is profiled too
+    assert float(row.split()[1]) == 1.0
     # 4 timed + 4 profiled steps, each one backward: d/dw sum(relu(x @ w)) = x^T (x @ w > 0), 8 times
     torch.testing.assert_close(w.grad, 8 * (x.T @ (x @ w > 0).float()))
     assert len(syncs) >= 2 * 4  # the GPU is drained before every timed and every profiled step
