@@ -273,6 +273,31 @@ def test_custom_ops_opcheck():
                                     w2.detach(), offs, h.detach(), "reference"))
 
 
+def test_eager_calls_the_backend_directly_not_the_custom_op(monkeypatch):
+    """Eager calls skip the custom op's dispatch layers (host time) and give bitwise the op's
+    output and gradients; under torch.compile the op is what runs."""
+    import tlx_dist.fused.api as api
+
+    x, idx, gate, w13, w2, dout = _inputs(CASES[0])
+    direct = _run(lambda *a: fused_experts(*a, backend="reference"), x, idx, gate, w13, w2, dout, torch.float64,
+                  torch.float64)
+    monkeypatch.setattr(api, "_FusedEager", type("NoEager", (), {"apply": staticmethod(api._fwd_op)}))
+    via_op = _run(lambda *a: fused_experts(*a, backend="reference"), x, idx, gate, w13, w2, dout, torch.float64,
+                  torch.float64)
+    for name, a, b in zip(NAMES, direct, via_op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    monkeypatch.undo()
+
+    def refuse(*a):
+        raise AssertionError("the custom op ran in eager mode")
+
+    monkeypatch.setattr(api, "_fwd_op", refuse)
+    _run(lambda *a: fused_experts(*a, backend="reference"), x, idx, gate, w13, w2, dout, torch.float64, torch.float64)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(AssertionError, match="custom op ran"):
+        fused_experts(x, idx, gate, w13, w2, backend="reference")
+
+
 def test_torch_compile_fullgraph():
     """The whole functional path traces into one graph around the two custom ops (aot_eager: the
     graph capture and the autograd registration are what is under test, not Inductor's codegen)."""
