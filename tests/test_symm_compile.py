@@ -38,13 +38,15 @@ def _specs(amd: bool = False):
     # every constexpr with a default is given: ASTSource does not apply Python defaults
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
-                  SRC_ROW=False, LOCAL_X=False,
+                  SRC_ROW=False, LOCAL_X=False, LAYOUT=False, E=E, EP=E, E_LOCAL=E // W, NC=E + W, OFFS_CAP=-1,
+                  OFF_COUNTS=768,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                     start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64")
     send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
+                   RAW_META=False,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
@@ -66,6 +68,18 @@ def _specs(amd: bool = False):
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
         "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
                                                            LOCAL_X=True)),
+        # static capacity: the send waits only for readiness and sends raw slot codes; the expand
+        # kernel waits for the counts, computes the layout and decodes (both forms)
+        "_send_tokens_kernel[raw]": ("_send_tokens_kernel", send_sig, dict(send_cx, RAW_META=True)),
+        "_send_tokens_kernel[rows_raw]": ("_send_tokens_kernel", send_sig,
+                                          dict(send_cx, RAW_META=True, LOCAL_ROWS=True, LOCAL_X=False)),
+        "_expand_kernel[layout]": ("_expand_kernel", dict(exp_sig, lay_ptr="*i64", offs_ptr="*i32", starts_ptr="*i64"),
+                                   dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True, LOCAL_X=True, LAYOUT=True,
+                                        OFFS_CAP=W * T_MAX * K)),
+        "_expand_kernel[rows_layout]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32",
+                                                               lay_ptr="*i64", offs_ptr="*i32", starts_ptr="*i64"),
+                                        dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
+                                             RECV_COPY=True, SRC_ROW=True, LAYOUT=True, OFFS_CAP=W * T_MAX * K)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True, LOCAL_X=True)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
@@ -191,6 +205,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
     assert compiled["_expand_kernel[rows_dgate]"]["timer"] == 0, "rows_dgate waits for nothing"
     assert compiled["_expand_kernel[rows_dgate]"]["release"] > 0, "rows_dgate: no release of the answers"
     assert compiled["_reduce_send_kernel[rows]"]["release"] > 0 and compiled["_reduce_send_kernel[rows]"]["st"] > 0
+    # Static capacity: the send still opens with a bounded barrier (readiness), the expand kernel
+    # now waits for the counts too (more bounded polls than the plain dispatch expand).
+    for name in ("_send_tokens_kernel[raw]", "_send_tokens_kernel[rows_raw]"):
+        assert compiled[name]["acquire"] > 0 and compiled[name]["timer"] > 0 and compiled[name]["release"] > 0, name
+    assert compiled["_expand_kernel[layout]"]["acquire"] > compiled["_expand_kernel"]["acquire"]
+    assert compiled["_expand_kernel[rows_layout]"]["acquire"] > compiled["_expand_kernel[rows]"]["acquire"]
     # Rows move as 16-byte vectors, also through the symmetric regions, whose pointers are made
     # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
     # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,
@@ -202,6 +222,8 @@ def test_kernels_compile_with_signal_semantics(compiled):
                                      ("_reduce_send_kernel[rows]", 0, 0), ("_reduce_recv_kernel", 0, 0),
                                      ("_send_tokens_kernel[rows]", 1, 1), ("_reduce_recv_kernel[rows]", 0, 0),
                                      ("_send_tokens_kernel[wide]", 1, 1), ("_expand_kernel[wide]", 1, 1),
+                                     ("_send_tokens_kernel[raw]", 1, 1), ("_send_tokens_kernel[rows_raw]", 1, 1),
+                                     ("_expand_kernel[layout]", 1, 1), ("_expand_kernel[rows_layout]", 1, 1),
                                      ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"

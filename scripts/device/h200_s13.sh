@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Session 9, one GPU, one call (~200 s):  source .carry/setup.sh && bash scripts/device/h200_s13.sh
+# Written in session 9, not yet run (no device time was left), one GPU, one call (~200 s):  source .carry/setup.sh && bash scripts/device/h200_s13.sh
 # Issue 9 item 4 (host cost): fbtriton's C launch path (TRITON_ENABLE_C_CACHE=1: the kernel cache
 # lookup and the launch of a cached kernel in C, TensorDescriptor arguments included) against the
 # Python JIT launch -- the host side of one eager OLMoE T=1024 fwd+bwd both ways; the TLX
-# primitives vs fp64, graph capture and the fused layer under it; the T=4096 eager layer table.
+# primitives vs fp64, graph capture and the fused layer under it (also the first GPU run of session
+# 9's eager autograd.Function path around the fused kernels); the T=4096 eager layer table.
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 for cc in 0 1; do

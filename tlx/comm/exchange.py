@@ -19,7 +19,8 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
     COUNTS [2,W,NC] int64  per-source count vectors (NC = E + W: slots per global expert, then
                            token rows sent to each rank), double-buffered by epoch parity
     META   [R, K+1] int32  per received token row: expanded row of each k-slot on this rank (-1:
-                           that slot's expert lives elsewhere), then the source token id
+                           that slot's expert lives elsewhere; with RAW_META the raw code q*e + j of
+                           local expert j, decoded by the expand kernel), then the source token id
     GATES  [R, K]          the K gates of each received row, in the activation dtype
     RECV   [R, D]          token rows; rows [s*T_MAX, s*T_MAX + rows_from[s]) come from source s
                            != RANK (a rank's own rows stay in x, or go straight to the row form's output)
@@ -39,6 +40,9 @@ before the next, so no kernel waits on a signal raised by a later launch):
     dispatch:  _route (single-pass source layout; its last block posts the counts) | _send_tokens
                (waits for every peer's counts, computes this rank's layout, sends rows + meta)
                | _expand (copy META out, expanded rows; ends the op)            -- 3 launches
+               With a static capacity (RAW_META / LAYOUT) the send waits only for every peer's
+               readiness and sends raw slot codes, so the rows leave without a round trip for the
+               counts; the expand kernel waits for the counts, computes the layout and decodes META.
     combine:   _reduce_send (waits for every peer's readiness, gated partial rows) | _reduce_recv
                (ends the op)                                                    -- 2 launches
     dispatch backward = combine without gates; combine backward:
@@ -206,7 +210,8 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
            W: tl.constexpr, WP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
            E_LOCAL: tl.constexpr, NC: tl.constexpr,
            OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr,
-           HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr, OFFS_CAP: tl.constexpr = -1):
+           HAS_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr, OFFS_CAP: tl.constexpr = -1,
+           starts_ptr=None, STARTS: tl.constexpr = False):
     """At the top of every op's first data kernel (every CTA): waits FLAGS[s] >= epoch for every
     s (peer s finished its previous op: ``_end_op``) -- or, with counts (dispatch), CFLAGS[s] >=
     epoch (peer s posted this op's counts, ``_post_counts``, which it does only once in this op).
@@ -219,7 +224,10 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
         lay[E:E+e]        rows per local expert;  offs[0:e] (int32) their cumulative ends, capped
                           at OFFS_CAP (>= 0: the expanded rows the op has; the grouped GEMMs'
                           offsets, so no torch op clamps them afterwards)
-        lay[E+e:E+e+W]    token rows this rank receives from each source."""
+        lay[E+e:E+e+W]    token rows this rank receives from each source.
+    STARTS (the receiving side of a dispatch whose META carries raw slot codes): also
+        starts[s, j]      first expanded row of (source s, local expert j) on this rank
+                          = sum_{g' < g, same rank} sum_s' C[s', g'] + sum_{s' < s} C[s', g]."""
     my = tl.load(peers_ptr + RANK)
     epoch = tl.load((my + OFF_STATE).to(tl.pointer_type(tl.int64)))
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
@@ -251,6 +259,10 @@ def _await(peers_ptr, lay_ptr, offs_ptr, RANK,
             ends = tl.minimum(ends, OFFS_CAP)
         tl.store(offs_ptr + ei - RANK * E_LOCAL, ends.to(tl.int32), mask=mine)
         tl.store(lay_ptr + E + E_LOCAL + si, tl.load(rows + E + RANK, mask=si < W, other=0), mask=si < W)
+        if STARTS:
+            src_excl = tl.cumsum(C, axis=0) - C  # [W, E]: slots of expert g from sources before s
+            tl.store(starts_ptr + si[:, None] * E_LOCAL + (ei - RANK * E_LOCAL)[None, :],
+                     seg_excl[None, :] + src_excl, mask=(si < W)[:, None] & mine[None, :])
     tl.debug_barrier()
 
 
@@ -414,7 +426,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
                         OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
                         OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False,
-                        LOCAL_X: tl.constexpr = False):
+                        LOCAL_X: tl.constexpr = False, RAW_META: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -423,11 +435,20 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     LOCAL_ROWS (the row form): this rank's own rows skip the shared region and go straight to row
     ``RANK*T_MAX + send_row[t, RANK]`` of the op's output ``[W*T_MAX, D]`` at address OWN_ADDR (its
     metadata still goes to META: the expand kernel reads it for every source). LOCAL_X: this rank's
-    own rows are not copied at all (only their metadata); the expand kernel reads them from ``x``."""
+    own rows are not copied at all (only their metadata); the expand kernel reads them from ``x``.
+    RAW_META (with WITH_META; the static-capacity dispatch): the barrier waits only for every peer's
+    readiness (FLAGS, as combine does), not for their counts, so the rows leave as soon as this
+    rank's route is done; META then holds each slot's raw code ``q * E_LOCAL + j`` (j = the
+    expert's index on d, q = ``q[t, k]``) and the expand kernel, which waits for the counts, turns
+    it into the expanded row (``_await`` STARTS)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
-        _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
-               WITH_META, TIMEOUT_NS, CLOCK, OFFS_CAP)
+        if RAW_META:
+            _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
+                   False, TIMEOUT_NS, CLOCK, OFFS_CAP)
+        else:
+            _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
+                   WITH_META, TIMEOUT_NS, CLOCK, OFFS_CAP)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(T, BLOCK_T)
@@ -471,8 +492,12 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 tk = t[:, None] * K + kk[None, :]
                 gk = tl.load(idx_ptr + tk, mask=mk, other=0).to(tl.int32)
                 here = mk & (gk // E_LOCAL == d)
-                pk = tl.where(here, (tl.load(start_ptr + gk, mask=here, other=0)
-                                     + tl.load(q_ptr + tk, mask=here, other=0)).to(tl.int32), -1)
+                if RAW_META:
+                    pk = tl.where(here, tl.load(q_ptr + tk, mask=here, other=0).to(tl.int32) * E_LOCAL
+                                  + gk - d * E_LOCAL, -1)
+                else:
+                    pk = tl.where(here, (tl.load(start_ptr + gk, mask=here, other=0)
+                                         + tl.load(q_ptr + tk, mask=here, other=0)).to(tl.int32), -1)
                 ml = m[:, None] & km[None, :]
                 meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
                 tl.store(meta[:, None] + kk[None, :], pk, mask=ml)
@@ -530,7 +555,10 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    DGATE_GIVEN: tl.constexpr = False, WAIT_ROWS: tl.constexpr = True, END: tl.constexpr = False,
                    WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0, RECV_COPY: tl.constexpr = False,
                    src_row_ptr=None, SRC_ROW: tl.constexpr = False,
-                   x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False):
+                   x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False, LAYOUT: tl.constexpr = False,
+                   lay_ptr=None, offs_ptr=None, starts_ptr=None, E: tl.constexpr = 1, EP: tl.constexpr = 1,
+                   E_LOCAL: tl.constexpr = 1, NC: tl.constexpr = 1, OFF_COUNTS: tl.constexpr = 0,
+                   OFFS_CAP: tl.constexpr = -1):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -551,12 +579,18 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     END lets a peer's next op overwrite the region; ``SRC_ROW`` (dispatch) also stores ``src_row[pos] =
     n``, the row form's gather index (no torch op divides ``src_map`` by K afterwards); LOCAL_X (COPY, the expanded form and combine's backward):
     this rank's own rows are read from its ``x`` (row = the token), which the send kernel's LOCAL_X
-    did not copy into RECV."""
+    did not copy into RECV. LAYOUT (FROM_META, after a RAW_META send): first the counts barrier
+    and layout of ``_await`` (``lay``, ``offs`` capped at OFFS_CAP, and the per-source ``starts``
+    table; ``rows_from`` must point at ``lay[E+e:]``), then each slot's raw META code ``q * e + j``
+    becomes the expanded row ``starts[s, j] + q``."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     my = tl.load(peers_ptr + RANK)
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    if LAYOUT:
+        _await(peers_ptr, lay_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS, OFF_COUNTS,
+               True, TIMEOUT_NS, CLOCK, OFFS_CAP, starts_ptr, True)
     if WAIT_ROWS:
         for src in range(W):
             _wait_geq((my + OFF_ARRIVE + src * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_from_ptr + src),
@@ -628,6 +662,11 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             rk = n[:, None] * K + kk[None, :]
             if FROM_META:
                 pos_t = tl.load(meta + n.to(tl.int64)[:, None] * META_W + kk[None, :], mask=mk, other=-1)
+                if LAYOUT:  # raw code q * e + j -> starts[s, j] + q
+                    coded = pos_t >= 0
+                    jl = tl.where(coded, pos_t % E_LOCAL, 0)
+                    pos_t = tl.where(coded, (tl.load(starts_ptr + s[:, None] * E_LOCAL + jl, mask=coded, other=0)
+                                             + pos_t // E_LOCAL).to(tl.int32), -1)
                 gate_t = tl.load((my + OFF_GATES).to(tl.pointer_type(DT)) + rk, mask=mk, other=0.0)
                 mo = inr[:, None] & (kk < K)[None, :]  # copied out; rows not received: pos -1, gate 0
                 tl.store(pos_ptr + rk, pos_t, mask=mo)

@@ -221,13 +221,16 @@ _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automat
 
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
-                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False):
+                 offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
+                 raw_meta: bool = False):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
     ``[W*T_max, D]`` output): this rank's own rows are stored there directly, not in the shared
     region (the expand kernel then copies only the other sources' rows); ``skip_own``: they are not
-    copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous)."""
+    copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous).
+    ``raw_meta``: wait only for the peers' readiness, not their counts, and send raw slot codes
+    (``lay`` / ``offs`` are then left to ``_expand(layout=...)``)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -248,19 +251,21 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}),
-        **({"LOCAL_X": True} if skip_own else {}), **_await_meta(bufs))
+        **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}), **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
             src_row_N: Optional[torch.Tensor] = None,
-            x_own: Optional[torch.Tensor] = None):
+            x_own: Optional[torch.Tensor] = None, layout: Optional[tuple] = None):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
     only with ``recv_copy`` (the other sources' receive rows into ``[W*T_max, D]``, whose own-rank
     rows ``_send_tokens(own_rows=out_ND)`` stored); ``x_own``: the rows this rank
-    sent with ``_send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel."""
+    sent with ``_send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel;
+    ``layout`` = ``(lay, offs, offs_cap)`` after a ``raw_meta`` send: this kernel waits for the
+    counts, computes ``lay`` and ``offs`` (``rows_from_W`` must be ``lay[E+e:]``) and decodes META."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd = _tiles(L.hidden, L.recv_rows)
     c = _common(bufs)
@@ -281,6 +286,13 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
     if x_own is not None:
         extra.update(x_ptr=x_own, stride_x=x_own.stride(0), LOCAL_X=True)
+    if layout is not None:
+        lay, offs, cap = layout
+        E, W = L.num_experts, L.world_size
+        starts = torch.empty(W * (E // W), dtype=torch.int64, device=lay.device)
+        extra.update(LAYOUT=True, lay_ptr=lay, offs_ptr=offs, starts_ptr=starts, E=E, EP=_next_pow2(E),
+                     E_LOCAL=E // W, NC=L.num_counts, OFF_COUNTS=L.off_counts, OFF_FLAGS=L.off_flags,
+                     OFFS_CAP=-1 if cap is None else cap)
     _send_launch(
         bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
@@ -342,9 +354,14 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     n = expanded_rows(capacity, bufs)  # static, or None for "exact"
     # Row form: the receive rows' copy, which this rank's own rows reach straight from the send kernel
     recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
-    # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand)
+    # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand).
+    # Static capacity: the rows leave without waiting for the peers' counts (raw slot codes in META),
+    # and the expand kernel, which waits for them, computes the layout; "exact" needs the layout on
+    # the host before expand, so there the send waits for the counts and computes it.
+    raw = n is not None
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD, skip_own=not rows)
+                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw)
+    layout = (lay, offsets_e, n) if raw else None
     yield
     if n is None:
         n = int(offsets_e[-1]) if e else 0  # capacity="exact": the one host sync of this op
@@ -360,11 +377,11 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N)
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N, layout=layout)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                end=True, x_own=x_TD)
+                end=True, x_own=x_TD, layout=layout)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
         offsets_e=offsets_e,

@@ -124,6 +124,9 @@ class SymmLayout:
             raise ValueError(f"num_experts={num_experts} is not divisible by world_size={world_size}")
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}")
+        if max_tokens * (num_experts // world_size) >= 2**31:  # META's raw slot codes q * e + j (int32)
+            raise ValueError(f"max_tokens*num_experts/world_size={max_tokens * (num_experts // world_size)} must be "
+                             "< 2**31")
         if world_size * max_tokens * top_k >= 2**31:
             raise ValueError(f"world_size*max_tokens*top_k={world_size * max_tokens * top_k} must be < 2**31")
         W, row = world_size, hidden * dtype.itemsize
