@@ -65,10 +65,16 @@ def _setup_context(ctx, inputs, output):
     x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend = inputs
     ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1])
     ctx.backend = backend
+    ctx.num_dst = num_dst
+    # h's gradient is never used: without this autograd fills an [N, 2F] zero tensor for it every
+    # backward (537 MB at OLMoE T=16384: 159 us of an H200's time, bench/RESULTS.md session 9)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout_TD, _dh):
     x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
+    if dout_TD is None:
+        dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
     dx, dgate, dw13, dw2 = _bwd_op(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F,
                                    ctx.backend)
     return dx, None, None, dgate, dw13, dw2, None, None, None
@@ -89,12 +95,16 @@ class _FusedEager(torch.autograd.Function):
                                                         num_dst)
         ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
         ctx.backend = backend
+        ctx.num_dst = num_dst
         ctx.mark_non_differentiable(h_N2F)
+        ctx.set_materialize_grads(False)  # no [N, 2F] zero gradient for h (see _setup_context)
         return out, h_N2F
 
     @staticmethod
     def backward(ctx, dout_TD, _dh):
         x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
+        if dout_TD is None:  # the output took no part in the loss
+            dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
         dx, dgate, dw13, dw2 = get_fused_backend(ctx.backend).backward(
             dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
         return dx, None, None, dgate, dw13, dw2, None, None, None
