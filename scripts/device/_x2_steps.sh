@@ -1,6 +1,23 @@
 # The two-GPU steps the session scripts share (sourced; each step prints one "==" line + a table).
 # $out: the folder that comes back. Each step is time-boxed.
 
+tiers_memcheck() {  # GPU 0: exchange + fused-EP GPU tiers (pytest -k $2 if given), GPU 1: memcheck of every
+  # exchange kernel, side by side; $1: the tiers' time box (s)
+  local t0=$(date +%s) box=${1:-330} k=${2:-}
+  CUDA_VISIBLE_DEVICES=0 timeout "$box" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 \
+    tests/test_symm_gpu.py tests/test_fused_ep_gpu.py ${k:+-k "$k"} > "$out/gpu_tiers.log" 2>&1 &
+  local p1=$!
+  CUDA_VISIBLE_DEVICES=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 python3 scripts/memcheck_exchange.py > "$out/memcheck_exchange.log" 2>&1 &
+  local p2=$!
+  wait $p1; local r1=$?; wait $p2; local r2=$?
+  echo "== GPU tiers rc=$r1 [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_tiers.log")"
+  grep -E "^(FAILED|ERROR)" "$out/gpu_tiers.log" | cut -c1-300 | head -n 8
+  echo "== memcheck exchange rc=$r2 $(grep -E 'ERROR SUMMARY|all ok' "$out/memcheck_exchange.log" | tr '\n' ' ')"
+}
+
+NO_W8="not (random-8 or zero_token_experts-8 or heavy_imbalance-8 or one_expert-8)"
+
 t5_peer() {  # T5 on peer pointers (torchrun, 2 ranks)
   local t0=$(date +%s)
   timeout 130 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider --timeout 100 \
