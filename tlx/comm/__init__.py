@@ -2,7 +2,8 @@
 
 ``exchange``: the phase kernels every rank runs for one deduplicated exchange (barrier -> send
 token rows once per rank -> expand to expert-major rows; reduce per token -> send partial sums
-home), with bounded waits. ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
+home), with bounded waits; ``protocol`` their shared waits and signals, ``route`` a dispatch's
+first phase. ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
 (peers on other nodes), emulated under the interpreter. Host wrappers, buffer allocation and
 autograd live in ``tlx_dist.comm.symm``.
 """

@@ -295,7 +295,7 @@ class SymmBuffers:
         return self._mem[off: off + nbytes]
 
     def route_scratch(self, n_blocks: int, row_words: int) -> torch.Tensor:
-        """The route kernel's look-back scratch (``tlx/comm/exchange.py`` ``_route_kernel``): int64
+        """The route kernel's look-back scratch (``tlx/comm/route.py`` ``_route_kernel``): int64
         ``[n_blocks * (1 + 2 * row_words)]``, this rank's own (not symmetric), zeroed once and kept:
         its status words carry the op's epoch, so no later dispatch resets it."""
         need = n_blocks * (1 + 2 * row_words)
