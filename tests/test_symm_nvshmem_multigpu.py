@@ -100,6 +100,14 @@ def test_moe_layer_over_nvshmem_matches_all_to_all(group):
     test_moe_layer_symm_vs_all_to_all(group)
 
 
+def test_moe_layer_fused_ep_over_nvshmem_matches_all_to_all(group):
+    """The fused EP layer (what ``pipeline="auto"`` takes under EP with the symmetric exchange) over
+    the NVSHMEM route: staged partial rows and gate gradients."""
+    from test_symm_multigpu import test_moe_layer_fused_ep_vs_all_to_all
+
+    test_moe_layer_fused_ep_vs_all_to_all(group)
+
+
 def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     """Real ranks (NVSHMEM): after one matched dispatch, rank 1 skips the next. Rank 0's waits give
     up after timeout_s (1 s) instead of hanging, its dispatch returns, and check() names the op,
