@@ -14,5 +14,5 @@ tiers_memcheck 280 "$NO_W8"
 t5_peer
 grep -E "^(FAILED|ERROR)" "$out/t5_peer.log" | cut -c1-300 | head -n 8
 dispatch_w2
-t5_nvshmem "matches_all_to_all" 150
+t5_nvshmem "matches_all_to_all" 220
 exit 0
