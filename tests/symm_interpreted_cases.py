@@ -383,6 +383,9 @@ def test_size_hint_scales_with_tokens_not_slots():
     (dict(num_experts=6, world_size=4), ValueError, "num_experts=6 is not divisible by world_size=4"),
     (dict(dtype=torch.int32), TypeError, "dtype="),
     (dict(top_k=5), ValueError, "top_k=5 is larger than num_experts=4"),
+    # META's raw slot codes q * e + j are int32: T_max * (E / W) must stay below 2**31
+    (dict(max_tokens=2**25, num_experts=256, world_size=2, top_k=1), ValueError,
+     r"max_tokens\*num_experts/world_size=4294967296 must be < 2\*\*31"),
 ])
 def test_layout_bad_input(kw, err, msg):
     args = dict(max_tokens=8, hidden=4, top_k=2, num_experts=4, world_size=2, dtype=torch.float32)
