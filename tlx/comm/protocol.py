@@ -290,6 +290,18 @@ def _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, 
 
 
 @triton.jit
+def _far_row(b, j, rows_from_ptr, peers_ptr, W: tl.constexpr, T_MAX: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row j of receive-row block b: ``(n, its source s, whether n is a received row of an off-node
+    source)`` -- scalars, so the puts that follow stay under control flow uniform over the CTA."""
+    nj = b * BLOCK_R + j
+    sj = nj // T_MAX
+    inr = nj < W * T_MAX
+    base = tl.load(peers_ptr + sj, mask=inr, other=1)
+    ok = inr & ((nj % T_MAX) < tl.load(rows_from_ptr + sj, mask=inr, other=0))
+    return nj, sj, ok & (base == 0)
+
+
+@triton.jit
 def _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, RANK,
                           W: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, ES: tl.constexpr,
                           OFF_COMB: tl.constexpr, OFF_SCOMB: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -299,16 +311,12 @@ def _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my
     nv.fence_sys()
     if tl.max(far.to(tl.int32)) > 0:
         for j in range(BLOCK_R):
-            nj = b * BLOCK_R + j
-            sj = nj // T_MAX
-            if nj < W * T_MAX:
-                base = tl.load(peers_ptr + sj)
-                ok = (nj % T_MAX) < tl.load(rows_from_ptr + sj)
-                if ok & (base == 0):
-                    tok = tl.load(tok_ptr + nj).to(tl.int64)
-                    nv.putmem_block(my + OFF_COMB + (tok * W + RANK) * (D * ES),
-                                    my + OFF_SCOMB + nj.to(tl.int64) * (D * ES),
-                                    tl.full([], D * ES, tl.int64), tl.load(pes_ptr + sj))
+            nj, sj, off_node = _far_row(b, j, rows_from_ptr, peers_ptr, W, T_MAX, BLOCK_R)
+            if off_node:
+                tok = tl.load(tok_ptr + nj).to(tl.int64)
+                nv.putmem_block(my + OFF_COMB + (tok * W + RANK) * (D * ES),
+                                my + OFF_SCOMB + nj.to(tl.int64) * (D * ES),
+                                tl.full([], D * ES, tl.int64), tl.load(pes_ptr + sj))
 
 
 @triton.jit
@@ -322,23 +330,19 @@ def _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, 
     nv.fence_sys()
     if tl.max(far.to(tl.int32)) > 0:
         for j in range(BLOCK_R):
-            nj = b * BLOCK_R + j
-            sj = nj // T_MAX
-            if nj < W * T_MAX:
-                base = tl.load(peers_ptr + sj)
-                ok = (nj % T_MAX) < tl.load(rows_from_ptr + sj)
-                if ok & (base == 0):
-                    pe = tl.load(pes_ptr + sj)
-                    tok = tl.load(tok_ptr + nj).to(tl.int64)
-                    start = tl.full([], -1, tl.int32)  # first slot of the current run, -1: none
-                    for k in tl.static_range(K + 1):
-                        if k < K:
-                            here = (tl.load(pos_ptr + nj * K + k) >= 0).to(tl.int32)
-                        else:
-                            here = tl.full([], 0, tl.int32)
-                        if (here == 0) & (start >= 0):
-                            s64 = start.to(tl.int64)
-                            nv.putmem_block(my + OFF_DGATE + (tok * K + s64) * AB,
-                                            my + OFF_SDGATE + (nj.to(tl.int64) * K + s64) * AB,
-                                            (k - s64) * AB, pe)
-                        start = tl.where(here != 0, tl.where(start < 0, k, start), -1)
+            nj, sj, off_node = _far_row(b, j, rows_from_ptr, peers_ptr, W, T_MAX, BLOCK_R)
+            if off_node:
+                pe = tl.load(pes_ptr + sj)
+                tok = tl.load(tok_ptr + nj).to(tl.int64)
+                start = tl.full([], -1, tl.int32)  # first slot of the current run, -1: none
+                for k in tl.static_range(K + 1):
+                    if k < K:
+                        here = (tl.load(pos_ptr + nj * K + k) >= 0).to(tl.int32)
+                    else:
+                        here = tl.full([], 0, tl.int32)
+                    if (here == 0) & (start >= 0):
+                        s64 = start.to(tl.int64)
+                        nv.putmem_block(my + OFF_DGATE + (tok * K + s64) * AB,
+                                        my + OFF_SDGATE + (nj.to(tl.int64) * K + s64) * AB,
+                                        (k - s64) * AB, pe)
+                    start = tl.where(here != 0, tl.where(start < 0, k, start), -1)
