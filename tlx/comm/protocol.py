@@ -60,6 +60,28 @@ def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.
 
 
 @triton.jit
+def _release_to_peer(base, off, v, MAX: tl.constexpr, USE_NVSHMEM: tl.constexpr):
+    """A scalar release op (system scope, one thread) on the int64 at ``base + off`` of a peer
+    reached by pointer: ``max`` with ``v`` (MAX: a flag raised to an epoch) or ``add v`` (a
+    counter). USE_NVSHMEM: a peer without a pointer (``base == 0``) is skipped; its signal goes by
+    ``_nvshmem_signal``."""
+    p = (base + off).to(tl.pointer_type(tl.int64))
+    if USE_NVSHMEM:
+        if base != 0:
+            _release_op(p, v, MAX)
+    else:
+        _release_op(p, v, MAX)
+
+
+@triton.jit
+def _release_op(p, v, MAX: tl.constexpr):
+    if MAX:
+        tl.atomic_max(p, v, sem="release", scope="sys")
+    else:
+        tl.atomic_add(p, v, sem="release", scope="sys")
+
+
+@triton.jit
 def _post_counts(peers_ptr, counts_ptr, RANK, epoch,
                  W: tl.constexpr, NC: tl.constexpr, BLOCK_C: tl.constexpr,
                  OFF_FLAGS: tl.constexpr, OFF_COUNTS: tl.constexpr, pes_ptr, USE_NVSHMEM: tl.constexpr):
@@ -91,12 +113,7 @@ def _post_counts(peers_ptr, counts_ptr, RANK, epoch,
     tl.debug_barrier()
     cflag = OFF_FLAGS + (W + RANK) * 8
     for d in range(W):
-        base = tl.load(peers_ptr + d)
-        if USE_NVSHMEM:
-            if base != 0:
-                tl.atomic_max((base + cflag).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
-        else:
-            tl.atomic_max((base + cflag).to(tl.pointer_type(tl.int64)), epoch, sem="release", scope="sys")
+        _release_to_peer(tl.load(peers_ptr + d), cflag, epoch, True, USE_NVSHMEM)
     if USE_NVSHMEM:
         _nvshmem_signal(tl.zeros([BLOCK_C], tl.int64) + epoch, peers_ptr, pes_ptr, my + cflag, W, BLOCK_C,
                         nv.SIGNAL_SET)
@@ -122,14 +139,7 @@ def _end_op(peers_ptr, RANK, W: tl.constexpr, WP3: tl.constexpr, OFF_STATE: tl.c
         tl.store((my + OFF_ARRIVE).to(tl.pointer_type(tl.int64)) + wi, tl.zeros([WP3], tl.int64), mask=wi < 3 * W)
         tl.debug_barrier()
         for d in range(W):
-            base = tl.load(peers_ptr + d)
-            if USE_NVSHMEM:
-                if base != 0:
-                    tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release",
-                                  scope="sys")
-            else:
-                tl.atomic_max((base + OFF_FLAGS + RANK * 8).to(tl.pointer_type(tl.int64)), epoch, sem="release",
-                              scope="sys")
+            _release_to_peer(tl.load(peers_ptr + d), OFF_FLAGS + RANK * 8, epoch, True, USE_NVSHMEM)
         if USE_NVSHMEM:  # epoch >= 2: every off-node peer gets FLAGS[RANK] = epoch
             _nvshmem_signal(tl.zeros([WP3], tl.int64) + epoch, peers_ptr, pes_ptr, my + OFF_FLAGS + RANK * 8, W,
                             WP3, nv.SIGNAL_SET)
@@ -207,12 +217,7 @@ def _publish(hist, peers_ptr, slot_off, W: tl.constexpr, WP: tl.constexpr, pes_p
     for d in range(W):
         n = tl.sum(tl.where(wr == d, hist, 0))
         if n > 0:
-            base = tl.load(peers_ptr + d)
-            if USE_NVSHMEM:
-                if base != 0:
-                    tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
-            else:
-                tl.atomic_add((base + slot_off).to(tl.pointer_type(tl.int64)), n, sem="release", scope="sys")
+            _release_to_peer(tl.load(peers_ptr + d), slot_off, n, False, USE_NVSHMEM)
     if USE_NVSHMEM:
         _nvshmem_signal(hist, peers_ptr, pes_ptr, tl.load(peers_ptr + RANK) + slot_off, W, WP, nv.SIGNAL_ADD)
 
