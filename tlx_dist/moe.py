@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmDispatcher
 from .config import MoEConfig
 from .fused import fused_experts, fused_experts_rows, fused_tlx_supports
 from .grouped_gemm import grouped_mm
@@ -59,7 +59,6 @@ def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
             raise ValueError("dispatcher='all_to_all' needs ep_group")
         return AllToAllDispatcher(num_experts, group, validate=validate)
     if kind == "symm":
-        from .comm.symm import SymmDispatcher
         return SymmDispatcher(num_experts, group, validate=validate,
                               capacity="exact" if capacity is None else capacity)
     raise ValueError(f"dispatcher={kind!r} is not one of 'auto', 'local', 'all_to_all', 'symm' or a Dispatcher")
@@ -120,7 +119,6 @@ class MoELayer(nn.Module):
         self.num_local_experts = cfg.num_experts // world
         self.gemm_backend = gemm_backend
         if pipeline == "fused":
-            from .comm.symm import SymmDispatcher
             ok = ("auto", "local", "symm") if world == 1 else ("symm",)
             if gemm_backend is not None or not (dispatcher in ok or isinstance(dispatcher, SymmDispatcher)):
                 raise ValueError(
@@ -244,7 +242,6 @@ class MoELayer(nn.Module):
         # ``_inner``: the dispatcher under a profiling wrapper (train/profiling.py), which must not
         # change the pipeline being measured.
         dispatcher = getattr(self.dispatcher, "_inner", self.dispatcher)
-        from .comm.symm import SymmDispatcher
         exchange = (isinstance(dispatcher, LocalDispatcher) if self.ep_size == 1
                     else isinstance(dispatcher, SymmDispatcher))
         return (exchange and self.gemm_backend is None and self.cfg.moe_inter_dim <= 2 * self.cfg.dim

@@ -36,24 +36,26 @@ __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx
 # --- custom ops ------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tlx_dist::fused_experts_fwd", mutates_args=())
-def _fwd_op(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
-            w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
+              w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return get_fused_backend(backend).forward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
+
+
+def _bwd_impl(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
+              gate_N: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
+              h_N2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return get_fused_backend(backend).backward(dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD,
+                                               offsets_E, h_N2F)
+
+
+_fwd_op = torch.library.custom_op("tlx_dist::fused_experts_fwd", mutates_args=())(_fwd_impl)
+_bwd_op = torch.library.custom_op("tlx_dist::fused_experts_bwd", mutates_args=())(_bwd_impl)
 
 
 @_fwd_op.register_fake
 def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend):
     return x_RD.new_empty(num_dst, x_RD.shape[1]), x_RD.new_empty(src_N.shape[0], w13_EDF2.shape[2])
-
-
-@torch.library.custom_op("tlx_dist::fused_experts_bwd", mutates_args=())
-def _bwd_op(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
-            gate_N: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
-            h_N2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return get_fused_backend(backend).backward(dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD,
-                                               offsets_E, h_N2F)
 
 
 @_bwd_op.register_fake
@@ -71,43 +73,38 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout_TD, _dh):
+def _grads(ctx, dout_TD, bwd):
+    """The backward of both paths; ``bwd``: the custom op or its body."""
     x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
-    if dout_TD is None:
+    if dout_TD is None:  # the output took no part in the loss
         dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
-    dx, dgate, dw13, dw2 = _bwd_op(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F,
-                                   ctx.backend)
+    dx, dgate, dw13, dw2 = bwd(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, ctx.backend)
     return dx, None, None, dgate, dw13, dw2, None, None, None
+
+
+def _backward(ctx, dout_TD, _dh):
+    return _grads(ctx, dout_TD, _bwd_op)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _FusedEager(torch.autograd.Function):
-    """The ops' forward and backward called directly, for eager mode: the custom op's dispatch
-    layers (the op call, its autograd wrapper, the redispatch, the dynamo-disable wrapper) cost
-    ~40 us of host time per call on a slow host, and the layer is host-bound at T <= 4096. Under
+    """The ops' bodies called directly, for eager mode: the custom op's dispatch layers (the op
+    call, its autograd wrapper, the redispatch, the dynamo-disable wrapper) cost ~40 us of host
+    time per call on a slow host, and the layer is host-bound at T <= 4096. Under
     ``torch.compile`` the custom op is used: it is what traces. Same kernels, same saved tensors."""
 
     @staticmethod
-    def forward(ctx, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend):
-        out, h_N2F = get_fused_backend(backend).forward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E,
-                                                        num_dst)
-        ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
-        ctx.backend = backend
-        ctx.num_dst = num_dst
+    def forward(ctx, *inputs):
+        out, h_N2F = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, (out, h_N2F))
         ctx.mark_non_differentiable(h_N2F)
-        ctx.set_materialize_grads(False)  # no [N, 2F] zero gradient for h (see _setup_context)
         return out, h_N2F
 
     @staticmethod
     def backward(ctx, dout_TD, _dh):
-        x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
-        if dout_TD is None:  # the output took no part in the loss
-            dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
-        dx, dgate, dw13, dw2 = get_fused_backend(ctx.backend).backward(
-            dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
-        return dx, None, None, dgate, dw13, dw2, None, None, None
+        return _grads(ctx, dout_TD, _bwd_impl)
 
 
 def _run_fused(*args):
