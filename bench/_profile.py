@@ -88,3 +88,68 @@ def host_profile(fwd, bwd, iters: int, sync, top: int = 20, top_self: int = 12) 
         out.append(f"  {'us/step':>9} {'calls':>7}  {half} function (self CPU time)")
         out += [f"  {t * 1e6:9.1f} {c:7.1f}  {k[:100]}" for t, c, k in own[:top_self]]
     return "\n".join(out)
+
+
+def gap_profile(step, sync, min_gap_us: float = 10.0, top: int = 12) -> str:
+    """Where the GPU waits for the host in one eager ``step()`` started on an idle GPU: the time from
+    the step's start (host) to its first kernel, then every idle interval of at least ``min_gap_us``
+    between consecutive kernels, each with the kernel that ended it and the innermost host ops
+    (``torch.profiler`` CPU ops, Python stack off) that were running when that kernel was launched.
+    The step's wall time = lead-in + kernel time + idle time."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("## step ##"):
+            step()
+        sync()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    xs = [e for e in events if e.get("ph") == "X"]
+    kernels = sorted((e for e in xs if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in xs
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    ops = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation")]
+    marks = [e for e in ops if e["name"] == "## step ##"]
+    if not kernels or not marks:
+        return "  (no kernels or no step mark in the trace)"
+    t_start = marks[0]["ts"]
+
+    def host_stack(ts):
+        live = [e for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"] and e["name"] != "## step ##"]
+        live.sort(key=lambda e: e["ts"])
+        names = [e["name"] for e in live]
+        return " > ".join(names[-3:]) if names else "(no op)"
+
+    rows, idle, busy, prev_end = [], 0.0, 0.0, None
+    for k in kernels:
+        busy += k["dur"]
+        if prev_end is not None:
+            gap = k["ts"] - prev_end
+            if gap >= min_gap_us:
+                idle += gap
+                launch = launches.get(k.get("args", {}).get("correlation"))
+                rows.append((gap, k["name"], host_stack(launch["ts"]) if launch else "(launch not found)"))
+            elif gap > 0:
+                idle += gap
+        prev_end = max(prev_end or 0.0, k["ts"] + k["dur"])
+    lead = kernels[0]["ts"] - t_start
+    first = launches.get(kernels[0].get("args", {}).get("correlation"))
+    out = [f"  step: lead-in {lead:.0f} us (host start -> first kernel: {kernels[0]['name'][:40]}, launched in "
+           f"{host_stack(first['ts']) if first else '?'}), kernels {busy:.0f} us, idle between kernels "
+           f"{idle:.0f} us ({len(rows)} gaps >= {min_gap_us:.0f} us), first kernel -> last end "
+           f"{prev_end - kernels[0]['ts']:.0f} us"]
+    out.append(f"  {'gap us':>8}  next kernel | host ops running at its launch (innermost last)")
+    for gap, name, stack in sorted(rows, reverse=True)[:top]:
+        out.append(f"  {gap:8.1f}  {name[:48]} | {stack[:150]}")
+    return "\n".join(out)

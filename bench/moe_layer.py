@@ -44,7 +44,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from _profile import host_profile, kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
+from _profile import gap_profile, host_profile, kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
@@ -335,6 +335,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="print the per-kernel GPU time of one fwd+bwd per provider (torchrun mode: rank 0's)")
+    ap.add_argument("--gaps", action="store_true",
+                    help="print where the GPU idles waiting for the host in one eager fwd+bwd per provider")
     ap.add_argument("--host-profile", action="store_true",
                     help="print where the host spends one eager fwd+bwd per provider (cProfile, cumulative)")
     ap.add_argument("--json", default="bench_moe_layer.json")
@@ -395,6 +397,9 @@ def main() -> int:
                     if args.profile:
                         print(f"\n{name} T={T} {p}: per-kernel GPU time of one fwd+bwd\n"
                               f"{kernel_profile(lambda: fwd().backward(g), 3, torch.cuda.synchronize)}", flush=True)
+                    if args.gaps:
+                        print(f"\n{name} T={T} {p}: GPU idle in one eager fwd+bwd\n"
+                              f"{gap_profile(lambda: fwd().backward(g), torch.cuda.synchronize)}", flush=True)
                     if args.host_profile:
                         print(f"\n{name} T={T} {p}: host side of one eager fwd+bwd\n"
                               f"{host_profile(fwd, lambda out: out.backward(g), 5, torch.cuda.synchronize)}",

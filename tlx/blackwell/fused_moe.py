@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
+from tlx import c_launch as _c_launch
 from tlx.common.gather import drain_gathered, gather_ptrs, row_ptrs, signal_gathered
 from tlx.common.moe_epilogues import swiglu_bwd, swiglu_fwd
 from tlx.common.scheduler import _tile_any, mm_num_tiles, ragged_coords
@@ -384,3 +385,8 @@ def _fused_wgrad_blackwell_kernel(
                     it += 1
                 if GATHER:
                     drain_gathered(it, steps, LAG, NUM_STAGES, afull)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_fused_mm_blackwell_kernel)
+_c_launch(_fused_wgrad_blackwell_kernel)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
+from tlx import c_launch as _c_launch
 from tlx.common.scheduler import _k_steps, _num_tiles, _tile, ragged_coords
 
 
@@ -137,3 +138,7 @@ def _grouped_gemm_blackwell_kernel(
                         else:
                             tlx.async_descriptor_load(b_desc, b_buf[s], [e, k_off, n_off], full[s])
                     it += 1
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_grouped_gemm_blackwell_kernel)

@@ -42,6 +42,7 @@ stores by the (clamped) range.
 
 import triton
 import triton.language as tl
+from tlx import c_launch as _c_launch
 
 RAGGED_BILLION = tl.constexpr(1 << 30)
 # Bits of the offsets flag (tlx_dist.grouped_gemm.guard reads it): what a caller's offsets did.
@@ -256,3 +257,8 @@ def _tile_any(t, tile_cum_ptr, offsets_ptr, order_ptr, E, N_ROWS, M_DIM, tiles_n
     else:
         e, lo, cnt, mt, nt = mm_tile_grouped(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     return e, lo, cnt, mt, nt
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_grouped_tile_prep_kernel)
+_c_launch(_lpt_order_kernel)

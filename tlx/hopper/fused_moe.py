@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
+from tlx import c_launch as _c_launch
 from tlx.common.gather import drain_gathered as _drain_gathered
 from tlx.common.gather import gather_ptrs
 from tlx.common.gather import signal_gathered as _signal_gathered
@@ -486,3 +487,8 @@ def _fused_wgrad_hopper_kernel(
                                         E, N_ROWS, M_DIM, NN, cid, A_GATHER, B_GATHER, DYNAMIC, BM, BN, BK,
                                         NUM_STAGES, GROUP_M)
             tlx.async_descriptor_store_wait(0)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_fused_mm_hopper_kernel)
+_c_launch(_fused_wgrad_hopper_kernel)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
+from tlx import c_launch as _c_launch
 from tlx.common.scheduler import _k_steps, _num_tiles, _tile_any, ragged_coords
 
 
@@ -206,3 +207,7 @@ def _grouped_gemm_hopper_kernel(
                                        order_ptr, E, N_ROWS, M_DIM, K_DIM, tiles_n, cid, WGRAD, B_KMAJOR, DYNAMIC, BM,
                                        BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M)
             tlx.async_descriptor_store_wait(0)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_grouped_gemm_hopper_kernel)

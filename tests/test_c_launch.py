@@ -1,0 +1,50 @@
+"""The per-step GEMM-side kernels go through fbtriton's C launch path (tlx.c_launch); the switch
+turns it off; under the interpreter and on objects without the C path it is a no-op. CPU only: the
+GPU tiers (pytest -m gpu) run every one of these kernels with the path on."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tlx
+
+PER_STEP = {
+    "tlx.hopper.fused_moe": ["_fused_mm_hopper_kernel", "_fused_wgrad_hopper_kernel"],
+    "tlx.hopper.grouped_gemm": ["_grouped_gemm_hopper_kernel"],
+    "tlx.blackwell.fused_moe": ["_fused_mm_blackwell_kernel", "_fused_wgrad_blackwell_kernel"],
+    "tlx.blackwell.grouped_gemm": ["_grouped_gemm_blackwell_kernel"],
+    "tlx.common.scheduler": ["_grouped_tile_prep_kernel", "_lpt_order_kernel"],
+}
+
+_PROBE = ("import importlib, json; mods = json.loads({mods!r}); "
+          "print(json.dumps({{m + '.' + k: getattr(getattr(importlib.import_module(m), k), 'c_cache', None) "
+          "for m, ks in mods.items() for k in ks}}))")
+
+
+def _probe(env: dict) -> dict:
+    import json
+
+    code = _PROBE.format(mods=json.dumps(PER_STEP))
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not tlx.tlx_available(), reason="needs fbtriton")
+def test_per_step_kernels_use_the_c_launch_path_and_the_switch_turns_it_off():
+    env = {"TRITON_INTERPRET": "0", "TRITON_ENABLE_C_CACHE": "0"}
+    on = _probe({**env, "TLX_DIST_C_LAUNCH": "1"})
+    assert on and all(v is True for v in on.values()), on
+    off = _probe({**env, "TLX_DIST_C_LAUNCH": "0"})
+    assert all(v is False for v in off.values()), off
+
+
+def test_c_launch_is_a_no_op_without_the_c_path():
+    class NotAJitFunction:  # e.g. the interpreter's InterpretedFunction: no c_cache / params
+        pass
+
+    k = NotAJitFunction()
+    assert tlx.c_launch(k) is k
+    assert not hasattr(k, "c_cache")
