@@ -113,6 +113,63 @@ def test_rows_world_short_wide_tiles(monkeypatch):
     test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
 
 
+@pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5, 2, 4], "heavy_imbalance"), ([4, 0, 6, 2], "random")])
+def test_rows_arrive_block_by_block(monkeypatch, Ts, kind):
+    """The row form's receive copy waits on per-block arrival counters (RBLK): with 3-row receive
+    blocks and 4-row send tiles a token block's rows straddle two counters. After the send phase
+    each rank's counter (s, j) holds exactly the rows of receive block j from source s (none from
+    itself); after the op every counter is back at zero, and the results are right, twice over."""
+    import tlx_dist.comm.symm as symm
+    import tlx_dist.comm.symm_buffers as sb
+    monkeypatch.setattr(sb, "RECV_BLOCK", 3)
+    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None: (4, 4))
+    W, E, K, D = len(Ts), 12, 3, 8
+    world = EmulatedWorld(W, max(Ts), D, K, E, torch.float64, device="cpu")
+    bufs = world.buffers
+    assert bufs[0].layout.recv_block == 3 and symm._recv_mode(bufs[0]) == "blocks"
+    gen = torch.Generator().manual_seed(5)
+    for rep in range(2):
+        xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
+        idxs = [_kind_routing(30 + s + rep, T, K, E, W, kind) if T else torch.zeros(0, K, dtype=torch.long)
+                for s, T in enumerate(Ts)]
+        gates = [torch.rand(T, K, generator=gen, dtype=torch.float64) for T in Ts]
+        gens = [symm.dispatch_steps(bufs[d], xs[d], idxs[d], gates[d], "worst", rows=True) for d in range(W)]
+        for g in gens:  # route
+            next(g)
+        for g in gens:  # send
+            next(g)
+        for d in range(W):
+            ctr = bufs[d].recv_block_counters()
+            for s in range(W):
+                n_s = int((idxs[s] // (E // W) == d).any(1).sum()) if Ts[s] else 0  # rows s sends to d
+                want = torch.zeros(ctr.shape[1], dtype=torch.int64)
+                if s != d:
+                    for j in range(-(-n_s // 3)):
+                        want[j] = min(3, n_s - 3 * j)
+                assert torch.equal(ctr[s], want), f"rep {rep}: rank {d}'s counters of source {s}: {ctr[s]} != {want}"
+        res = []
+        for g in gens:
+            try:
+                next(g)
+                raise AssertionError("dispatch has three phases")
+            except StopIteration as stop:
+                res.append(stop.value)
+        for d, (recv, src, gate_N, h) in enumerate(res):
+            assert not bufs[d].recv_block_counters().any(), f"rep {rep}: rank {d}'s counters were not zeroed"
+            for s in range(W):
+                tok = h.tok_R.long()[s * max(Ts):s * max(Ts) + int(h.rows_from_W[s])]
+                assert torch.equal(recv[s * max(Ts):s * max(Ts) + tok.numel()], xs[s][tok]), f"rank {d} from {s}"
+        g = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
+        gp = world.combine_rows_grad(g, [h for *_, h in res])  # the same copy, in combine's backward
+        for d, (recv, src, gate_N, h) in enumerate(res):
+            assert not bufs[d].recv_block_counters().any()
+            for s in range(W):
+                tok = h.tok_R.long()[s * max(Ts):s * max(Ts) + int(h.rows_from_W[s])]
+                assert torch.equal(gp[d][s * max(Ts):s * max(Ts) + tok.numel()], g[s][tok])
+    world.check()
+    world.close()
+
+
 def test_rows_interleave_with_the_copying_ops():
     """Row-form and expanded-form ops on the same buffers, alternating: epochs, arrival counters and
     the gate-gradient region are shared, so a mistake in either shows up in the other."""

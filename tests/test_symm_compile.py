@@ -28,7 +28,7 @@ def _specs(amd: bool = False):
     import triton.language as tl
     W, E, K, D, T_MAX = 8, 256, 8, 7168, 4096  # DeepSeek-V3-sized rows, EP = 8
     offs = dict(OFF_STATE=0, OFF_FLAGS=256, OFF_ARRIVE=512, OFF_COUNTS=768, OFF_META=34048, OFF_GATES=1213696,
-                OFF_RECV=1737984, OFF_COMB=2 ** 31, OFF_DGATE=2 ** 32)
+                OFF_RECV=1737984, OFF_COMB=2 ** 31, OFF_DGATE=2 ** 32, OFF_RBLK=2 ** 32 + 2 ** 20)
     wait = dict(TIMEOUT_NS=30 * 10**9, CLOCK=2 if amd else 1)
     o = lambda *names: {n: offs[n] for n in names}  # noqa: E731
     tiles = dict(BLOCK_D=512)
@@ -39,16 +39,19 @@ def _specs(amd: bool = False):
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
                   SRC_ROW=False, LOCAL_X=False, LAYOUT=False, E=E, EP=E, E_LOCAL=E // W, NC=E + W, OFFS_CAP=-1,
-                  OFF_COUNTS=768,
-                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS"))
+                  OFF_COUNTS=768, BLK=False, RB=64, NRB=T_MAX // 64,
+                  **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS",
+                      "OFF_RBLK"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
-                    start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64")
+                    start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64",
+                    N_SEND="i32", rows_from_ptr="*i64")
     send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
-                   RAW_META=False,
+                   RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
                    **tiles, **wait,
-                   **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))
+                   **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
+                       "OFF_RBLK"))
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                      peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
@@ -66,6 +69,14 @@ def _specs(amd: bool = False):
         "_send_tokens_kernel": ("_send_tokens_kernel", send_sig, send_cx),
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
+        # ... on real ranks over peer pointers: per-block arrival counters, and receiving programs that
+        # copy the other sources' rows out as they land (symm._recv_mode "overlap")
+        "_send_tokens_kernel[rows_overlap]": ("_send_tokens_kernel", send_sig,
+                                              dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
+                                                   RECV_ROLE=True, RAW_META=True)),
+        "_send_tokens_kernel[rows_overlap_wide]": ("_send_tokens_kernel", send_sig,
+                                                   dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
+                                                        RECV_ROLE=True, BLOCK_T=2, BLOCK_D=2048)),
         "_expand_kernel": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
                                                            LOCAL_X=True)),
         # static capacity: the send waits only for readiness and sends raw slot codes; the expand
@@ -85,6 +96,10 @@ def _specs(amd: bool = False):
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
                                  dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
                                       RECV_COPY=True, SRC_ROW=True)),
+        # ... the emulated world's form: the same block-by-block copy in the expand kernel
+        "_expand_kernel[rows_blocks]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
+                                        dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True,
+                                             END=True, RECV_COPY=True, SRC_ROW=True, BLK=True)),
         "_expand_kernel[rows_dgate]": ("_expand_kernel", dict(exp_sig, y_ptr="*fp32"),
                                        dict(exp_cx, FROM_META=False, GATE_GRAD=True, COPY=False, DGATE_GIVEN=True,
                                             WAIT_ROWS=False)),
@@ -211,6 +226,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert compiled[name]["acquire"] > 0 and compiled[name]["timer"] > 0 and compiled[name]["release"] > 0, name
     assert compiled["_expand_kernel[layout]"]["acquire"] > compiled["_expand_kernel"]["acquire"]
     assert compiled["_expand_kernel[rows_layout]"]["acquire"] > compiled["_expand_kernel[rows]"]["acquire"]
+    # The row form's per-block arrival: the senders release more counters (one add per block and
+    # destination besides the op's total), the receiving programs poll them with bounded waits.
+    for name in ("_send_tokens_kernel[rows_overlap]", "_send_tokens_kernel[rows_overlap_wide]"):
+        assert compiled[name]["release"] > compiled["_send_tokens_kernel[rows]"]["release"], name
+        assert compiled[name]["acquire"] > compiled["_send_tokens_kernel[rows]"]["acquire"], name
+    assert compiled["_expand_kernel[rows_blocks]"]["acquire"] > compiled["_expand_kernel[rows]"]["acquire"]
     # Rows move as 16-byte vectors, also through the symmetric regions, whose pointers are made
     # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
     # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,
@@ -224,6 +245,9 @@ def test_kernels_compile_with_signal_semantics(compiled):
                                      ("_send_tokens_kernel[wide]", 1, 1), ("_expand_kernel[wide]", 1, 1),
                                      ("_send_tokens_kernel[raw]", 1, 1), ("_send_tokens_kernel[rows_raw]", 1, 1),
                                      ("_expand_kernel[layout]", 1, 1), ("_expand_kernel[rows_layout]", 1, 1),
+                                     ("_send_tokens_kernel[rows_overlap]", 1, 1),
+                                     ("_send_tokens_kernel[rows_overlap_wide]", 1, 1),
+                                     ("_expand_kernel[rows_blocks]", 1, 1),
                                      ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"

@@ -133,19 +133,26 @@ def test_moe_layer_fused_ep_vs_all_to_all(group):
     b.dispatcher.check()
 
 
+@pytest.mark.parametrize("overlap", ["1", "0"])
 @pytest.mark.parametrize("kind", ["random", "heavy_imbalance", "one_token"])
-def test_row_form_matches_all_to_all(group, kind):
+def test_row_form_matches_all_to_all(group, kind, overlap, monkeypatch):
     """The fused EP pipeline's exchange (``dispatch_rows``) alone, three ops in a row with unequal
     token counts (one rank with a single token): every expanded row reads exactly the all-to-all's
     row; identity experts through ``combine_rows`` and autograd (``combine_rows``' backward moves dy
-    rows the same way as dispatch moves x) give ``sum_k gate * x`` and its gradients."""
+    rows the same way as dispatch moves x) give ``sum_k gate * x`` and its gradients. Both receive
+    copies: the send kernel's receiving programs (``overlap=1``) and the expand kernel's, after
+    arrival (``0``; what buffers below ``RECV_OVERLAP_MIN_TOKENS`` use)."""
     import torch.distributed as dist
 
     from tlx_dist.comm import AllToAllDispatcher, SymmBuffers, SymmDispatcher
+    from tlx_dist.comm.symm import ENV_RECV_OVERLAP, _recv_mode
+
+    monkeypatch.setenv(ENV_RECV_OVERLAP, overlap)
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 4, 2048, 1000
     bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group)
+    assert _recv_mode(bufs) == ("overlap" if overlap == "1" else "after")
     sd, ad = SymmDispatcher(E, group, buffers=bufs), AllToAllDispatcher(E, group)
     g = torch.Generator(device="cuda").manual_seed(10 + r)
     for rep in range(3):
@@ -174,6 +181,8 @@ def test_row_form_matches_all_to_all(group, kind):
         dg = (x.float() * gy.float()).sum(1, keepdim=True).expand(T, K)
         torch.testing.assert_close(gs.grad, dg, rtol=2 ** -6, atol=2 ** -6 * float(dg.abs().max()))
     sd.check()
+    torch.cuda.synchronize()
+    assert not bufs.recv_block_counters().any(), "an arrival counter was left non-zero"
     bufs.close()
 
 

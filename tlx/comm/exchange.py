@@ -32,6 +32,10 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
     COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
                            (row form: (t, RANK) unused, the own partial row is read where it is)
     DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
+    RBLK   [W, NRB]    int64  row form: RBLK[s, j] = rows of RECV block j of source s (RB rows each,
+                           ``SymmLayout.recv_block``) landed so far; the sender adds after each of its
+                           token blocks, the receive-side copy (``_copy_arrived``) waits for the
+                           block's row count, copies the block out and zeroes the counter
   staging, only with the NVSHMEM backend (sources of NVSHMEM puts must be symmetric memory):
     SROWS  [T_MAX, D]      token rows (x or dy) of this rank bound for another node, staged once
                            per token whichever ranks receive it
@@ -55,6 +59,12 @@ before the next, so no kernel waits on a signal raised by a later launch):
                their source) | _gate_grad_recv (ends the op)
   ("|" separates phases; the waits of a phase sit at the top of its first kernel, ``_await``; the
   op's last kernel raises this rank's readiness for its next op, ``_end_op``.)
+  Row form (the fused EP pipeline; dispatch and combine's backward): the other sources' rows are
+  copied out of RECV into the op's ``[W*T_MAX, D]`` output block by block as they land (RBLK). On
+  real ranks over peer pointers that copy runs in the send kernel itself, in extra programs after
+  the sending ones (``RECV_ROLE``), so it overlaps the transfer; the emulated world (whose ranks
+  launch one after another) runs it in the expand kernel; the NVSHMEM route copies after the
+  whole-op ARRIVE wait, as before.
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
@@ -103,6 +113,61 @@ from .route import _route_kernel  # noqa: F401  (phase 1 of a dispatch)
 
 
 @triton.jit
+def _copy_arrived(out, rows_from_ptr, my, q, nq, RANK, err_ptr, DT: tl.constexpr, W: tl.constexpr,
+                  T_MAX: tl.constexpr, D: tl.constexpr, OFF_RECV: tl.constexpr, OFF_RBLK: tl.constexpr,
+                  RB: tl.constexpr, NRB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+    """The row form's receive-side copy, by program ``q`` of ``nq``: for every source s != RANK and
+    its RECV blocks j = q, q + nq, ... (RB rows each, ``rows_from[s]`` rows in all), waits until
+    RBLK[s, j] holds the block's row count (bounded: ``_wait_geq``, OP_TOKENS), copies receive rows
+    ``s*T_MAX + [j*RB, min((j+1)*RB, rows_from[s]))`` to the same rows of ``out``, and zeroes the
+    counter: its sender adds to it again only in a later op, after this rank ended this one."""
+    recv = tl.multiple_of((my + OFF_RECV).to(tl.pointer_type(DT)), 16)
+    ctr = (my + OFF_RBLK).to(tl.pointer_type(tl.int64))
+    for s in range(W):
+        if s != RANK:
+            n_rows = tl.load(rows_from_ptr + s)
+            for j in range(q, tl.cdiv(n_rows, RB), nq):
+                lo = j * RB
+                hi = tl.minimum(lo + RB, n_rows)
+                c = ctr + s * NRB + j
+                _wait_geq(c, hi - lo, err_ptr, OP_TOKENS, s, TIMEOUT_NS, CLOCK)
+                tl.debug_barrier()
+                for r0 in range(lo, hi, BLOCK_R):
+                    i = r0 + tl.arange(0, BLOCK_R)
+                    n = (s * T_MAX + i).to(tl.int64)
+                    rm = i < hi
+                    for c0 in range(0, D, BLOCK_D):
+                        cols = c0 + tl.arange(0, BLOCK_D)
+                        cm = rm[:, None] & (cols < D)[None, :]
+                        rows = n[:, None] * D + cols[None, :]
+                        tl.store(out + rows, tl.load(recv + rows, mask=cm), mask=cm)
+                tl.atomic_xchg(c, 0, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W: tl.constexpr, OFF_RBLK: tl.constexpr,
+                   RB: tl.constexpr, NRB: tl.constexpr):
+    """After a token block's rows went out (CTA barrier first): for each peer d != RANK, one release
+    add per RECV block of d that the block's rows fell in, of the rows that fell there. A source's
+    rows to d are numbered in token order (``send_row``), so a token block's rows to d are one
+    contiguous run ``[lo, lo + cnt)``, which spans at most ``1 + BLOCK_T // RB`` counters."""
+    tl.debug_barrier()
+    for d in range(W):
+        if d != RANK:
+            row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
+            sent = row >= 0
+            cnt = tl.sum(sent.to(tl.int32))
+            if cnt > 0:
+                lo = tl.min(tl.where(sent, row, 2147483647))
+                ctr = (tl.load(peers_ptr + d) + OFF_RBLK + RANK * NRB * 8).to(tl.pointer_type(tl.int64))
+                for j in range(lo // RB, (lo + cnt - 1) // RB + 1):
+                    a = tl.maximum(lo, j * RB)
+                    e = tl.minimum(lo + cnt, j * RB + RB)
+                    tl.atomic_add(ctr + j, (e - a).to(tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
 def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_ptr, gate_ptr, peers_ptr, RANK,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
@@ -114,7 +179,11 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         NC: tl.constexpr = 1, OFF_STATE: tl.constexpr = 0, OFF_FLAGS: tl.constexpr = 0,
                         OFF_COUNTS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
                         OFFS_CAP: tl.constexpr = -1, OWN_ADDR=0, LOCAL_ROWS: tl.constexpr = False,
-                        LOCAL_X: tl.constexpr = False, RAW_META: tl.constexpr = False):
+                        LOCAL_X: tl.constexpr = False, RAW_META: tl.constexpr = False,
+                        BLK_SIGNAL: tl.constexpr = False,
+                        OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
+                        RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
+                        RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -128,7 +197,15 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     readiness (FLAGS, as combine does), not for their counts, so the rows leave as soon as this
     rank's route is done; META then holds each slot's raw code ``q * E_LOCAL + j`` (j = the
     expert's index on d, q = ``q[t, k]``) and the expand kernel, which waits for the counts, turns
-    it into the expanded row (``_await`` STARTS)."""
+    it into the expanded row (``_await`` STARTS).
+    Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
+
+    The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
+    destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
+    launch receivers, not senders: after ``_await`` they copy the other sources' rows (``rows_from``
+    of each) from this rank's RECV to OWN_ADDR as they land (``_copy_arrived``). Receivers only wait
+    for peers' senders, and senders never wait for receivers, so the receiving programs (the last
+    ones, fewer than the GPU holds at once) cannot starve the sending ones."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if BARRIER:
         if RAW_META:
@@ -140,14 +217,25 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(T, BLOCK_T)
-    per = tl.cdiv(nblocks, nprog)
+    b0 = pid
+    if RECV_ROLE:
+        nprog = N_SEND
+        if pid >= N_SEND:  # a receiving program: copies, and sends nothing (b0 past the last block)
+            if RAW_META:  # the senders did not wait for the counts: rows_from (lay[E+e:]) needs them
+                _await(peers_ptr, start_ptr, offs_ptr, RANK, W, WP, E, EP, E_LOCAL, NC, OFF_STATE, OFF_FLAGS,
+                       OFF_COUNTS, True, TIMEOUT_NS, CLOCK, OFFS_CAP)
+            my_r = tl.load(peers_ptr + RANK)
+            _copy_arrived(tl.multiple_of(OWN_ADDR.to(tl.pointer_type(DT)), 16), rows_from_ptr, my_r, pid - N_SEND,
+                          tl.num_programs(0) - N_SEND, RANK, (my_r + OFF_STATE + 16).to(tl.pointer_type(tl.int64)),
+                          DT, W, T_MAX, D, OFF_RECV, OFF_RBLK, RB, NRB, RCV_R, RCV_D, TIMEOUT_NS, CLOCK)
+            b0 = nblocks
     wr = tl.arange(0, WP)
     hist = tl.zeros([WP], tl.int64)
     kk = tl.arange(0, KP)
     km = kk < K
     if USE_NVSHMEM:
         my = tl.load(peers_ptr + RANK)
-    for b in range(pid * per, tl.minimum(pid * per + per, nblocks)):
+    for b in range(b0, nblocks, nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
         if USE_NVSHMEM:
@@ -200,6 +288,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
                                 W, K, KP, D, T_MAX, META_W, OFF_META, OFF_GATES, OFF_RECV, OFF_SROWS, OFF_SMETA,
                                 OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
+        if BLK_SIGNAL:
+            _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB)
     _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
@@ -246,7 +336,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    x_ptr=None, stride_x=0, LOCAL_X: tl.constexpr = False, LAYOUT: tl.constexpr = False,
                    lay_ptr=None, offs_ptr=None, starts_ptr=None, E: tl.constexpr = 1, EP: tl.constexpr = 1,
                    E_LOCAL: tl.constexpr = 1, NC: tl.constexpr = 1, OFF_COUNTS: tl.constexpr = 0,
-                   OFFS_CAP: tl.constexpr = -1):
+                   OFFS_CAP: tl.constexpr = -1, BLK: tl.constexpr = False,
+                   OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -270,7 +361,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     did not copy into RECV. LAYOUT (FROM_META, after a RAW_META send): first the counts barrier
     and layout of ``_await`` (``lay``, ``offs`` capped at OFFS_CAP, and the per-source ``starts``
     table; ``rows_from`` must point at ``lay[E+e:]``), then each slot's raw META code ``q * e + j``
-    becomes the expanded row ``starts[s, j] + q``."""
+    becomes the expanded row ``starts[s, j] + q``. BLK (with RECV_COPY): that copy goes block by block as RBLK counts the
+    rows landed (``_copy_arrived``; the emulated world's form of the send kernel's RECV_ROLE)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -299,7 +391,7 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             tl.store(tok_ptr + n, tok, mask=inr)
         else:
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
-        if RECV_COPY:  # the other sources' receive rows, out of the shared region before the op ends
+        if RECV_COPY and not BLK:  # the other sources' receive rows, out of the shared region before the op ends
             cv = valid & (s != RANK)
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
@@ -388,6 +480,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             if USE_NVSHMEM:
                 _nvshmem_put_gate_grads(b, rows_from_ptr, pos_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, W, K, T_MAX,
                                         ACC.primitive_bitwidth // 8, OFF_DGATE, OFF_SDGATE, BLOCK_R)
+    if RECV_COPY and BLK:
+        _copy_arrived(out_ptr, rows_from_ptr, my, pid, nprog, RANK, err_ptr, DT, W, T_MAX, D, OFF_RECV, OFF_RBLK, RB,
+                      NRB, BLOCK_R, BLOCK_D, TIMEOUT_NS, CLOCK)
     if tl.max(over) > 0:
         tl.atomic_max((my + OFF_STATE + 8).to(tl.pointer_type(tl.int64)), 1)
     if GATE_GRAD:

@@ -220,9 +220,59 @@ _ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through eve
 _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automatic) to span many blocks
 
 
+ENV_RECV_OVERLAP = "TLX_DIST_RECV_OVERLAP"
+# The overlapped receive copy pays off from this many tokens per rank (the buffers' T_max) up.
+# Two H200s, D=7168, E=64, K=8, graph-replayed dispatch (bench/RESULTS.md, session 10): T=4096
+# 274 -> 310 us (the receiving programs slow the senders more than the copy they hide), T=16384
+# 862 -> 758 us (272 -> 309 GB/s).
+RECV_OVERLAP_MIN_TOKENS = 8192
+
+
+def _recv_mode(bufs: SymmBuffers) -> str:
+    """Where the row form copies the other sources' rows out of RECV (``tlx/comm/exchange.py``):
+    ``"overlap"`` (real ranks over peer pointers with T_max >= ``RECV_OVERLAP_MIN_TOKENS``: extra
+    programs of the send kernel, block by block as rows land), ``"blocks"`` (the emulated world,
+    whose ranks launch one after another, and one rank: the same block-by-block copy, in the expand
+    kernel) or ``"after"`` (the NVSHMEM route, and smaller real-rank buffers: the expand kernel,
+    after the op's rows all arrived). ``TLX_DIST_RECV_OVERLAP=1`` / ``0`` forces overlap on / off
+    for real ranks over peer pointers (default ``auto``: by T_max)."""
+    if bufs.use_nvshmem:
+        return "after"
+    if bufs.backend in ("emulated", "local") or bufs.world_size == 1:
+        return "blocks"
+    force = os.environ.get(ENV_RECV_OVERLAP, "auto")
+    if force not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV_RECV_OVERLAP}={force!r}: expected auto, 0 or 1")
+    if force == "auto":
+        return "overlap" if bufs.layout.max_tokens >= RECV_OVERLAP_MIN_TOKENS else "after"
+    return "overlap" if force == "1" else "after"
+
+
+def _recv_programs(bufs: SymmBuffers) -> int:
+    """Receiving programs of an ``"overlap"`` send launch: one per SM (a quarter of the launch's
+    programs; they are its last ones and wait only for peers' senders, who never wait for them),
+    no more than there are RECV blocks. Session 9's first try used 33 with 8 x 512 tiles: ~8 GB/s
+    each, the copy took longer than the transfer."""
+    L = bufs.layout
+    return max(1, min(_num_programs(str(bufs.device)) // 4, (L.world_size - 1) * L.recv_blocks))
+
+
+def _recv_tile(bufs: SymmBuffers) -> dict:
+    """The receiving programs' copy tile: a whole RECV block of rows (RB, as a power of two) by
+    columns up to 16K elements a tile (32 KB of bf16 in flight per program)."""
+    L = bufs.layout
+    r = _next_pow2(L.recv_block)
+    return dict(RCV_R=r, RCV_D=max(16, min(_next_pow2(L.hidden), 16384 // r)))
+
+
+def _blk_meta(bufs: SymmBuffers) -> dict:
+    L = bufs.layout
+    return dict(OFF_RBLK=L.off_rblk, RB=L.recv_block, NRB=L.recv_blocks)
+
+
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
                  offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
-                 raw_meta: bool = False):
+                 raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
@@ -230,7 +280,10 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     region (the expand kernel then copies only the other sources' rows); ``skip_own``: they are not
     copied at all, the expand kernel reads them from ``x_TD`` (which must be row-contiguous).
     ``raw_meta``: wait only for the peers' readiness, not their counts, and send raw slot codes
-    (``lay`` / ``offs`` are then left to ``_expand(layout=...)``)."""
+    (``lay`` / ``offs`` are then left to ``_expand(layout=...)``).
+    With ``own_rows``, the other sources' rows reach it block by block (``_recv_mode``): in
+    ``"overlap"`` mode this launch's last programs copy them as they land; ``rows_from`` (int64
+    ``[W]``, rows from each source) is then where they read how many to expect."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -240,8 +293,22 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     bt, bd = _tiles(D, T)
     dummy = send_row_TW
     E = L.num_experts
+    grid = _grid(-(-T // bt), bufs.device)
+    rows_meta = {}
+    if own_rows is not None:
+        rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True)
+        mode = _recv_mode(bufs)
+        if mode != "after":
+            rows_meta.update(BLK_SIGNAL=True, **_blk_meta(bufs))
+        if mode == "overlap":
+            if rows_from is None:
+                raise ValueError("the overlapped receive copy needs rows_from (rows from each source)")
+            n_recv = _recv_programs(bufs)
+            n_send = max(1, min(-(-T // bt), _num_programs(str(bufs.device)) - n_recv))
+            rows_meta.update(RECV_ROLE=True, N_SEND=n_send, rows_from_ptr=rows_from, **_recv_tile(bufs))
+            grid = (n_send + n_recv,)
     _send_launch(
-        bufs, k._send_tokens_kernel, _grid(-(-T // bt), bufs.device),
+        bufs, k._send_tokens_kernel, grid,
         x_TD, x_TD.stride(0), T, send_row_TW, idx_TK if with_meta else dummy, q_TK if with_meta else dummy,
         lay if with_meta else dummy, gate_TK if with_meta else dummy, bufs.peers, bufs.rank,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
@@ -250,8 +317,8 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
-        **(dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True) if own_rows is not None else {}),
-        **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}), **_await_meta(bufs))
+        **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
+        **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
@@ -280,8 +347,11 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         extra.update(WAIT_ROWS=False)
     if end:
         extra.update(_end_meta(bufs))
-    if recv_copy:
+    mode = _recv_mode(bufs)
+    if recv_copy and mode != "overlap":  # "overlap": the send kernel copied them
         extra.update(RECV_COPY=True)
+        if mode == "blocks":
+            extra.update(BLK=True, **_blk_meta(bufs))
     if src_row_N is not None:
         extra.update(src_row_ptr=src_row_N, SRC_ROW=True)
     if x_own is not None:
@@ -360,7 +430,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # the host before expand, so there the send waits for the counts and computes it.
     raw = n is not None
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw)
+                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W)
     layout = (lay, offsets_e, n) if raw else None
     yield
     if n is None:
@@ -483,7 +553,8 @@ def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle
     L = bufs.layout
     g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
     # waits first; this rank's own rows go straight to g_part
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part)
+    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part,
+                 rows_from=h.rows_from_W)
     yield
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
     # waits for every row, copies the other sources' out, then ends the op (indices go to scratch)

@@ -63,6 +63,11 @@ def _pos_int(name: str, v) -> int:
     return v
 
 
+# Receive rows per arrival counter of the row form (RBLK in tlx/comm/exchange.py): the receive-side
+# copy moves rows in runs of this many as they land. The same on every rank (it sizes the layout).
+RECV_BLOCK = 64
+
+
 @dataclass(frozen=True)
 class SymmLayout:
     """Byte layout of one rank's symmetric region (identical on every rank)."""
@@ -82,6 +87,7 @@ class SymmLayout:
     off_recv: int
     off_comb: int
     off_dgate: int
+    off_rblk: int
     nbytes: int
     staging: bool = False
     off_srows: int = 0
@@ -89,6 +95,7 @@ class SymmLayout:
     off_sgates: int = 0
     off_scomb: int = 0
     off_sdgate: int = 0
+    recv_block: int = 64  # RECV_BLOCK when built
 
     @property
     def recv_rows(self) -> int:
@@ -102,6 +109,11 @@ class SymmLayout:
     @property
     def num_counts(self) -> int:
         return self.num_experts + self.world_size
+
+    @property
+    def recv_blocks(self) -> int:
+        """Arrival counters per source (RBLK): one per RECV_BLOCK receive rows of its T_max."""
+        return -(-self.max_tokens // self.recv_block)
 
     @property
     def worst_case_rows(self) -> int:
@@ -135,7 +147,8 @@ class SymmLayout:
                            ("counts", 16 * W * (num_experts + W)),
                            ("meta", 4 * W * max_tokens * (top_k + 1)),
                            ("gates", dtype.itemsize * W * max_tokens * top_k), ("recv", row * W * max_tokens),
-                           ("comb", row * max_tokens * W), ("dgate", 8 * max_tokens * top_k)):
+                           ("comb", row * max_tokens * W), ("dgate", 8 * max_tokens * top_k),
+                           ("rblk", 8 * W * -(-max_tokens // RECV_BLOCK))):
             offs[name] = off
             off = _align(off + size)
         if staging:  # sources of NVSHMEM puts (symmetric): token rows, their META/gates, partials, dgates
@@ -147,7 +160,8 @@ class SymmLayout:
         st = {f"off_{n}": offs[n] for n in ("srows", "smeta", "sgates", "scomb", "sdgate")} if staging else {}
         return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
-                   offs["gates"], offs["recv"], offs["comb"], offs["dgate"], off, staging=staging, **st)
+                   offs["gates"], offs["recv"], offs["comb"], offs["dgate"], offs["rblk"], off, staging=staging,
+                   recv_block=RECV_BLOCK, **st)
 
 
 def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
@@ -313,6 +327,13 @@ class SymmBuffers:
         L = self.layout
         return self._region(L.off_recv, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(
             L.recv_rows, L.hidden)
+
+    def recv_block_counters(self) -> torch.Tensor:
+        """``[W, recv_blocks]`` int64 view of RBLK: row s counts source s's row-form rows landed per
+        ``recv_block`` receive rows in the op under way (zeroed as each block is copied out)."""
+        L = self.layout
+        return self._region(L.off_rblk, 8 * L.world_size * L.recv_blocks).view(torch.int64).view(
+            L.world_size, L.recv_blocks)
 
     def state(self) -> torch.Tensor:
         """``[3]`` int64: the current op (epoch, from 1), overflow flag, error word (``op << 16 | peer``)."""
