@@ -140,11 +140,49 @@ def main(argv=None) -> int:
                 if bad:
                     failures.append(f"{b.name} {what} {name}: {bad}")
             print(f"ran {b.name:6s} {name}", flush=True)
+    failures += _check_layout_kernel(torch, dev, dtype, cpu, g)
     if failures:
         print("memcheck fused cases FAILED:\n  " + "\n  ".join(failures), flush=True)
         return 1
     print("memcheck fused cases: all ok", flush=True)
     return 0
+
+
+def _check_layout_kernel(torch, dev, dtype, cpu: bool, g) -> list:
+    """The one-launch expert-major layout (tlx/common/routing.py) against the torch sort, and the
+    one-rank fused layer that takes its scheduler tables (``fused_experts``), against the fp64
+    reference."""
+    from tlx_dist.fused import expert_major_layout, expert_major_slots, fused_experts
+
+    failures = []
+    for kind, T, E, K in (("random", 300, 64, 8), ("one", 257, 8, 1), ("half", 64, 256, 4), ("random", 1, 8, 8)):
+        logits = torch.randn(T, E, generator=g)
+        if kind == "half":
+            logits[:, E // 2:] = -1e9
+        idx = torch.zeros(T, K, dtype=torch.int64) if kind == "one" else logits.topk(K, -1).indices
+        got = expert_major_layout(idx.to(dev), E)
+        want = expert_major_slots(idx, E)
+        for what, a, r in zip(("tok", "order", "offsets"), got, want):
+            if not torch.equal(a.cpu(), r):
+                failures.append(f"layout {what} {kind} T={T} E={E} K={K}")
+        print(f"ran layout {kind} T={T} E={E} K={K}", flush=True)
+    T, D, F, E, K = 96, 64, 64, 8, 2
+    x = torch.randn(T, D, generator=g)
+    idx = torch.randn(T, E, generator=g).topk(K, -1).indices
+    gate = torch.rand(T, K, generator=g) + 0.05
+    w13 = torch.randn(E, D, 2 * F, generator=g) / D ** 0.5
+    w2 = torch.randn(E, F, D, generator=g) / F ** 0.5
+    backend = "triton" if cpu else "tlx"
+    out = fused_experts(x.to(dev, dtype), idx.to(dev), gate.to(dev), w13.to(dev, dtype), w2.to(dev, dtype),
+                        backend=backend)
+    ref = fused_experts(x.double(), idx, gate.double(), w13.double(), w2.double(), backend="reference")
+    from tlx_dist.testing import memcheck_mismatch
+
+    bad = memcheck_mismatch(out, ref.to(dev))
+    if bad:
+        failures.append(f"fused_experts ({backend}, scheduler tables from the layout kernel): {bad}")
+    print(f"ran fused_experts {backend} with the layout kernel's tables", flush=True)
+    return failures
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ PER_STEP = {
     "tlx.blackwell.fused_moe": ["_fused_mm_blackwell_kernel", "_fused_wgrad_blackwell_kernel"],
     "tlx.blackwell.grouped_gemm": ["_grouped_gemm_blackwell_kernel"],
     "tlx.common.scheduler": ["_grouped_tile_prep_kernel", "_lpt_order_kernel"],
+    "tlx.common.routing": ["_expert_slots_kernel"],
 }
 
 _PROBE = ("import importlib, json; mods = json.loads({mods!r}); "

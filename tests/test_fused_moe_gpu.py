@@ -261,3 +261,24 @@ def test_layer_fused_vs_separate_bf16():
     assert agree.float().mean() > 0.8
     for pipe, out in outs.items():
         assert_close_to_ref(out[agree], ref[agree], same[agree], name=f"layer {pipe}")
+
+
+@pytest.mark.parametrize("E,K", [(64, 8), (128, 8), (256, 8), (8, 2)])
+def test_layout_kernel_matches_the_torch_sort_on_gpu(E, K):
+    """The one-launch expert-major layout at training sizes (T = 16384) and skewed routing, against
+    the torch sort it replaces in ``fused_experts``; the scheduler tables against their torch forms."""
+    from tlx_dist.fused import expert_major_layout, expert_major_slots
+
+    T = 16384
+    g = torch.Generator(device="cuda").manual_seed(E)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    logits[:, :3] += 1.5  # three hot experts
+    logits[:, -E // 4:] = -1e9  # a quarter of the experts get no token
+    idx = logits.topk(K, -1).indices
+    tok, order, offs, sched = expert_major_layout(idx, E)
+    tok_r, order_r, offs_r = expert_major_slots(idx, E)
+    assert torch.equal(order, order_r) and torch.equal(tok, tok_r) and torch.equal(offs, offs_r)
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    tiles = (counts + 127) // 128
+    assert torch.equal(sched[:E + 1], torch.cat([tiles.cumsum(0), tiles.sum().reshape(1)]).int())
+    assert torch.equal(sched[E + 1:], torch.argsort(-counts * (E + 1) + torch.arange(E, device="cuda")).int())

@@ -8,11 +8,11 @@ Backends: ``tlx`` (Hopper / Blackwell TLX kernels), ``triton`` (portable Triton 
 (PyTorch); :func:`fused_experts_ref` is the per-expert loop used as the test oracle.
 """
 
-from .api import check_fused_args, expert_major_slots, fused_experts, fused_experts_rows, fused_tlx_supports
+from .api import check_fused_args, expert_major_layout, expert_major_slots, fused_experts, fused_experts_rows, fused_tlx_supports
 from .backends import FusedBackend, get_fused_backend, select_fused_backend
 from .reference import fused_backward_ref, fused_experts_ref, fused_forward_ref
 
-__all__ = ["fused_experts", "fused_experts_rows", "expert_major_slots", "check_fused_args", "fused_tlx_supports",
-           "fused_experts_ref",
+__all__ = ["fused_experts", "fused_experts_rows", "expert_major_slots", "expert_major_layout", "check_fused_args",
+           "fused_tlx_supports", "fused_experts_ref",
            "fused_forward_ref",
            "fused_backward_ref", "FusedBackend", "get_fused_backend", "select_fused_backend"]

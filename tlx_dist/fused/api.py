@@ -28,9 +28,12 @@ from typing import Optional
 
 import torch
 
-from .backends import get_fused_backend, select_fused_backend
+from tlx import triton_available
 
-__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots"]
+from .backends import SCHED_BM, get_fused_backend, select_fused_backend
+
+__all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots",
+           "expert_major_layout"]
 
 
 # --- custom ops ------------------------------------------------------------------------------------
@@ -38,15 +41,19 @@ __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx
 
 def _fwd_impl(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
               w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return get_fused_backend(backend).forward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
+              backend: str, sched: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    b = get_fused_backend(backend)
+    args = (x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
+    return b.forward(*args) if sched is None else b.forward(*args, sched=sched)
 
 
 def _bwd_impl(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
               gate_N: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
-              h_N2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return get_fused_backend(backend).backward(dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD,
-                                               offsets_E, h_N2F)
+              h_N2F: torch.Tensor, backend: str,
+              sched: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b = get_fused_backend(backend)
+    args = (dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
+    return b.backward(*args) if sched is None else b.backward(*args, sched=sched)
 
 
 _fwd_op = torch.library.custom_op("tlx_dist::fused_experts_fwd", mutates_args=())(_fwd_impl)
@@ -54,18 +61,18 @@ _bwd_op = torch.library.custom_op("tlx_dist::fused_experts_bwd", mutates_args=()
 
 
 @_fwd_op.register_fake
-def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend):
+def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None):
     return x_RD.new_empty(num_dst, x_RD.shape[1]), x_RD.new_empty(src_N.shape[0], w13_EDF2.shape[2])
 
 
 @_bwd_op.register_fake
-def _(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, backend):
+def _(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, backend, sched=None):
     return torch.empty_like(x_RD), torch.empty_like(gate_N), torch.empty_like(w13_EDF2), torch.empty_like(w2_EFD)
 
 
 def _setup_context(ctx, inputs, output):
-    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend = inputs
-    ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1])
+    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, *rest = inputs
+    ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1], *rest[:1])
     ctx.backend = backend
     ctx.num_dst = num_dst
     # h's gradient is never used: without this autograd fills an [N, 2F] zero tensor for it every
@@ -75,11 +82,12 @@ def _setup_context(ctx, inputs, output):
 
 def _grads(ctx, dout_TD, bwd):
     """The backward of both paths; ``bwd``: the custom op or its body."""
-    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F = ctx.saved_tensors
+    x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, *sched = ctx.saved_tensors
     if dout_TD is None:  # the output took no part in the loss
         dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
-    dx, dgate, dw13, dw2 = bwd(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, ctx.backend)
-    return dx, None, None, dgate, dw13, dw2, None, None, None
+    dx, dgate, dw13, dw2 = bwd(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, ctx.backend,
+                               sched[0] if sched else None)
+    return (dx, None, None, dgate, dw13, dw2, None, None, None) + (None,) * len(sched)
 
 
 def _backward(ctx, dout_TD, _dh):
@@ -211,6 +219,47 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
     return out
 
 
+def _routing_kernel_runs(idx_TK: torch.Tensor) -> bool:
+    """The one-launch expert-major layout (``tlx/common/routing.py``) runs in eager mode on a GPU
+    with Triton, and on CPU under ``TRITON_INTERPRET=1``; torch.compile traces the torch ops."""
+    if torch.compiler.is_compiling() or not triton_available():
+        return False
+    if idx_TK.device.type == "cuda":
+        return True
+    from ..grouped_gemm.host import interpret_mode
+
+    return idx_TK.device.type == "cpu" and interpret_mode()
+
+
+def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
+    """:func:`expert_major_slots` in one launch (``tlx.common.routing._expert_slots_kernel``), plus
+    the scheduler tables of the TLX kernels: ``(tok_N int32, order_S int64, offsets_E int32,
+    sched [2E + 1] int32)`` with ``sched[:E + 1]`` the inclusive sum of ``block_m``-row tiles per
+    expert (entry E: no padding) and ``sched[E + 1:]`` the experts by row count, longest first (ties
+    by index). Same rows, same order as :func:`expert_major_slots` (a stable sort by expert). Ids
+    outside ``[0, E)`` (never from the router) become padding rows after ``offsets_E[-1]`` that no
+    kernel computes: those slots get no expert output. No host sync."""
+    import triton
+
+    from tlx.common.routing import _expert_slots_kernel
+
+    T, K = idx_TK.shape
+    S = T * K
+    dev = idx_TK.device
+    tok_N = torch.empty(S, dtype=torch.int32, device=dev)
+    order_S = torch.empty(S, dtype=torch.int64, device=dev)
+    offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
+    sched = torch.empty(2 * E + 1, dtype=torch.int32, device=dev)
+    if S == 0:
+        offsets_E.zero_()
+        sched[:E + 1].zero_()
+        sched[E + 1:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
+        return tok_N, order_S, offsets_E, sched
+    _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E,
+                               BM=block_m, EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
+    return tok_N, order_S, offsets_E, sched
+
+
 def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, w13_EDF2: torch.Tensor,
                   w2_EFD: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
     """One rank's routed experts, fused: ``out[t] = sum_k gate[t, k] * expert_{idx[t, k]}(x[t])``
@@ -241,10 +290,20 @@ def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tenso
     for name, t in (("idx_TK", idx_TK), ("gate_TK", gate_TK)):
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
-    T = idx_TK.shape[0]
-    tok_N, order_S, offsets_E = expert_major_slots(idx_TK, w13_EDF2.shape[0])
-    gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
-    return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)
+    T, E = idx_TK.shape[0], w13_EDF2.shape[0]
+    if not _routing_kernel_runs(idx_TK):
+        tok_N, order_S, offsets_E = expert_major_slots(idx_TK, E)
+        gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
+        return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)
+    # One launch for the layout and, for the TLX kernels, their scheduler tables (no prep kernel in
+    # either pass): the host work between the router and the first GEMM is most of the GPU's idle
+    # time at T <= 4096 (bench/RESULTS.md, session 10).
+    tok_N, order_S, offsets_E, sched = expert_major_layout(idx_TK, E)
+    gate_N = gate_TK.reshape(-1).index_select(0, order_S)
+    b = select_fused_backend(x_TD, w13_EDF2, w2_EFD, backend)
+    out, _h = _run_fused(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, b.name,
+                         sched if b.name == "tlx" else None)
+    return out
 
 
 def expert_major_slots(idx_TK: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -34,9 +34,12 @@ from tlx import triton_available
 from .reference import fused_backward_ref, fused_forward_ref
 
 __all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
-           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND"]
+           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "SCHED_BM"]
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
+# Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
+# height the routing kernel's precomputed tile_cum must use for them (``compose_forward(sched=)``).
+SCHED_BM = 128
 
 
 @dataclass(frozen=True)
@@ -96,20 +99,32 @@ def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: tor
 # --- the composition shared by the kernel backends ---------------------------------------------------
 
 
-def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst):
-    """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``."""
-    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
+def _sched_parts(sched, offsets_E):
+    """``(tile_cum [E + 1], order [E])`` views of a precomputed schedule (``tlx.common.routing``)."""
+    E = offsets_E.shape[0]
+    return sched[:E + 1], sched[E + 1:]
+
+
+def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None):
+    """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``. ``sched``: the
+    scheduler tables already computed with the routing (``[2E + 1]`` int32: tile_cum for ``p``'s
+    tile height, then the dW expert order; the TLX primitives only), else the prep kernel runs."""
+    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
 
 
-def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F):
-    """``(dx_RD, dgate_N, dw13_EDF2, dw2_EFD)`` from a primitives module ``p``."""
-    tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD)
+def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, sched=None):
+    """``(dx_RD, dgate_N, dw13_EDF2, dw2_EFD)`` from a primitives module ``p`` (``sched``: as in
+    :func:`compose_forward`)."""
+    if sched is None:
+        tile_cum, order = p.tile_cum(offsets_E, src_N.shape[0], x_RD), None
+    else:
+        tile_cum, order = _sched_parts(sched, offsets_E)
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
-    order = p.wgrad_order(offsets_E)
+    order = p.wgrad_order(offsets_E) if order is None else order
     dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E, order)
     dw2 = p.wgrad_gather(ag_NF, None, dout_TD, dst_N, offsets_E, order)
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2

@@ -34,7 +34,7 @@ import torch
 
 import tlx
 
-from .backends import FusedBackend, compose_backward, compose_forward, register_fused_backend
+from .backends import SCHED_BM, FusedBackend, compose_backward, compose_forward, register_fused_backend
 
 __all__ = ["FusedTileConfig", "BlackwellFusedTileConfig", "FORMS", "BLACKWELL_FORMS", "fused_config",
            "kernel_signature", "ENV_FUSED_CONFIG"]
@@ -277,7 +277,7 @@ class _TlxFused:
     def tile_cum(offsets_E, n_rows, x=None):
         from ..grouped_gemm.host import prep_tile_cum
 
-        return prep_tile_cum(offsets_E, n_rows, 128) if n_rows else None
+        return prep_tile_cum(offsets_E, n_rows, SCHED_BM) if n_rows else None
 
     @staticmethod
     def wgrad_order(offsets_E):
@@ -540,12 +540,12 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
     return fn, sig, constexprs, attrs, {"num_warps": 4, "num_stages": 1}
 
 
-def _tlx_forward(*a):
-    return compose_forward(_tlx_prims(), *a)
+def _tlx_forward(*a, sched=None):
+    return compose_forward(_tlx_prims(), *a, sched=sched)
 
 
-def _tlx_backward(*a):
-    return compose_backward(_tlx_prims(), *a)
+def _tlx_backward(*a, sched=None):
+    return compose_backward(_tlx_prims(), *a, sched=sched)
 
 
 if tlx.tlx_available() and tlx.gpu_arch() in _PRIMS:
