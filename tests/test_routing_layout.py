@@ -79,3 +79,21 @@ def test_composition_uses_the_precomputed_schedule(given):
     else:
         assert p.calls == ["tile_cum", "tile_cum", "wgrad_order"]
         assert p.seen_fwd.tolist() == [-1] * 4 and p.seen_order.tolist() == [-1] * 3
+
+
+def test_routing_kernel_switch(monkeypatch):
+    import types
+
+    from tlx_dist.fused import api
+
+    cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    for interp, env, want_cuda, want_cpu in (("0", "auto", False, False), ("1", "auto", False, True),
+                                             ("1", "1", True, True), ("0", "1", True, False), ("1", "0", False, False)):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        monkeypatch.setenv(api.ENV_ROUTING_KERNEL, env)
+        assert api._routing_kernel_runs(cuda) is want_cuda, (interp, env)
+        assert api._routing_kernel_runs(cpu) is want_cpu, (interp, env)
+    monkeypatch.setenv(api.ENV_ROUTING_KERNEL, "yes")
+    with pytest.raises(ValueError, match=api.ENV_ROUTING_KERNEL):
+        api._routing_kernel_runs(cuda)

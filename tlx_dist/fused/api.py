@@ -24,6 +24,7 @@ pipeline (``MoELayer(pipeline="separate")``) is the deterministic alternative.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -219,16 +220,27 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
     return out
 
 
+ENV_ROUTING_KERNEL = "TLX_DIST_ROUTING_KERNEL"
+
+
 def _routing_kernel_runs(idx_TK: torch.Tensor) -> bool:
-    """The one-launch expert-major layout (``tlx/common/routing.py``) runs in eager mode on a GPU
-    with Triton, and on CPU under ``TRITON_INTERPRET=1``; torch.compile traces the torch ops."""
+    """Whether :func:`fused_experts` takes the one-launch expert-major layout
+    (``tlx/common/routing.py``) instead of the torch sort. Eager mode only (torch.compile traces the
+    torch ops). ``TLX_DIST_ROUTING_KERNEL=1`` / ``0`` forces it on / off; by default (``auto``) it
+    runs on CPU under ``TRITON_INTERPRET=1`` and not yet on a GPU: written in session 10 after the
+    last device call, it is interpreter- and compile-tested but has not run on one (the next
+    one-GPU call, ``scripts/device/h200_s15.sh``, checks it and measures both)."""
     if torch.compiler.is_compiling() or not triton_available():
         return False
-    if idx_TK.device.type == "cuda":
-        return True
+    mode = os.environ.get(ENV_ROUTING_KERNEL, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV_ROUTING_KERNEL}={mode!r}: expected auto, 0 or 1")
     from ..grouped_gemm.host import interpret_mode
 
-    return idx_TK.device.type == "cpu" and interpret_mode()
+    runs_here = idx_TK.device.type == "cuda" or (idx_TK.device.type == "cpu" and interpret_mode())
+    if mode == "auto":
+        return runs_here and idx_TK.device.type == "cpu"
+    return runs_here and mode == "1"
 
 
 def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
