@@ -5,27 +5,17 @@ precomputed scheduler tables instead of launching the prep and order kernels."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _interp import run_interpreted_suite
 
 pytest.importorskip("triton")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already interpreted: pytest collects it directly")
 def test_routing_layout_interpreted():
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "routing_interpreted_cases.py")],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert " passed" in r.stdout and " failed" not in r.stdout and " skipped" not in r.stdout, tail
+    run_interpreted_suite("routing_interpreted_cases.py", timeout=300)
 
 
 class _Prims:
