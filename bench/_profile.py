@@ -117,36 +117,41 @@ def gap_profile(step, sync, min_gap_us: float = 10.0, top: int = 12) -> str:
         os.unlink(path)
     xs = [e for e in events if e.get("ph") == "X"]
     kernels = sorted((e for e in xs if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in xs
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    launches = {e["args"]["correlation"]: e for e in xs
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("args", {}).get("correlation") is not None}
     ops = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation")]
     marks = [e for e in ops if e["name"] == "## step ##"]
     if not kernels or not marks:
         return "  (no kernels or no step mark in the trace)"
     t_start = marks[0]["ts"]
 
-    def host_stack(ts):
-        live = [e for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"] and e["name"] != "## step ##"]
+    def host_stack(launch):  # the ops open on the launching thread (the backward runs on autograd's)
+        ts, tid = launch["ts"], launch.get("tid")
+        live = [e for e in ops if e.get("tid") == tid and e["ts"] <= ts <= e["ts"] + e["dur"]
+                and e["name"] != "## step ##"]
         live.sort(key=lambda e: e["ts"])
         names = [e["name"] for e in live]
         return " > ".join(names[-3:]) if names else "(no op)"
 
+    # busy: the union of the kernels' intervals (kernels on other streams may overlap)
     rows, idle, busy, prev_end = [], 0.0, 0.0, None
     for k in kernels:
-        busy += k["dur"]
-        if prev_end is not None:
+        end = k["ts"] + k["dur"]
+        if prev_end is None:
+            busy += k["dur"]
+        else:
+            busy += max(0.0, end - max(k["ts"], prev_end))
             gap = k["ts"] - prev_end
             if gap >= min_gap_us:
-                idle += gap
                 launch = launches.get(k.get("args", {}).get("correlation"))
-                rows.append((gap, k["name"], host_stack(launch["ts"]) if launch else "(launch not found)"))
-            elif gap > 0:
+                rows.append((gap, k["name"], host_stack(launch) if launch else "(launch not found)"))
+            if gap > 0:
                 idle += gap
-        prev_end = max(prev_end or 0.0, k["ts"] + k["dur"])
+        prev_end = max(prev_end or 0.0, end)
     lead = kernels[0]["ts"] - t_start
     first = launches.get(kernels[0].get("args", {}).get("correlation"))
     out = [f"  step: lead-in {lead:.0f} us (host start -> first kernel: {kernels[0]['name'][:40]}, launched in "
-           f"{host_stack(first['ts']) if first else '?'}), kernels {busy:.0f} us, idle between kernels "
+           f"{host_stack(first) if first else '?'}), kernels {busy:.0f} us, idle between kernels "
            f"{idle:.0f} us ({len(rows)} gaps >= {min_gap_us:.0f} us), first kernel -> last end "
            f"{prev_end - kernels[0]['ts']:.0f} us"]
     out.append(f"  {'gap us':>8}  next kernel | host ops running at its launch (innermost last)")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tlx_dist.fused import expert_major_layout, expert_major_slots
+from tlx_dist.fused.backends import sched_order_offset
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter child only")
 
@@ -57,11 +58,20 @@ def test_layout_matches_the_torch_sort(case, dtype):
     assert tok.dtype == torch.int32 and order.dtype == torch.int64 and offs.dtype == torch.int32
     assert torch.equal(order, order_ref)  # the same stable order
     assert torch.equal(tok, tok_ref) and torch.equal(offs, offs_ref)
+    _check_sched(sched, offs, T * K, BM)
+
+
+def _check_sched(sched, offs, S, BM):
+    """tile_cum as the prep kernel defines it (entry E: the padding rows' tiles), the LPT order."""
+    E = offs.shape[0]
     counts = torch.diff(offs.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
     tiles = (counts + BM - 1) // BM
-    want_cum = torch.cat([torch.cumsum(tiles, 0), tiles.sum().reshape(1)]).to(torch.int32)
+    pad = (S - int(offs[-1]) + BM - 1) // BM
+    want_cum = torch.cat([torch.cumsum(tiles, 0), (tiles.sum() + pad).reshape(1)]).to(torch.int32)
     assert torch.equal(sched[:E + 1], want_cum)
-    assert torch.equal(sched[E + 1:], _lpt(counts))
+    o = sched_order_offset(E)
+    assert o % 4 == 0 and sched.shape[0] == o + E
+    assert torch.equal(sched[o:], _lpt(counts))
 
 
 def test_ids_out_of_range_become_padding_rows():
@@ -70,7 +80,10 @@ def test_ids_out_of_range_become_padding_rows():
     idx = torch.randint(0, E, (T, K), generator=g)
     idx[::5, 0] = -1
     idx[1::7, 2] = E + 3
-    tok, order, offs, sched = expert_major_layout(idx, E)
+    idx[3, 1] = 2**32 + 1  # wraps to 1 in int32: must still be out of range
+    idx[4, 1] = -(2**32) + 2
+    tok, order, offs, sched = expert_major_layout(idx, E, block_m=4)
+    _check_sched(sched, offs, T * K, 4)
     bad = ((idx < 0) | (idx >= E)).reshape(-1)
     n_good = int((~bad).sum())
     assert int(offs[-1]) == n_good
@@ -82,7 +95,9 @@ def test_ids_out_of_range_become_padding_rows():
     assert torch.equal(order, torch.sort(good, stable=True).indices)
 
 
-def test_no_tokens():
+def test_no_tokens_and_no_experts():
     tok, order, offs, sched = expert_major_layout(torch.zeros(0, 4, dtype=torch.int64), 5)
     assert tok.numel() == 0 and order.numel() == 0
-    assert offs.tolist() == [0] * 5 and sched[:6].tolist() == [0] * 6 and sched[6:].tolist() == list(range(5))
+    assert offs.tolist() == [0] * 5 and sched[:6].tolist() == [0] * 6 and sched[8:].tolist() == list(range(5))
+    with pytest.raises(ValueError, match="E=0 experts"):
+        expert_major_layout(torch.zeros(3, 1, dtype=torch.int64), 0)

@@ -49,3 +49,18 @@ def test_c_launch_is_a_no_op_without_the_c_path():
     k = NotAJitFunction()
     assert tlx.c_launch(k) is k
     assert not hasattr(k, "c_cache")
+
+
+def test_marked_kernels_have_no_default_arguments():
+    """The C key pads omitted trailing arguments with None (tlx.c_launch): a marked kernel with a
+    Python default could reuse a kernel compiled for an explicit None."""
+    import importlib
+    import inspect
+
+    for m, ks in PER_STEP.items():
+        mod = importlib.import_module(m)
+        for k in ks:
+            fn = getattr(mod, k)
+            fn = getattr(fn, "fn", fn)
+            defaults = [n for n, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty]
+            assert not defaults, f"{m}.{k} has defaults {defaults}"

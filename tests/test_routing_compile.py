@@ -28,7 +28,7 @@ for arch in sys.argv[1:]:
     for ids in ("i64", "i32"):
         for E in (8, 256):
             sig = {"idx_ptr": f"*{ids}", "tok_ptr": "*i32", "order_ptr": "*i64", "offsets_ptr": "*i32",
-                   "sched_ptr": "*i32", "S": "i32", "K": "i32", "E": "i32",
+                   "sched_ptr": "*i32", "S": "i32", "K": "i32", "E": "i32", "ORDER_OFF": "i32",
                    "BM": "constexpr", "EP": "constexpr", "BLOCK": "constexpr"}
             cx = {"BM": 128, "EP": triton.next_power_of_2(E + 1), "BLOCK": 1024}
             attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}

@@ -57,7 +57,7 @@ def test_composition_uses_the_precomputed_schedule(given):
     x, w13, w2 = torch.zeros(T, D), torch.zeros(E, D, 2 * F), torch.zeros(E, F, D)
     src = torch.zeros(N, dtype=torch.int32)
     offs = torch.tensor([2, 4, 6], dtype=torch.int32)
-    sched = torch.arange(2 * E + 1, dtype=torch.int32) if given else None
+    sched = torch.arange(8 + E, dtype=torch.int32) if given else None  # order from sched_order_offset(3) = 4
     p = _Prims()
     _, h = compose_forward(p, x, src, src, torch.ones(N), w13, w2, offs, T, sched=sched)
     compose_backward(p, torch.zeros(T, D), x, src, src, torch.ones(N), w13, w2, offs, h, sched=sched)
@@ -65,7 +65,7 @@ def test_composition_uses_the_precomputed_schedule(given):
         assert p.calls == []  # neither the prep kernel nor the order kernel
         for t in (p.seen_fwd, p.seen_scatter, p.seen_bwd):
             assert t.tolist() == [0, 1, 2, 3]
-        assert p.seen_order.tolist() == [4, 5, 6]
+        assert p.seen_order.tolist() == [4, 5, 6]  # sched[4:7]
     else:
         assert p.calls == ["tile_cum", "tile_cum", "wgrad_order"]
         assert p.seen_fwd.tolist() == [-1] * 4 and p.seen_order.tolist() == [-1] * 3

@@ -27,6 +27,15 @@ def test_auto_by_capacity(monkeypatch):
     assert symm._recv_mode(_bufs(W=1)) == "blocks"
 
 
+def test_resolved_once_per_buffer_set(monkeypatch):
+    monkeypatch.setenv(ENV_RECV_OVERLAP, "1")
+    b = _bufs(T=128)
+    assert symm._recv_mode(b) == "overlap"
+    monkeypatch.setenv(ENV_RECV_OVERLAP, "0")  # a later change does not flip a live buffer set
+    assert symm._recv_mode(b) == "overlap"
+    assert symm._recv_mode(_bufs(T=128)) == "after"
+
+
 @pytest.mark.parametrize("force,want", [("1", "overlap"), ("0", "after")])
 def test_forced(monkeypatch, force, want):
     monkeypatch.setenv(ENV_RECV_OVERLAP, force)

@@ -152,7 +152,9 @@ def c_launch(kernel):
     backward (bench/RESULTS.md, session 10). Must run before the kernel's first launch in the
     process (fbtriton fills its C cache only when it compiles), so kernel modules call it at import.
     No-op under the interpreter, on a Triton without the C path, or with ``TLX_DIST_C_LAUNCH=0``.
-    Returns ``kernel``."""
+    Returns ``kernel``. Only for kernels whose parameters have no Python defaults: the C key pads
+    omitted trailing arguments with None, so an omitted non-None default and an explicit None
+    would share a compiled kernel (the exchange kernels, with defaults, are not marked)."""
     if os.environ.get(ENV_C_LAUNCH, "1") == "0" or not hasattr(kernel, "c_cache") or not hasattr(kernel, "params"):
         return kernel
     try:

@@ -13,7 +13,8 @@ between the router and the first GEMM (bench/_profile.gap_profile, bench/RESULTS
           ``start_e = #{slots of experts < e}``: ``tok[row] = s // K``, ``order[row] = s``.
   From the counts, program ``e`` also writes ``offsets[e]`` (inclusive end row), the scheduler's
   ``tile_cum[e]`` (inclusive sum of ``cdiv(rows, BM)`` over experts ``<= e``; program 0 writes entry
-  ``E``, the padding pseudo-expert's: no padding rows here) and ``order_e[rank_e] = e``, the dW
+  ``E``, which adds the padding pseudo-expert's tiles as the prep kernel does) and, from
+  ``sched[ORDER_OFF]`` on (a multiple of 4 entries: 16-byte aligned), ``order[rank_e] = e``, the dW
   kernels' longest-first expert order (rank by count descending, ties by lower index, as
   ``tlx.common.scheduler._lpt_order_kernel``). Expert ids outside ``[0, E)`` (never from the router)
   are counted in no bin; program 0 places their slots after all experts' rows as padding rows that
@@ -28,15 +29,15 @@ from tlx import c_launch as _c_launch
 
 
 @triton.jit
-def _expert_slots_kernel(idx_ptr, tok_ptr, order_ptr, offsets_ptr, sched_ptr, S, K, E,
+def _expert_slots_kernel(idx_ptr, tok_ptr, order_ptr, offsets_ptr, sched_ptr, S, K, E, ORDER_OFF,
                          BM: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
     e = tl.program_id(0)
     bins = tl.arange(0, EP)
     counts = tl.zeros((EP,), dtype=tl.int32)
     for s0 in range(0, S, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
-        v = tl.load(idx_ptr + s, mask=s < S, other=E).to(tl.int32)
-        v = tl.where((v >= 0) & (v < E), v, E)  # out of range: bin E, never read
+        v = tl.load(idx_ptr + s, mask=s < S, other=E)
+        v = tl.where((v >= 0) & (v < E), v, E).to(tl.int32)  # range check before the cast: bin E, never read
         counts += tl.histogram(v, EP)
     counts = tl.where(bins < E, counts, 0)
     start = tl.sum(tl.where(bins < e, counts, 0), axis=0)
@@ -44,11 +45,12 @@ def _expert_slots_kernel(idx_ptr, tok_ptr, order_ptr, offsets_ptr, sched_ptr, S,
     tl.store(offsets_ptr + e, start + cnt)
     tiles = (counts + BM - 1) // BM
     tl.store(sched_ptr + e, tl.sum(tl.where(bins <= e, tiles, 0), axis=0))
-    if e == 0:
-        tl.store(sched_ptr + E, tl.sum(tiles, axis=0))  # tile_cum[E]: no padding rows
+    total = tl.sum(counts, axis=0)
+    if e == 0:  # tile_cum[E] adds the padding pseudo-expert's tiles (the slots of out-of-range ids)
+        tl.store(sched_ptr + E, tl.sum(tiles, axis=0) + (S - total + BM - 1) // BM)
     before = ((counts > cnt) | ((counts == cnt) & (bins < e))) & (bins < E)
     rank = tl.sum(before.to(tl.int32), axis=0)
-    tl.store(sched_ptr + E + 1 + rank, e)
+    tl.store(sched_ptr + ORDER_OFF + rank, e)
     row = start
     n2 = tl.where(cnt > 0, S, 0)
     for s0 in range(0, n2, BLOCK):
@@ -61,7 +63,6 @@ def _expert_slots_kernel(idx_ptr, tok_ptr, order_ptr, offsets_ptr, sched_ptr, S,
         row += tl.sum(hit.to(tl.int32), axis=0)
     # Ids outside [0, E) (never from the router): program 0 puts their slots after every expert's
     # rows, in slot order, as padding rows (never computed), so tok / order stay a full permutation.
-    total = tl.sum(counts, axis=0)
     n3 = tl.where((e == 0) & (total < S), S, 0)
     row = total
     for s0 in range(0, n3, BLOCK):

@@ -235,17 +235,27 @@ def _recv_mode(bufs: SymmBuffers) -> str:
     whose ranks launch one after another, and one rank: the same block-by-block copy, in the expand
     kernel) or ``"after"`` (the NVSHMEM route, and smaller real-rank buffers: the expand kernel,
     after the op's rows all arrived). ``TLX_DIST_RECV_OVERLAP=1`` / ``0`` forces overlap on / off
-    for real ranks over peer pointers (default ``auto``: by T_max)."""
+    for real ranks over peer pointers (default ``auto``: by T_max); like every ``TLX_DIST_*``
+    setting it must be the same on every rank (senders and receivers must agree on the mode: a
+    mismatch ends in a wait timeout or stale arrival counters). Resolved at a buffer set's first
+    dispatch (checked before any signal) and kept for its life."""
+    mode = getattr(bufs, "_recv_mode", None)
+    if mode is not None:
+        return mode
     if bufs.use_nvshmem:
-        return "after"
-    if bufs.backend in ("emulated", "local") or bufs.world_size == 1:
-        return "blocks"
-    force = os.environ.get(ENV_RECV_OVERLAP, "auto")
-    if force not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV_RECV_OVERLAP}={force!r}: expected auto, 0 or 1")
-    if force == "auto":
-        return "overlap" if bufs.layout.max_tokens >= RECV_OVERLAP_MIN_TOKENS else "after"
-    return "overlap" if force == "1" else "after"
+        mode = "after"
+    elif bufs.backend in ("emulated", "local") or bufs.world_size == 1:
+        mode = "blocks"
+    else:
+        force = os.environ.get(ENV_RECV_OVERLAP, "auto")
+        if force not in ("auto", "0", "1"):
+            raise ValueError(f"{ENV_RECV_OVERLAP}={force!r}: expected auto, 0 or 1")
+        if force == "auto":
+            mode = "overlap" if bufs.layout.max_tokens >= RECV_OVERLAP_MIN_TOKENS else "after"
+        else:
+            mode = "overlap" if force == "1" else "after"
+    bufs._recv_mode = mode
+    return mode
 
 
 def _recv_programs(bufs: SymmBuffers) -> int:
@@ -407,6 +417,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
+    _recv_mode(bufs)  # a bad TLX_DIST_RECV_OVERLAP raises here, before this op signals any peer
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()

@@ -31,7 +31,7 @@ import torch
 
 from tlx import triton_available
 
-from .backends import SCHED_BM, get_fused_backend, select_fused_backend
+from .backends import SCHED_BM, get_fused_backend, sched_order_offset, select_fused_backend
 
 __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots",
            "expert_major_layout"]
@@ -246,28 +246,33 @@ def _routing_kernel_runs(idx_TK: torch.Tensor) -> bool:
 def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
     """:func:`expert_major_slots` in one launch (``tlx.common.routing._expert_slots_kernel``), plus
     the scheduler tables of the TLX kernels: ``(tok_N int32, order_S int64, offsets_E int32,
-    sched [2E + 1] int32)`` with ``sched[:E + 1]`` the inclusive sum of ``block_m``-row tiles per
-    expert (entry E: no padding) and ``sched[E + 1:]`` the experts by row count, longest first (ties
-    by index). Same rows, same order as :func:`expert_major_slots` (a stable sort by expert). Ids
+    sched int32)`` with ``sched[:E + 1]`` the inclusive sum of ``block_m``-row tiles per expert
+    (entry E adds the padding rows' tiles) and ``sched[o:o + E]``, ``o = sched_order_offset(E)``, the
+    experts by row count, longest first (ties by index). Same rows, same order as :func:`expert_major_slots` (a stable sort by expert). Ids
     outside ``[0, E)`` (never from the router) become padding rows after ``offsets_E[-1]`` that no
     kernel computes: those slots get no expert output. No host sync."""
     import triton
 
     from tlx.common.routing import _expert_slots_kernel
 
+    from ..grouped_gemm.reference import check_num_experts
+
+    check_num_experts(E, "E")
     T, K = idx_TK.shape
     S = T * K
+    if S >= 2**31:
+        raise ValueError(f"idx_TK has T*K={S} slots; the layout kernel indexes them in int32 (< 2**31)")
     dev = idx_TK.device
+    o = sched_order_offset(E)
     tok_N = torch.empty(S, dtype=torch.int32, device=dev)
     order_S = torch.empty(S, dtype=torch.int64, device=dev)
     offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
-    sched = torch.empty(2 * E + 1, dtype=torch.int32, device=dev)
+    sched = torch.zeros(o + E, dtype=torch.int32, device=dev)
     if S == 0:
         offsets_E.zero_()
-        sched[:E + 1].zero_()
-        sched[E + 1:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
+        sched[o:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
         return tok_N, order_S, offsets_E, sched
-    _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E,
+    _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E, o,
                                BM=block_m, EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
     return tok_N, order_S, offsets_E, sched
 

@@ -34,7 +34,7 @@ from tlx import triton_available
 from .reference import fused_backward_ref, fused_forward_ref
 
 __all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
-           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "SCHED_BM"]
+           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "SCHED_BM", "sched_order_offset"]
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
@@ -99,16 +99,24 @@ def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: tor
 # --- the composition shared by the kernel backends ---------------------------------------------------
 
 
+def sched_order_offset(E: int) -> int:
+    """Where the dW expert order starts in a precomputed schedule: after tile_cum's ``E + 1``
+    entries, rounded up to 4 (16-byte aligned, like every pointer the kernels specialise on)."""
+    return -(-(E + 1) // 4) * 4
+
+
 def _sched_parts(sched, offsets_E):
     """``(tile_cum [E + 1], order [E])`` views of a precomputed schedule (``tlx.common.routing``)."""
     E = offsets_E.shape[0]
-    return sched[:E + 1], sched[E + 1:]
+    o = sched_order_offset(E)
+    return sched[:E + 1], sched[o:o + E]
 
 
 def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None):
     """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``. ``sched``: the
-    scheduler tables already computed with the routing (``[2E + 1]`` int32: tile_cum for ``p``'s
-    tile height, then the dW expert order; the TLX primitives only), else the prep kernel runs."""
+    scheduler tables already computed with the routing (int32: tile_cum ``[E + 1]`` for ``p``'s tile
+    height, then from :func:`sched_order_offset` the dW expert order ``[E]``; the TLX primitives
+    only), else the prep kernel runs."""
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
