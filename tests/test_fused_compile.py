@@ -105,6 +105,33 @@ def test_fused_hopper_dswiglu_prefetch_h_compiles(fields):
     assert global_vector_loads(base) > 0 and global_vector_loads(pre) == 0, "the epilogue still reads h from global"
 
 
+def test_fused_hopper_dswiglu_early_h_compiles():
+    """dSwiGLU with EARLY_H: L2 prefetches of the h tile before the main loop (prefetch.global.L2),
+    no extra shared memory, the epilogue's h loads unchanged."""
+    import dataclasses
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+
+    def compile_(cfg):
+        fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu", cfg=cfg)
+        return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 128), options=opts)
+
+    early, base = compile_(dataclasses.replace(FORMS["dswiglu"], EARLY_H=1)), compile_(FORMS["dswiglu"])
+
+    def count(k, pat):
+        return len(re.findall(pat, k.asm["ptx"]))
+
+    assert count(early, r"prefetch\.global\.L2") > 0 and count(base, r"prefetch\.global\.L2") == 0
+    assert early.metadata.shared == base.metadata.shared
+    vec = r"ld\.global(?:\.\w+)*\.v\d\.b(?:16|32)\b"
+    assert count(early, vec) == count(base, vec) > 0, "the epilogue still loads h (now from L2)"
+
+
 # --- portable stock-Triton fused kernels ---------------------------------------------------------
 
 # form -> the launch flags that identify it, in the order one forward + backward launches them.

@@ -244,6 +244,10 @@ def test_tile_config_errors_name_the_field():
     assert over["wgrad_a"].BK == 64 and over["wgrad_b"].BK == 64 and "wgrad" not in over  # the alias sets both
     with pytest.raises(ValueError, match=r"PREFETCH_H=2 must be 0 or 1"):
         FusedTileConfig(PREFETCH_H=2)
+    with pytest.raises(ValueError, match=r"EARLY_H and PREFETCH_H"):
+        FusedTileConfig(EARLY_H=1, PREFETCH_H=1)
+    with pytest.raises(ValueError, match=r"EARLY_H prefetches 128-byte lines: needs BN >= 64"):
+        FusedTileConfig(EARLY_H=1, BN=32)
     with pytest.raises(ValueError, match=r"bytes of shared memory"):  # 6 x 32 KB ring + the 64 KB h tile
         _env_overrides("dswiglu:PREFETCH_H=1")
     assert _env_overrides("dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")["dswiglu"].smem_bytes("dswiglu") == 4 * 32768 + 65536

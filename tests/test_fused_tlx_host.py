@@ -80,13 +80,13 @@ def _operands(T=40, D=256, F=128, E=4, K=2, R=None):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-@pytest.mark.parametrize("env", ["", "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2"])
+@pytest.mark.parametrize("env", ["", "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2", "dswiglu:EARLY_H=1"])
 def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
     from tlx_dist.fused import tlx_backend as tb
     from tlx_dist.fused.backends import compose_backward, compose_forward
 
     if env and arch != "sm_90":
-        pytest.skip("PREFETCH_H is a Hopper option")
+        pytest.skip("PREFETCH_H / EARLY_H are Hopper options")
     monkeypatch.setenv(tb.ENV_FUSED_CONFIG, env)
     monkeypatch.setattr(tb, "_CACHE", {})
     calls = []
@@ -106,8 +106,10 @@ def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
     assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == [(True, False), (False, True)]
     if arch == "sm_90":
         # the dSwiGLU launch takes the h descriptor exactly when the override asks for it
-        assert [c["PREFETCH_H"] for c in mm] == [False, False, bool(env), False]
-        assert (mm[2]["h_desc"] is not None) == bool(env)
+        pre, early = "PREFETCH_H" in env, "EARLY_H" in env
+        assert [c["PREFETCH_H"] for c in mm] == [False, False, pre, False]
+        assert (mm[2]["h_desc"] is not None) == pre
+        assert [c["EARLY_H"] for c in mm] == [False, False, early, False]
 
 
 def test_prefetch_h_falls_back_when_f_is_not_a_tile_multiple(monkeypatch):

@@ -30,7 +30,10 @@ kernels (tlx/common/gather.py).
                        from global memory in the epilogue, or (PREFETCH_H) TMA-loaded by the
                        producer into a one-tile shared buffer (``hfull`` / ``hempty``) after it
                        has issued the tile's k-steps -- measured slower on an H200 (it takes
-                       ring stages), so off by default.
+                       ring stages), so off by default; or (EARLY_H) each consumer prefetches its
+                       half of h into L2 (``prefetch.global.L2``, one per 128-byte line) before
+                       the tile's main loop, so the epilogue's loads hit L2 (no shared memory, no
+                       registers held across the loop: loading h into registers there spilled).
 ``_fused_wgrad_hopper_kernel`` (ragged K): dw[e] = A[ia]^T @ B[ib] over the expert's rows, either
   operand gathered by ``cp.async`` (A_GATHER: x[src] for dW13; B_GATHER: dout[dst] for dW2), the other
   by ragged TMA; tiles longest expert first with atomic claims (DYNAMIC), as the landed dW kernel.
@@ -163,12 +166,22 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
                 E, N_ROWS, K_DIM, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr):
+                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr,
+                EARLY_H: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
     acc = tl.zeros((BMS, BN), dtype=tl.float32)
     acc_u = tl.zeros((BMS, BN), dtype=tl.float32)  # SwiGLU's up half; unused otherwise
+    hg_pre = acc  # placeholders unless PREFETCH_H
+    hu_pre = acc
+    if EARLY_H:  # dSwiGLU: L2 prefetch of this half's h lines (gate and up) before the main loop
+        LINES: tl.constexpr = BN // 64  # 128-byte lines of 16-bit elements per row and half
+        rows = mt * BM + CID * BMS + tl.arange(0, BMS)
+        h_line = h_ptr + (lo + rows).to(tl.int64)[:, None] * stride_hn + (nt * BN + tl.arange(0, LINES) * 64)[None, :]
+        h_ok = (rows < cnt)[:, None] & ((nt * BN + tl.arange(0, LINES) * 64) < NN)[None, :]
+        tlx.prefetch(h_line, level="L2", mask=h_ok)
+        tlx.prefetch(h_line + F_OFF, level="L2", mask=h_ok)
     prev = 0
     for k in range(0, steps):
         s = it % NUM_STAGES
@@ -199,8 +212,6 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
         acc_u = tlx.async_dot_wait(0, acc_u)
     if steps > 0:
         tlx.barrier_arrive(empty[prev])
-    hg_pre = acc  # placeholders unless PREFETCH_H
-    hu_pre = acc
     if PREFETCH_H:
         tlx.barrier_wait(hfull[0], tc & 1)
         hg_pre = tlx.local_load(h_buf[CID * 2]).to(tl.float32)
@@ -239,7 +250,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr,
+    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -289,7 +300,8 @@ def _fused_mm_hopper_kernel(
                 it = _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr,
                                  offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN,
                                  F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
-                                 HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H)
+                                 HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H,
+                                 EARLY_H)
                 tc += 1
 
 

@@ -53,7 +53,12 @@ class FusedTileConfig:
     REGS registers per consumer thread (the producer gets the rest). PREFETCH_H (dswiglu only): the
     producer TMA-loads each tile's h into shared memory during the main loop (64 KB at BN 128) instead
     of the epilogue reading it from global memory. Off: on an H200 (OLMoE, T=16384) it ran 1.78-2.57 ms
-    against 1.56 ms without -- the stages it takes from the ring cost more than the loads it hides."""
+    against 1.56 ms without -- the stages it takes from the ring cost more than the loads it hides.
+    EARLY_H (dswiglu only, not with PREFETCH_H, BN >= 64): each consumer prefetches its h lines (gate
+    and up halves of its 64 rows) into L2 before the tile's main loop, so the epilogue's h loads hit
+    L2 instead of waiting on HBM; no shared memory, no registers across the loop (loading h into
+    registers there instead spilled ~1.8 KB a thread). Session 10, compile-checked only; off until an
+    H200 run (``scripts/device/h200_s15.sh``) says it helps."""
 
     BM: int = 128
     BN: int = 128
@@ -63,6 +68,7 @@ class FusedTileConfig:
     GROUP_M: int = 1
     REGS: int = 232
     PREFETCH_H: int = 0
+    EARLY_H: int = 0
 
     def __post_init__(self):
         for f in ("BN", "BK"):
@@ -81,6 +87,12 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [152, 240]")
         if self.PREFETCH_H not in (0, 1):
             raise ValueError(f"FusedTileConfig.PREFETCH_H={self.PREFETCH_H} must be 0 or 1")
+        if self.EARLY_H not in (0, 1):
+            raise ValueError(f"FusedTileConfig.EARLY_H={self.EARLY_H} must be 0 or 1")
+        if self.EARLY_H and self.BN < 64:
+            raise ValueError(f"FusedTileConfig.EARLY_H prefetches 128-byte lines: needs BN >= 64, got {self.BN}")
+        if self.EARLY_H and self.PREFETCH_H:
+            raise ValueError("FusedTileConfig.EARLY_H and PREFETCH_H are two ways to bring h early: pick one")
 
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
@@ -400,13 +412,15 @@ class _Hopper(_TlxFused):
 
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
-        """dSwiGLU with PREFETCH_H: a TMA descriptor over h [N, 2F] in boxes of one consumer half."""
+        """dSwiGLU with PREFETCH_H: a TMA descriptor over h [N, 2F] in boxes of one consumer half;
+        EARLY_H: the consumers' early h loads (no descriptor)."""
+        early = epilogue == DSWIGLU and bool(cfg.EARLY_H)
         if epilogue != DSWIGLU or not cfg.PREFETCH_H or h is None or (h.shape[1] // 2) % cfg.BN:
-            return dict(h_desc=None, PREFETCH_H=False)  # (the gate box must end at F)
+            return dict(h_desc=None, PREFETCH_H=False, EARLY_H=early)  # (the gate box must end at F)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return dict(h_desc=TensorDescriptor(h, list(h.shape), [h.stride(0), 1], [cfg.BM // 2, cfg.BN]),
-                    PREFETCH_H=True)
+                    PREFETCH_H=True, EARLY_H=False)
 
     @staticmethod
     def _c_cols(cfg) -> int:
@@ -511,6 +525,8 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
             pre = base == "dswiglu" and bool(cfg.PREFETCH_H)
             sig["h_desc"] = f"tensordesc<{dtype}[{a_rows},{cfg.BN}]>" if pre else none
             constexprs["PREFETCH_H"] = pre
+        if "EARLY_H" in fn.arg_names:
+            constexprs["EARLY_H"] = base == "dswiglu" and bool(getattr(cfg, "EARLY_H", 0))
     else:
         fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
