@@ -25,7 +25,9 @@ Providers (K = 8, bf16, random top-K routing, gates from a softmax):
 Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
 ``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
 symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
-and the ratio of nccl's dispatch+combine time to the provider's. ``pair us``: the steady-state time of one
+and the ratio of nccl's dispatch+combine time to the provider's. ``disp al.`` / ``comb al.`` (W > 1): the
+same per-op medians with the ranks aligned on the device first (a symmetric-memory barrier kernel after
+the host barrier), so the ranks' launch skew is not counted as the op's time. ``pair us``: the steady-state time of one
 dispatch+combine when ``--pair-reps`` pairs run back to back after one barrier (no per-op sync, so the
 ranks' launch skew is not counted), with its own ratio. ``--profile`` prints rank 0's per-kernel GPU
 time per pair for the symm providers (where the time goes: layout, barrier, send, expand, reduce).
@@ -60,6 +62,21 @@ def _median_ms(fn, iters: int, sync) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def _aligned_sync(sync, symm_disp):
+    """``sync`` followed by a device-side barrier of the ranks (torch symmetric memory's barrier
+    kernel on the current stream), so a per-op timing starts when every rank's GPU is there: the
+    per-op medians otherwise count the ranks' host launch skew after the host barrier (tens of us)
+    as the op's own waiting. None where the buffers have no such handle (the emulated world)."""
+    handle = getattr(getattr(symm_disp, "buffers", None), "_handle", None)
+    if handle is None or not hasattr(handle, "barrier"):
+        return None
+
+    def run():
+        sync()
+        handle.barrier(channel=1)
+    return run
 
 
 def _pair_us(fd, fc, reps: int, sync) -> float:
@@ -185,16 +202,25 @@ def main() -> int:
                     rows_check(symm_g, x, idx, gate, ra, mask_TW.sum(1))
                     provs["rows_graph"] = (*_graphs_rows(symm_g, x, idx, gate), token_rows)
                 res = {}
+                aligned = _aligned_sync(sync, symm_g) if W > 1 else None
                 for name, (fd, fc, link_rows) in provs.items():
                     td = _median_ms(fd, args.iters, sync) / 1e3
                     tc = _median_ms(fc, args.iters, sync) / 1e3
                     tp = _pair_us(fd, fc, args.pair_reps, sync)
+                    al = {}
+                    if aligned is not None:
+                        try:
+                            al = dict(dispatch_aligned_us=_median_ms(fd, args.iters, aligned) * 1e3,
+                                      combine_aligned_us=_median_ms(fc, args.iters, aligned) * 1e3)
+                        except RuntimeError as exc:  # a torch whose handle barrier refuses the channel
+                            print(f"aligned timing off: {exc}", flush=True)
+                            aligned = None
                     if args.profile and name != "nccl" and name != "local":
                         prof = kernel_profile(lambda: (fd(), fc()), args.iters, sync, top=14, per="pair")
                         if r == 0:
                             print(f"\n{name} E={E} D={D} T={T} W={W}: per-kernel GPU time\n{prof}", flush=True)
                     res[name] = dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
-                                     pair_us=tp,
+                                     pair_us=tp, **al,
                                      link_rows=link_rows,
                                      dispatch_link_GBps=link_rows * row_bytes / td / 1e9,
                                      combine_link_GBps=(token_rows if name != ("nccl" if W > 1 else "local") else slot_rows)
@@ -250,11 +276,13 @@ def emulated(args) -> int:
 def _print(rows, title):
     print(f"\n{title}: medians; link GB/s = bytes sent to other ranks per second; x anchor = anchor time / time")
     print(f"{'provider':11} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
-          f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8}")
+          f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8} {'disp al.':>9} {'comb al.':>9}")
+    nan = float("nan")
     for v in rows:
         print(f"{v['provider']:11} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
               f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}"
-              f" {v.get('pair_us', float('nan')):9.1f} {v.get('pair_ratio_vs_anchor', float('nan')):8.2f}")
+              f" {v.get('pair_us', nan):9.1f} {v.get('pair_ratio_vs_anchor', nan):8.2f}"
+              f" {v.get('dispatch_aligned_us', nan):9.1f} {v.get('combine_aligned_us', nan):9.1f}")
 
 
 if __name__ == "__main__":
