@@ -335,3 +335,59 @@ def test_bench_rows_check_passes_and_can_fail():
     with pytest.raises(AssertionError, match="x \\* ranks reached"):
         bench_dispatch.rows_check(sd, x, idx, gate, ra, ranks_T + 1)
     sd.check()
+
+
+@pytest.mark.parametrize("rpn", [None, 1])
+def test_rows_land_in_per_layer_regions(rpn):
+    """``row_regions``: a row-form dispatch into region k leaves the rows in this rank's region k
+    (peers store them there; no RECV, no copy) -- the same rows, index maps and gates as the copying
+    row form -- and a later dispatch into another region leaves region k as it was (a layer's rows
+    live until its next forward). RECV is poisoned with NaN and must stay NaN on peer pointers. The
+    NVSHMEM route (rpn=1: every peer on another node) ignores the region and copies as before."""
+    W, E, K, D = 2, 4, 2, 8
+    Ts = [6, 5]
+    dt = torch.float64
+    gen = torch.Generator().manual_seed(21)
+    ops = []
+    for s in range(2):  # two layers' ops
+        xs = [torch.randn(T, D, generator=gen, dtype=dt) for T in Ts]
+        idxs = [_kind_routing(40 + 3 * s + d, T, K, E, W, "random") for d, T in enumerate(Ts)]
+        gates = [torch.rand(T, K, generator=gen, dtype=dt) for T in Ts]
+        ops.append((xs, idxs, gates))
+    # the copying row form first (one emulated NVSHMEM world at a time: each registers its heaps)
+    ref_world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn)
+    wants = []
+    for xs, idxs, gates in ops:
+        want = ref_world.dispatch_rows(xs, idxs, gates)
+        wants.append([(r.clone(), s_.clone(), g.clone(), h) for r, s_, g, h in want])
+        ref_world.combine_rows([r.clone() for r, *_ in want], [h for *_, h in want])
+    ref_world.check()
+    ref_world.close()
+    world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn, row_regions=2)
+    with pytest.raises(ValueError, match=r"row region 2 is not in \[0, 2\)"):
+        world.dispatch_rows(*ops[0], region=2)
+    for b in world.buffers:
+        b.recv_rows().fill_(float("nan"))
+    kept = []
+    for k, (xs, idxs, gates) in enumerate(ops):
+        want = wants[k]
+        got = world.dispatch_rows(xs, idxs, gates, region=k)
+        for d in range(W):
+            (rw, sw, gw, hw), (rg, sg, gg, hg) = want[d], got[d]
+            n = int(hw.offsets_e[-1])
+            assert torch.equal(hg.offsets_e, hw.offsets_e)
+            assert torch.equal(sg[:n], sw[:n]) and torch.equal(gg[:n], gw[:n])
+            rows = sw[:n].long().unique()
+            assert torch.equal(rg[rows], rw[rows]), f"op {k}, rank {d}: the rows in the region"
+            if rpn is None:
+                assert rg.data_ptr() == world.buffers[d].rows_region(k).data_ptr(), "recv_RD is the region itself"
+            kept.append((k, d, rows, rw[rows].clone()))
+        world.combine_rows([r.clone() for r, *_ in got], [h for *_, h in got])  # finish the op
+    for k, d, rows, val in kept:
+        if rpn is None:  # region 0 still holds the first op's rows after the second op
+            assert torch.equal(world.buffers[d].rows_region(k)[rows], val), f"region {k} of rank {d} was overwritten"
+    if rpn is None:
+        for d, b in enumerate(world.buffers):
+            assert torch.isnan(b.recv_rows()).all(), f"rank {d}: rows went through RECV"
+    world.check()
+    world.close()

@@ -44,11 +44,12 @@ def _specs(amd: bool = False):
                       "OFF_RBLK"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                     start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64",
-                    N_SEND="i32", rows_from_ptr="*i64")
+                    N_SEND="i32", rows_from_ptr="*i64", ROWS_OFF="i64")
     send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
+                   ROWS_REGION=False,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
                        "OFF_RBLK"))
@@ -74,6 +75,10 @@ def _specs(amd: bool = False):
         "_send_tokens_kernel[rows_overlap]": ("_send_tokens_kernel", send_sig,
                                               dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
                                                    RECV_ROLE=True, RAW_META=True)),
+        # ... into a per-layer receive region (ROWS, a runtime offset): no receive-side copy at all
+        "_send_tokens_kernel[rows_region]": ("_send_tokens_kernel", send_sig,
+                                             dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
+                                                  ROWS_REGION=True)),
         "_send_tokens_kernel[rows_overlap_wide]": ("_send_tokens_kernel", send_sig,
                                                    dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
                                                         RECV_ROLE=True, BLOCK_T=2, BLOCK_D=2048)),
@@ -246,6 +251,7 @@ def test_kernels_compile_with_signal_semantics(compiled):
                                      ("_send_tokens_kernel[raw]", 1, 1), ("_send_tokens_kernel[rows_raw]", 1, 1),
                                      ("_expand_kernel[layout]", 1, 1), ("_expand_kernel[rows_layout]", 1, 1),
                                      ("_send_tokens_kernel[rows_overlap]", 1, 1),
+                                     ("_send_tokens_kernel[rows_region]", 1, 1),
                                      ("_send_tokens_kernel[rows_overlap_wide]", 1, 1),
                                      ("_expand_kernel[rows_blocks]", 1, 1),
                                      ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0)):

@@ -102,21 +102,27 @@ def test_moe_layer_symm_vs_all_to_all(group):
     b.dispatcher.check()
 
 
-def test_moe_layer_fused_ep_vs_all_to_all(group):
+@pytest.mark.parametrize("regions", [0, 2])
+def test_moe_layer_fused_ep_vs_all_to_all(group, regions):
     """MoELayer(pipeline="fused", dispatcher="symm") at EP=W -- receive rows read by index, the
     gate/scatter epilogue into per-receive-row partials, one row home per (token, rank) -- against
     the all-to-all separate layer with the same weights and routing: output, dx and every parameter
     gradient. Both are bf16 with fp32 accumulation; they round at different points (the fused path
-    adds gate * y in fp32 before one rounding per rank), so the bounds are those of the symm test."""
+    adds gate * y in fp32 before one rounding per rank), so the bounds are those of the symm test.
+    ``regions=2``: the symmetric dispatcher reserves per-layer receive regions and the layer reads
+    its rows where they land (SymmDispatcher(row_regions=...))."""
     import torch.distributed as dist
 
     from tlx_dist import MoEConfig, MoELayer
+    from tlx_dist.comm import SymmDispatcher
 
     W = dist.get_world_size()
     cfg = MoEConfig(dim=1024, moe_inter_dim=512, num_experts=8 * W, top_k=4, dtype="bfloat16")
     torch.manual_seed(0)
     a = MoELayer(cfg, group, dispatcher="all_to_all", device="cuda")
-    b = MoELayer(cfg, group, dispatcher="symm", pipeline="fused", device="cuda")
+    disp = SymmDispatcher(cfg.num_experts, group, validate=False, row_regions=regions) if regions else "symm"
+    b = MoELayer(cfg, group, dispatcher=disp, pipeline="fused", device="cuda")
+    assert b._rows_region == (0 if regions else None)
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 128, 1024, device="cuda", dtype=torch.bfloat16,
                     generator=torch.Generator(device="cuda").manual_seed(dist.get_rank()))

@@ -49,3 +49,46 @@ def test_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV_RECV_OVERLAP, "yes")
     with pytest.raises(ValueError, match=ENV_RECV_OVERLAP):
         symm._recv_mode(_bufs())
+
+
+# --- per-layer receive regions (SymmDispatcher(row_regions=...)) ------------------------------------
+
+
+def test_row_regions_append_to_the_layout_and_move_nothing():
+    import torch
+
+    from tlx_dist.comm.symm_buffers import SymmLayout
+
+    args = (1000, 2048, 8, 64, 2, torch.bfloat16)
+    plain, three = SymmLayout.build(*args), SymmLayout.build(*args, row_regions=3)
+    fields = [f for f in vars(plain) if f.startswith("off_")]
+    assert all(getattr(three, f) == getattr(plain, f) for f in fields if f != "off_rows")
+    assert three.off_rows == plain.nbytes and three.off_rows % 256 == 0
+    assert three.rows_region_bytes >= 2 * 1000 * 2048 * 2 and three.rows_region_bytes % 256 == 0
+    assert three.nbytes == plain.nbytes + 3 * three.rows_region_bytes
+    staged = SymmLayout.build(*args, staging=True, row_regions=1)  # after the NVSHMEM staging regions
+    assert staged.off_rows == SymmLayout.build(*args, staging=True).nbytes
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="row_regions"):
+            SymmLayout.build(*args, row_regions=bad)
+
+
+def test_dispatcher_hands_out_regions_in_order():
+    d = symm.SymmDispatcher(8, None, row_regions=2)
+    assert [d.claim_rows_region() for _ in range(3)] == [0, 1, None]  # the third layer copies
+    assert symm.SymmDispatcher(8, None).claim_rows_region() is None
+    with pytest.raises(ValueError, match="row_regions"):
+        symm.SymmDispatcher(8, None, row_regions=-1)
+
+
+def test_training_config_checks_ep_row_regions():
+    import os
+
+    from train.config import load_config
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                          "h200_2gpu_ep2.toml")
+    assert load_config(recipe, ["parallel.ep_row_regions=true"]).parallel.ep_row_regions
+    for bad in (["parallel.ep=1", "parallel.dp=1"], ["parallel.moe_pipeline=separate"]):
+        with pytest.raises(ValueError, match="parallel.ep_row_regions"):
+            load_config(recipe, ["parallel.ep_row_regions=true", *bad])

@@ -133,6 +133,10 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"dispatcher has E={self.dispatcher.num_experts}, W={self.dispatcher.world_size}; "
                 f"layer has E={cfg.num_experts}, W={world}")
+        # The fused EP form's own receive region, if the symmetric dispatcher reserved them
+        # (SymmDispatcher(row_regions=...)): its rows are read where they land, no receive copy.
+        self._rows_region = (self.dispatcher.claim_rows_region()
+                             if isinstance(self.dispatcher, SymmDispatcher) and world > 1 else None)
 
         dt, D, Fe, e = cfg.torch_dtype, cfg.dim, cfg.moe_inter_dim, self.num_local_experts
         self.router = Router(cfg, device=device)
@@ -231,7 +235,8 @@ class MoELayer(nn.Module):
         """The fused pipeline over the symmetric exchange: receive rows -> gather-on-load GEMMs ->
         per-receive-row partial sums -> one row home per (token, rank)."""
         disp = self.dispatcher
-        recv_RD, src_N, gate_N, handle = disp.dispatch_rows(x_TD, route.idx_TK, route.gate_TK)
+        recv_RD, src_N, gate_N, handle = disp.dispatch_rows(x_TD, route.idx_TK, route.gate_TK,
+                                                            region=self._rows_region)
         part_RD = fused_experts_rows(recv_RD, src_N, src_N, gate_N, self.w13, self.w2, handle.offsets_e,
                                      recv_RD.shape[0])
         return disp.combine_rows(part_RD, handle).to(x_TD.dtype)

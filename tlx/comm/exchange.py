@@ -183,7 +183,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         BLK_SIGNAL: tl.constexpr = False,
                         OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
-                        RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256):
+                        RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
+                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -198,6 +199,9 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     rank's route is done; META then holds each slot's raw code ``q * E_LOCAL + j`` (j = the
     expert's index on d, q = ``q[t, k]``) and the expand kernel, which waits for the counts, turns
     it into the expanded row (``_await`` STARTS).
+    ROWS_REGION (the row form, peer pointers only): the rows go to byte offset ROWS_OFF of every
+    destination's region (a per-layer receive region, ``SymmLayout`` ROWS) instead of RECV, and
+    stay there: no receive-side copy.
     Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
 
     The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
@@ -251,7 +255,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 far_any = far_any | far.to(tl.int32)
                 m = sent & (base != 0)
             dst = (RANK * T_MAX + row).to(tl.int64)
-            rbase = base + OFF_RECV
+            if ROWS_REGION:
+                rbase = base + ROWS_OFF
+            else:
+                rbase = base + OFF_RECV
             if LOCAL_ROWS:
                 rbase = tl.where(d == RANK, OWN_ADDR, rbase)
             recv = tl.multiple_of(rbase.to(tl.pointer_type(DT)), 16) + dst * D

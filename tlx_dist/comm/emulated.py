@@ -46,9 +46,10 @@ class EmulatedWorld:
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None):
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0):
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
-                                            device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node)
+                                            device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node,
+                                            row_regions=row_regions)
         self.world_size = world_size
         self.num_experts = num_experts
         self.capacity = check_capacity(capacity)
@@ -85,11 +86,15 @@ class EmulatedWorld:
 
     # ---- the fused EP pipeline's row form (SymmDispatcher.dispatch_rows / combine_rows) ----
     def dispatch_rows(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor],
-                      gates_TK: Sequence[torch.Tensor]):
-        """Returns ``[(recv_RD, src_N, gate_N, SymmHandle)]`` per rank (no expert-major copy)."""
+                      gates_TK: Sequence[torch.Tensor], region: Optional[int] = None):
+        """Returns ``[(recv_RD, src_N, gate_N, SymmHandle)]`` per rank (no expert-major copy);
+        ``region``: every rank's per-layer receive region of that index (``row_regions``)."""
         for v, n in ((xs_TD, "xs_TD"), (idxs_TK, "idxs_TK"), (gates_TK, "gates_TK")):
             self._check(v, n)
-        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True)
+        if region is not None:
+            for b in self.buffers:
+                b.rows_region(region)  # ValueError naming the region before any rank signals
+        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True, region=region)
                              for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
 
     def combine_rows(self, parts_RD: Sequence[torch.Tensor], handles: Sequence):

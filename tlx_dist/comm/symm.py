@@ -282,7 +282,7 @@ def _blk_meta(bufs: SymmBuffers) -> dict:
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
                  offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
-                 raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None):
+                 raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None, region: Optional[int] = None):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
@@ -293,7 +293,9 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     (``lay`` / ``offs`` are then left to ``_expand(layout=...)``).
     With ``own_rows``, the other sources' rows reach it block by block (``_recv_mode``): in
     ``"overlap"`` mode this launch's last programs copy them as they land; ``rows_from`` (int64
-    ``[W]``, rows from each source) is then where they read how many to expect."""
+    ``[W]``, rows from each source) is then where they read how many to expect. ``region``: the
+    rows go to every destination's per-layer receive region ``region`` (``own_rows`` must be this
+    rank's view of it) and stay there: no receive-side copy in any mode."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -305,7 +307,10 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     E = L.num_experts
     grid = _grid(-(-T // bt), bufs.device)
     rows_meta = {}
-    if own_rows is not None:
+    if own_rows is not None and region is not None:
+        rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True, ROWS_REGION=True,
+                         ROWS_OFF=L.off_rows + region * L.rows_region_bytes)
+    elif own_rows is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True)
         mode = _recv_mode(bufs)
         if mode != "after":
@@ -407,15 +412,21 @@ def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int)
 
 def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
                    gate_TK: Optional[torch.Tensor] = None, capacity: Capacity = "worst",
-                   rows: bool = False) -> Steps:
+                   rows: bool = False, region: Optional[int] = None) -> Steps:
     """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``.
 
     ``rows=True`` (the fused EP pipeline) skips the expert-major copy and returns ``(recv_RD, src_N,
     gate_N, SymmHandle)``: a copy of the receive rows ``[W*T_max, D]`` (row ``s*T_max + i`` is
     source s's i-th token row; rows past ``rows_from_W[s]`` are unspecified and never indexed), the
-    receive row each expanded row reads (``src_map_N // K``, int32) and its fp32 gate."""
+    receive row each expanded row reads (``src_map_N // K``, int32) and its fp32 gate. With
+    ``region`` (row form over peer pointers) ``recv_RD`` is instead this rank's per-layer receive
+    region ``region`` itself (``SymmBuffers.rows_region``), where the peers' rows land: no copy,
+    valid until the next dispatch into that region. The NVSHMEM route ignores ``region`` (its puts
+    target RECV)."""
     L = bufs.layout
     T, K = idx_TK.shape
+    if region is not None and (not rows or bufs.use_nvshmem):
+        region = None
     _check_bufs(bufs, x_TD, K, L.num_experts)
     _recv_mode(bufs)  # a bad TLX_DIST_RECV_OVERLAP raises here, before this op signals any peer
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
@@ -434,14 +445,17 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
              else gate_TK.detach() if gate_TK.is_contiguous() else gate_TK.detach().contiguous())
     n = expanded_rows(capacity, bufs)  # static, or None for "exact"
     # Row form: the receive rows' copy, which this rank's own rows reach straight from the send kernel
-    recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
+    if rows and region is not None:
+        recv_RD = bufs.rows_region(region)
+    else:
+        recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand).
     # Static capacity: the rows leave without waiting for the peers' counts (raw slot codes in META),
     # and the expand kernel, which waits for them, computes the layout; "exact" needs the layout on
     # the host before expand, so there the send waits for the counts and computes it.
     raw = n is not None
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W)
+                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region)
     layout = (lay, offsets_e, n) if raw else None
     yield
     if n is None:
@@ -458,7 +472,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N, layout=layout)
+                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=region is None, src_row_N=src_N,
+                layout=layout)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
@@ -632,8 +647,9 @@ class _Combine(torch.autograd.Function):
 
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity):
-        recv_RD, src_N, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True))
+    def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity, region=None):
+        recv_RD, src_N, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True,
+                                                             region=region))
         ctx.h, ctx.gate_dtype = h, gate_TK.dtype
         ctx.mark_non_differentiable(src_N)
         return recv_RD, src_N, gate_N, h
@@ -645,7 +661,7 @@ class _DispatchRows(torch.autograd.Function):
             g_RD = torch.zeros(h.buffers.layout.recv_rows, h.buffers.layout.hidden, dtype=h.buffers.layout.dtype,
                                device=h.buffers.device)
         g_TD, g_gate = run_steps(dispatch_rows_grad_steps(h.buffers, g_RD, g_gate_N, h))
-        return g_TD, (g_gate.to(ctx.gate_dtype) if g_gate is not None else None), None, None, None
+        return g_TD, (g_gate.to(ctx.gate_dtype) if g_gate is not None else None), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -664,16 +680,18 @@ _EP_BUFFERS: dict = {}
 
 
 def ep_buffers(group: Optional[dist.ProcessGroup], max_tokens: int, hidden: int, top_k: int, num_experts: int,
-               dtype: torch.dtype, device=None, timeout_s: Optional[float] = None) -> SymmBuffers:
+               dtype: torch.dtype, device=None, timeout_s: Optional[float] = None,
+               row_regions: int = 0) -> SymmBuffers:
     """The one :class:`SymmBuffers` of an EP group for these sizes: built (collectively) on the
     first call, returned from a cache afterwards, so every layer of a model shares it. Every rank
     of ``group`` must call it with the same arguments. ``close()`` on the result frees it (the
     next call builds a new set)."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s)
+    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s, row_regions)
     bufs = _EP_BUFFERS.get(key)
     if bufs is None or bufs.closed:
-        bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s)
+        bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s,
+                           row_regions=row_regions)
         _EP_BUFFERS[key] = bufs
     return bufs
 
@@ -691,11 +709,20 @@ class SymmDispatcher(Dispatcher):
             ``"worst"``, a float factor of ``T_max*K``, or an int (see the module docstring).
         timeout_s: how long a wait spins before it records an error (default 30 s).
         validate: check expert ids (syncs the host).
+        row_regions: per-layer receive regions for the row form (default 0: none): each layer that
+            claims one (:meth:`claim_rows_region`; ``MoELayer`` does at construction) gets its
+            dispatched rows left where they land, read there by its fused GEMMs (no receive-side
+            copy, no per-step ``[W*T_max, D]`` allocation); its rows stay valid until the layer's
+            next forward, so a schedule that runs a layer's forward twice before its backward
+            (pipeline-parallel micro-batches in flight) must not use them. Peer pointers only (the
+            NVSHMEM route copies as before). Costs ``row_regions * W*T_max*D`` elements of
+            symmetric memory per rank.
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
-                 capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True):
+                 capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True,
+                 row_regions: int = 0):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if buffers is not None:
@@ -707,11 +734,26 @@ class SymmDispatcher(Dispatcher):
             raise ValueError(f"buffers were built for num_experts={buffers.layout.num_experts}, not {num_experts}")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens={max_tokens!r} must be a positive integer")
+        if isinstance(row_regions, bool) or not isinstance(row_regions, int) or row_regions < 0:
+            raise ValueError(f"row_regions={row_regions!r} must be a non-negative int")
+        if buffers is not None and buffers.layout.row_regions < row_regions:
+            raise ValueError(f"buffers hold {buffers.layout.row_regions} row regions, fewer than row_regions="
+                             f"{row_regions}: build them with SymmBuffers(row_regions=...) / ep_buffers(row_regions=...)")
         self.group = group
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.capacity = check_capacity(capacity)
         self.timeout_s = timeout_s
+        self.row_regions = row_regions
+        self._claimed_regions = 0
+
+    def claim_rows_region(self) -> Optional[int]:
+        """The next free per-layer receive region (``row_regions``), or None when none is left (the
+        layer then gets copies). Claims are made in model-construction order, the same on every rank."""
+        if self._claimed_regions >= self.row_regions:
+            return None
+        self._claimed_regions += 1
+        return self._claimed_regions - 1
 
     def _buffers_for(self, x_TD: torch.Tensor, K: int) -> SymmBuffers:
         if self.buffers is None:
@@ -722,7 +764,7 @@ class SymmDispatcher(Dispatcher):
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
                 T = int(t.item())  # one-time setup sync
             self.buffers = ep_buffers(self.group, T, x_TD.shape[1], K, self.num_experts, x_TD.dtype,
-                                      device=x_TD.device, timeout_s=self.timeout_s)
+                                      device=x_TD.device, timeout_s=self.timeout_s, row_regions=self.row_regions)
         return self.buffers
 
     def dispatch(self, x_TD, idx_TK, gate_TK=None):
@@ -733,20 +775,24 @@ class SymmDispatcher(Dispatcher):
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
         return _Dispatch.apply(x_TD, idx_TK, gate_TK, bufs, self.capacity)
 
-    def dispatch_rows(self, x_TD, idx_TK, gate_TK):
+    def dispatch_rows(self, x_TD, idx_TK, gate_TK, region: Optional[int] = None):
         """The fused EP pipeline's dispatch: the token rows cross once per destination rank and
         stay as received (no expert-major copy). Returns ``(recv_RD, src_N, gate_N, handle)``:
         ``recv_RD`` ``[W*T_max, D]`` receive rows, ``src_N`` ``[N]`` int32 receive row of each
         expanded (expert-major) row, ``gate_N`` ``[N]`` fp32 its gate, differentiable back to
         ``x_TD`` and ``gate_TK``; ``handle.offsets_e`` are the local experts' end rows. Feed them to
         :func:`tlx_dist.fused.fused_experts_rows` with ``dst_N = src_N`` and
-        ``num_dst = recv_RD.shape[0]``, then :meth:`combine_rows`."""
+        ``num_dst = recv_RD.shape[0]``, then :meth:`combine_rows`. ``region`` (from
+        :meth:`claim_rows_region`): ``recv_RD`` is that per-layer receive region, where the rows
+        landed (no copy; valid until the next dispatch into it)."""
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         if not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity)
+        if region is not None:
+            bufs.rows_region(region)  # ValueError naming the region if the buffers have no such one
+        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region)
 
     def combine_rows(self, part_RD, handle):
         """``out_TD[t] = sum over the ranks t went to of part_RD[row of t there]`` (fp32, one

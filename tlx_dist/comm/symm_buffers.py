@@ -96,6 +96,13 @@ class SymmLayout:
     off_scomb: int = 0
     off_sdgate: int = 0
     recv_block: int = 64  # RECV_BLOCK when built
+    row_regions: int = 0
+    off_rows: int = 0
+
+    @property
+    def rows_region_bytes(self) -> int:
+        """Bytes of one per-layer receive region (``[W*T_max, D]`` rows; see ``build``)."""
+        return _align(self.recv_rows * self.hidden * self.dtype.itemsize)
 
     @property
     def recv_rows(self) -> int:
@@ -122,9 +129,12 @@ class SymmLayout:
 
     @classmethod
     def build(cls, max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
-              dtype: torch.dtype, staging: bool = False) -> "SymmLayout":
+              dtype: torch.dtype, staging: bool = False, row_regions: int = 0) -> "SymmLayout":
         """``staging``: append the NVSHMEM staging regions (SROWS, SMETA, SGATES, SCOMB, SDGATE of
-        ``tlx/comm/exchange.py``; about ``(1 + W) * T_max`` rows more); the other offsets do not move."""
+        ``tlx/comm/exchange.py``; about ``(1 + W) * T_max`` rows more); the other offsets do not move.
+        ``row_regions``: append that many per-layer receive regions (ROWS, ``[W*T_max, D]`` each):
+        a row-form dispatch into region k leaves its rows there, where the fused GEMMs read them,
+        instead of in the shared RECV region and a copy (``SymmDispatcher(row_regions=...)``)."""
         _pos_int("max_tokens", max_tokens)
         _pos_int("hidden", hidden)
         _pos_int("top_k", top_k)
@@ -158,10 +168,14 @@ class SymmLayout:
                 offs[name] = off
                 off = _align(off + size)
         st = {f"off_{n}": offs[n] for n in ("srows", "smeta", "sgates", "scomb", "sdgate")} if staging else {}
+        if not isinstance(row_regions, int) or isinstance(row_regions, bool) or row_regions < 0:
+            raise ValueError(f"row_regions={row_regions!r} must be a non-negative int")
+        off_rows = off
+        off = off + row_regions * _align(row * W * max_tokens)
         return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
                    offs["gates"], offs["recv"], offs["comb"], offs["dgate"], offs["rblk"], off, staging=staging,
-                   recv_block=RECV_BLOCK, **st)
+                   recv_block=RECV_BLOCK, row_regions=row_regions, off_rows=off_rows if row_regions else 0, **st)
 
 
 def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
@@ -193,10 +207,12 @@ class SymmBuffers:
         device: CUDA device (default: the current one).
         timeout_s: how long any wait in the exchange kernels spins before it gives up and records
             an error (default 30 s, or ``TLX_DIST_EXCHANGE_TIMEOUT_S``).
+        row_regions: per-layer receive regions of the row form (``SymmLayout.build``; default 0).
     """
 
     def __init__(self, max_tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
-                 group=None, *, backend: str = "auto", device=None, timeout_s: Optional[float] = None):
+                 group=None, *, backend: str = "auto", device=None, timeout_s: Optional[float] = None,
+                 row_regions: int = 0):
         import torch.distributed as dist
 
         world = dist.get_world_size(group) if group is not None else 1
@@ -208,7 +224,7 @@ class SymmBuffers:
         if group is None:
             if backend not in ("auto", "local"):
                 raise ValueError(f"backend={backend!r} needs a process group")
-            layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype)
+            layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype, row_regions=row_regions)
             mem = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
             _start_protocol(mem, layout)
             self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout)
@@ -222,7 +238,7 @@ class SymmBuffers:
         # Every rank of a group that spans nodes has a peer on another node, so every rank of it
         # builds the same layout (staging regions included) from the backend alone.
         layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype,
-                                  staging=backend == "nvshmem")
+                                  staging=backend == "nvshmem", row_regions=row_regions)
         from torch.distributed import _symmetric_memory as symm_mem
 
         if backend == "nvshmem":
@@ -299,9 +315,10 @@ class SymmBuffers:
     # ---- sizing ----
     @staticmethod
     def size_hint(max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
-                  dtype: torch.dtype) -> int:
+                  dtype: torch.dtype, row_regions: int = 0) -> int:
         """Bytes of symmetric memory one rank allocates for these sizes."""
-        return SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype).nbytes
+        return SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype,
+                                row_regions=row_regions).nbytes
 
     # ---- views of the regions (this rank's) ----
     def _region(self, off: int, nbytes: int) -> torch.Tensor:
@@ -327,6 +344,16 @@ class SymmBuffers:
         L = self.layout
         return self._region(L.off_recv, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(
             L.recv_rows, L.hidden)
+
+    def rows_region(self, k: int) -> torch.Tensor:
+        """``[W*T_max, D]`` view of this rank's per-layer receive region ``k`` (laid out as
+        :meth:`recv_rows`): a row-form dispatch into it leaves its rows there, valid until the next
+        dispatch into the same region (the same layer's next forward)."""
+        L = self.layout
+        if not isinstance(k, int) or not 0 <= k < L.row_regions:
+            raise ValueError(f"row region {k!r} is not in [0, {L.row_regions}) (SymmBuffers(row_regions=...))")
+        off = L.off_rows + k * L.rows_region_bytes
+        return self._region(off, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(L.recv_rows, L.hidden)
 
     def recv_block_counters(self) -> torch.Tensor:
         """``[W, recv_blocks]`` int64 view of RBLK: row s counts source s's row-form rows landed per
@@ -392,7 +419,7 @@ class SymmBuffers:
     @classmethod
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None) -> list["SymmBuffers"]:
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
         ``"cpu"`` for the Triton interpreter. ``ranks_per_node`` (interpreter only): virtual ranks
@@ -401,7 +428,8 @@ class SymmBuffers:
         nodes = ranks_per_node is not None and ranks_per_node < world_size
         if ranks_per_node is not None:
             _pos_int("ranks_per_node", ranks_per_node)
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes)
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes,
+                                  row_regions=row_regions)
         timeout = _timeout_s(timeout_s)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if nodes and device.type != "cpu":
