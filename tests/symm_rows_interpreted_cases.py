@@ -246,7 +246,8 @@ def test_own_rows_skip_the_shared_region():
     world.close()
 
 
-def test_single_rank_rows_autograd_matches_fused_local():
+@pytest.mark.parametrize("region", [None, 0])
+def test_single_rank_rows_autograd_matches_fused_local(region):
     """W = 1 (no process group, "local" buffers): dispatch_rows -> fused_experts_rows ->
     combine_rows under autograd vs the one-rank fused_experts, output and every gradient, fp64."""
     E, K, D, Fe, T = 6, 2, 8, 4, 9
@@ -258,8 +259,10 @@ def test_single_rank_rows_autograd_matches_fused_local():
     w2 = torch.randn(E, Fe, D, generator=gen, dtype=torch.float64)
     a = [t.clone().requires_grad_(True) for t in (x, gate, w13, w2)]
     b = [t.clone().requires_grad_(True) for t in (x, gate, w13, w2)]
-    sd = SymmDispatcher(E, max_tokens=16, capacity="worst")
-    recv, src, gate_N, h = sd.dispatch_rows(a[0], idx, a[1])
+    sd = SymmDispatcher(E, max_tokens=16, capacity="worst", row_regions=int(region is not None))
+    recv, src, gate_N, h = sd.dispatch_rows(a[0], idx, a[1], region=region)
+    if region is not None:  # autograd through a region view: the rows read where they landed
+        assert recv.data_ptr() == sd.buffers.rows_region(region).data_ptr()
     part = fused_experts_rows(recv, src, src, gate_N, a[2], a[3], h.offsets_e, recv.shape[0], backend="reference")
     out = sd.combine_rows(part, h)
     ref = fused_experts(b[0], idx, b[1], b[2], b[3], backend="reference")
