@@ -22,6 +22,8 @@ Providers (K = 8, bf16, random top-K routing, gates from a softmax):
               (here the receive rows themselves stand in for them). Same link bytes as symm;
               the exchange's own cost in the fused pipeline (the expand and the gate-weighted
               k-sum it leaves out run inside the fused GEMMs there)
+  regions_graph  rows_graph into a per-layer receive region (``SymmDispatcher(row_regions=1)``,
+              ``dispatch_rows(region=0)``): the rows stay where they land, no receive-side copy (W > 1)
 Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
 ``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
 symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
@@ -90,11 +92,11 @@ def _pair_us(fd, fc, reps: int, sync) -> float:
     return _median_ms(run, 5, sync) * 1e3 / reps
 
 
-def rows_check(disp, x, idx, gate, ra, n_ranks_T):
+def rows_check(disp, x, idx, gate, ra, n_ranks_T, region=None):
     """Row form against the anchor: the receive rows read through ``src_N`` are the anchor's
     expert-major rows, and combining the receive rows themselves gives ``x[t]`` times the number
     of ranks token t went to. Returns the receive rows and the handle."""
-    recv, src, _gate_N, h = disp.dispatch_rows(x, idx, gate)
+    recv, src, _gate_N, h = disp.dispatch_rows(x, idx, gate, region=region)
     n = ra.shape[0]
     if not torch.equal(recv[src[:n].long()], ra):
         raise AssertionError("rows: recv_RD[src_N] differs from the anchor's expert-major rows")
@@ -122,17 +124,17 @@ def _graphs(disp, x, idx, gate):
     return gd.replay, gc.replay
 
 
-def _graphs_rows(disp, x, idx, gate):
+def _graphs_rows(disp, x, idx, gate, region=None):
     """CUDA graphs of one ``dispatch_rows`` and one ``combine_rows`` (warmed up on a side stream)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        recv, _, _, h = disp.dispatch_rows(x, idx, gate)
+        recv, _, _, h = disp.dispatch_rows(x, idx, gate, region=region)
         disp.combine_rows(recv, h)
     torch.cuda.current_stream().wait_stream(side)
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(gd):
-        recv, _, _, h = disp.dispatch_rows(x, idx, gate)
+        recv, _, _, h = disp.dispatch_rows(x, idx, gate, region=region)
     with torch.cuda.graph(gc):
         disp.combine_rows(recv, h)
     return gd.replay, gc.replay
@@ -152,6 +154,8 @@ def main() -> int:
     ap.add_argument("--pair-reps", type=int, default=10, help="back-to-back pairs per steady-state sample")
     ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of each symm provider")
     ap.add_argument("--no-rows", action="store_true", help="skip the row-form provider (rows_graph)")
+    ap.add_argument("--no-regions", action="store_true",
+                    help="skip the row form into a per-layer receive region (regions_graph; W > 1)")
     ap.add_argument("--json", default="bench_dispatch.json")
     args = ap.parse_args()
     if args.emulate:
@@ -201,6 +205,12 @@ def main() -> int:
                 if not args.no_rows:
                     rows_check(symm_g, x, idx, gate, ra, mask_TW.sum(1))
                     provs["rows_graph"] = (*_graphs_rows(symm_g, x, idx, gate), token_rows)
+                symm_r = None
+                if not args.no_rows and not args.no_regions and W > 1:
+                    # the row form into a per-layer receive region: the rows stay where they land
+                    symm_r = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1)
+                    rows_check(symm_r, x, idx, gate, ra, mask_TW.sum(1), region=0)
+                    provs["regions_graph"] = (*_graphs_rows(symm_r, x, idx, gate, region=0), token_rows)
                 res = {}
                 aligned = _aligned_sync(sync, symm_g) if W > 1 else None
                 for name, (fd, fc, link_rows) in provs.items():
@@ -232,6 +242,9 @@ def main() -> int:
                     rows.append(v)
                 symm.check()
                 symm_g.check()
+                if symm_r is not None:
+                    symm_r.check()
+                    symm_r.buffers.close()  # its own buffer set (row regions): free it too
                 symm_route = symm.buffers
                 symm.buffers.close()  # shared by both (ep_buffers): free this size before the next
                 del provs, symm, symm_g
@@ -275,11 +288,11 @@ def emulated(args) -> int:
 
 def _print(rows, title):
     print(f"\n{title}: medians; link GB/s = bytes sent to other ranks per second; x anchor = anchor time / time")
-    print(f"{'provider':11} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
+    print(f"{'provider':13} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
           f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8} {'disp al.':>9} {'comb al.':>9}")
     nan = float("nan")
     for v in rows:
-        print(f"{v['provider']:11} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
+        print(f"{v['provider']:13} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
               f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}"
               f" {v.get('pair_us', nan):9.1f} {v.get('pair_ratio_vs_anchor', nan):8.2f}"
               f" {v.get('dispatch_aligned_us', nan):9.1f} {v.get('combine_aligned_us', nan):9.1f}")

@@ -30,7 +30,7 @@ dispatch_w2() {  # the W=2 dispatch + combine grid against NCCL, with rank 0's p
   timeout 110 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
     --experts 64,256 --profile --json "$out/dispatch_w2.json" > "$out/dispatch_w2.log" 2>&1
   echo "== dispatch W=2 rc=$? [$(( $(date +%s)-t0 ))s]"
-  grep -A 30 "^W=2" "$out/dispatch_w2.log" | grep -E "^(provider|nccl|symm|rows|aligned)"
+  grep -A 30 "^W=2" "$out/dispatch_w2.log" | grep -E "^(provider|nccl|symm|rows|regions|aligned)"
 }
 
 t5_nvshmem() {  # T5 on the NVSHMEM route, each GPU its own node; $1: pytest -k filter ("" = all), $2: box (s)
