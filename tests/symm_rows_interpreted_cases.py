@@ -340,8 +340,8 @@ def test_bench_rows_check_passes_and_can_fail():
     sd.check()
 
 
-@pytest.mark.parametrize("rpn", [None, 1])
-def test_rows_land_in_per_layer_regions(rpn):
+@pytest.mark.parametrize("rpn,capacity", [(None, "worst"), (None, "exact"), (1, "worst")])
+def test_rows_land_in_per_layer_regions(rpn, capacity):
     """``row_regions``: a row-form dispatch into region k leaves the rows in this rank's region k
     (peers store them there; no RECV, no copy) -- the same rows, index maps and gates as the copying
     row form -- and a later dispatch into another region leaves region k as it was (a layer's rows
@@ -358,7 +358,7 @@ def test_rows_land_in_per_layer_regions(rpn):
         gates = [torch.rand(T, K, generator=gen, dtype=dt) for T in Ts]
         ops.append((xs, idxs, gates))
     # the copying row form first (one emulated NVSHMEM world at a time: each registers its heaps)
-    ref_world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn)
+    ref_world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn, capacity=capacity)
     wants = []
     for xs, idxs, gates in ops:
         want = ref_world.dispatch_rows(xs, idxs, gates)
@@ -366,7 +366,8 @@ def test_rows_land_in_per_layer_regions(rpn):
         ref_world.combine_rows([r.clone() for r, *_ in want], [h for *_, h in want])
     ref_world.check()
     ref_world.close()
-    world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn, row_regions=2)
+    world = EmulatedWorld(W, max(Ts), D, K, E, dt, device="cpu", ranks_per_node=rpn, row_regions=2,
+                          capacity=capacity)
     with pytest.raises(ValueError, match=r"row region 2 is not in \[0, 2\)"):
         world.dispatch_rows(*ops[0], region=2)
     for b in world.buffers:
@@ -394,3 +395,30 @@ def test_rows_land_in_per_layer_regions(rpn):
             assert torch.isnan(b.recv_rows()).all(), f"rank {d}: rows went through RECV"
     world.check()
     world.close()
+
+
+def test_region_rows_saved_then_overwritten_raise_in_backward():
+    """A layer's rows in its receive region live until its next dispatch: two steps of forward +
+    backward through region 0 are fine, a second forward before the first one's backward makes that
+    backward raise (each dispatch bumps the region's autograd version) instead of reading new rows."""
+    E, K, D, Fe, T = 4, 2, 8, 4, 6
+    gen = torch.Generator().manual_seed(8)
+    w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=torch.float64).requires_grad_(True)
+    w2 = torch.randn(E, Fe, D, generator=gen, dtype=torch.float64).requires_grad_(True)
+    sd = SymmDispatcher(E, max_tokens=T, capacity="worst", row_regions=1)
+
+    def forward():
+        x = torch.randn(T, D, generator=gen, dtype=torch.float64).requires_grad_(True)
+        gate = torch.rand(T, K, generator=gen, dtype=torch.float64).requires_grad_(True)
+        idx = _kind_routing(3, T, K, E, 1, "random")
+        recv, src, gate_N, h = sd.dispatch_rows(x, idx, gate, region=0)
+        part = fused_experts_rows(recv, src, src, gate_N, w13, w2, h.offsets_e, recv.shape[0], backend="reference")
+        return sd.combine_rows(part, h).sum()
+
+    for _ in range(2):
+        forward().backward()
+    first = forward()
+    forward().backward()  # the second forward overwrote region 0
+    with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
+        first.backward()
+    sd.check()

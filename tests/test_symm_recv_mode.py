@@ -92,3 +92,24 @@ def test_training_config_checks_ep_row_regions():
     for bad in (["parallel.ep=1", "parallel.dp=1"], ["parallel.moe_pipeline=separate"]):
         with pytest.raises(ValueError, match="parallel.ep_row_regions"):
             load_config(recipe, ["parallel.ep_row_regions=true", *bad])
+
+
+def _claims(rank, world, n):
+    import torch.distributed as dist
+
+    d = symm.SymmDispatcher(8, dist.group.WORLD, row_regions=2)
+    for _ in range(n[rank]):
+        d.claim_rows_region()
+    try:
+        d._check_claims()
+    except RuntimeError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_ranks_must_claim_the_same_regions():
+    from _dist import run_world
+
+    assert run_world(_claims, 2, [2, 2]) == ["ok", "ok"]
+    out = run_world(_claims, 2, [1, 2])
+    assert all("claimed different numbers of receive regions (1 to 2" in o for o in out), out

@@ -135,8 +135,9 @@ class MoELayer(nn.Module):
                 f"layer has E={cfg.num_experts}, W={world}")
         # The fused EP form's own receive region, if the symmetric dispatcher reserved them
         # (SymmDispatcher(row_regions=...)): its rows are read where they land, no receive copy.
+        fused_possible = pipeline == "fused" or (pipeline == "auto" and cfg.moe_inter_dim <= 2 * cfg.dim)
         self._rows_region = (self.dispatcher.claim_rows_region()
-                             if isinstance(self.dispatcher, SymmDispatcher) and world > 1 else None)
+                             if isinstance(self.dispatcher, SymmDispatcher) and world > 1 and fused_possible else None)
 
         dt, D, Fe, e = cfg.torch_dtype, cfg.dim, cfg.moe_inter_dim, self.num_local_experts
         self.router = Router(cfg, device=device)

@@ -447,6 +447,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # Row form: the receive rows' copy, which this rank's own rows reach straight from the send kernel
     if rows and region is not None:
         recv_RD = bufs.rows_region(region)
+        # this dispatch overwrites the region: rows saved from the last one are stale now
+        torch.autograd.graph.increment_version(recv_RD)
     else:
         recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # offsets_e come out capped at n (the grouped GEMMs' offsets; overflow is flagged by expand).
@@ -712,11 +714,16 @@ class SymmDispatcher(Dispatcher):
         row_regions: per-layer receive regions for the row form (default 0: none): each layer that
             claims one (:meth:`claim_rows_region`; ``MoELayer`` does at construction) gets its
             dispatched rows left where they land, read there by its fused GEMMs (no receive-side
-            copy, no per-step ``[W*T_max, D]`` allocation); its rows stay valid until the layer's
-            next forward, so a schedule that runs a layer's forward twice before its backward
-            (pipeline-parallel micro-batches in flight) must not use them. Peer pointers only (the
-            NVSHMEM route copies as before). Costs ``row_regions * W*T_max*D`` elements of
-            symmetric memory per rank.
+            copy, no per-step ``[W*T_max, D]`` allocation). Peers may overwrite a region once this
+            rank has ended the op before the next dispatch into it, so every reader of a layer's
+            rows must be enqueued before that op ends: true in a forward/backward step (each
+            layer's backward ends with the dispatch's backward op, after its weight gradients), with
+            gradient accumulation and with recomputation; not for a layer whose forward runs twice
+            before its backward (pipeline-parallel micro-batches in flight) -- that raises in the
+            backward (each dispatch bumps the region's autograd version). Peer pointers only (the
+            NVSHMEM route copies as before and reserves none). Costs ``row_regions * W*T_max*D``
+            elements of symmetric memory per rank; every rank must claim the same regions (checked
+            once, at the first dispatch).
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
@@ -755,8 +762,22 @@ class SymmDispatcher(Dispatcher):
         self._claimed_regions += 1
         return self._claimed_regions - 1
 
+    def _check_claims(self) -> None:
+        """Every rank must have handed out the same regions (the senders store a layer's rows at
+        its region's offset on the receiver): one collective when the buffers are first needed."""
+        if self.row_regions == 0 or self.group is None or dist.get_world_size(self.group) == 1:
+            return
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([self._claimed_regions, -self._claimed_regions], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != lo:
+            raise RuntimeError(f"ranks claimed different numbers of receive regions ({lo} to {hi}; this rank "
+                               f"{self._claimed_regions}): every rank must build the same MoE layers in the same order")
+
     def _buffers_for(self, x_TD: torch.Tensor, K: int) -> SymmBuffers:
         if self.buffers is None:
+            self._check_claims()
             T = self.max_tokens
             if T is None:
                 t = torch.tensor([max(1, x_TD.shape[0])], device=x_TD.device)
@@ -790,7 +811,7 @@ class SymmDispatcher(Dispatcher):
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        if region is not None:
+        if region is not None and not bufs.use_nvshmem:  # (the NVSHMEM route copies: no regions)
             bufs.rows_region(region)  # ValueError naming the region if the buffers have no such one
         return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region)
 

@@ -237,8 +237,10 @@ class SymmBuffers:
                              "use backend='nvshmem' (or 'auto'), or dispatcher='all_to_all'")
         # Every rank of a group that spans nodes has a peer on another node, so every rank of it
         # builds the same layout (staging regions included) from the backend alone.
+        # The NVSHMEM route's puts target RECV: no per-layer regions there (every rank of a group
+        # spanning nodes takes this route, so the layout stays the same on every rank).
         layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype,
-                                  staging=backend == "nvshmem", row_regions=row_regions)
+                                  staging=backend == "nvshmem", row_regions=0 if backend == "nvshmem" else row_regions)
         from torch.distributed import _symmetric_memory as symm_mem
 
         if backend == "nvshmem":
@@ -346,14 +348,29 @@ class SymmBuffers:
             L.recv_rows, L.hidden)
 
     def rows_region(self, k: int) -> torch.Tensor:
-        """``[W*T_max, D]`` view of this rank's per-layer receive region ``k`` (laid out as
-        :meth:`recv_rows`): a row-form dispatch into it leaves its rows there, valid until the next
-        dispatch into the same region (the same layer's next forward)."""
+        """``[W*T_max, D]`` tensor over this rank's per-layer receive region ``k`` (laid out as
+        :meth:`recv_rows`): a row-form dispatch into it leaves its rows there. Each region is its
+        own tensor (same storage, its own autograd version counter; each call returns a new view of
+        it), and every dispatch into it bumps that counter, so a backward that reads rows saved from an earlier dispatch into the
+        same region (a layer's forward run twice before its backward) raises instead of reading
+        the newer rows."""
         L = self.layout
-        if not isinstance(k, int) or not 0 <= k < L.row_regions:
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < L.row_regions:
             raise ValueError(f"row region {k!r} is not in [0, {L.row_regions}) (SymmBuffers(row_regions=...))")
-        off = L.off_rows + k * L.rows_region_bytes
-        return self._region(off, L.recv_rows * L.hidden * L.dtype.itemsize).view(L.dtype).view(L.recv_rows, L.hidden)
+        self._check_open()
+        regions = getattr(self, "_rows_regions", None)
+        if regions is None:
+            regions = self._rows_regions = {}
+        t = regions.get(k)
+        if t is None:
+            isz = L.dtype.itemsize
+            off = self._mem.storage_offset() + L.off_rows + k * L.rows_region_bytes  # bytes (uint8 storage)
+            t = torch.empty(0, dtype=L.dtype, device=self._mem.device).set_(
+                self._mem.untyped_storage(), off // isz, (L.recv_rows, L.hidden), (L.hidden, 1))
+            regions[k] = t
+        # a new view per call: the caller's autograd history lives on the view, never on the region
+        # (views share the region's version counter)
+        return t.view(L.recv_rows, L.hidden)
 
     def recv_block_counters(self) -> torch.Tensor:
         """``[W, recv_blocks]`` int64 view of RBLK: row s counts source s's row-form rows landed per
@@ -406,6 +423,7 @@ class SymmBuffers:
     def close(self) -> None:
         """Releases the memory (collective for the cuda/nvshmem backends: every rank closes)."""
         self._mem = None
+        self._rows_regions = None
         self._handle = None
         self.peers = None
 
