@@ -26,4 +26,11 @@ timeout 120 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config 
   --override metrics.progress=false --override metrics.out_dir=/tmp/run_ep2_regions > "$out/train_ep2_regions.log" 2>&1
 echo "== EP=2 training, parallel.ep_row_regions=true rc=$? [$(( $(date +%s)-t0 ))s]"
 grep -E "^step" "$out/train_ep2_regions.log" | cut -c1-160 | tail -n 2
+t0=$(date +%s)  # with the MoE FFNs recomputed in the backward (the recompute dispatches into the region again)
+timeout 100 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config configs/h200_2gpu_ep2.toml \
+  --override train.steps=20 --override train.log_every=10 --override parallel.ep_row_regions=true \
+  --override train.activation_checkpoint=moe --override metrics.progress=false \
+  --override metrics.out_dir=/tmp/run_ep2_regions_ckpt > "$out/train_ep2_regions_ckpt.log" 2>&1
+echo "== EP=2 training, ep_row_regions + activation_checkpoint=moe rc=$? [$(( $(date +%s)-t0 ))s]"
+grep -E "^step" "$out/train_ep2_regions_ckpt.log" | cut -c1-160 | tail -n 2
 dispatch_w2
