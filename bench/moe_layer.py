@@ -26,6 +26,8 @@ Expert parallelism (under torchrun, one process per GPU; W = the world size, E e
 Providers there (same router and expert weights on every provider, T tokens per rank):
   fused_ep    MoELayer(dispatcher="symm", pipeline="fused"): dispatch_rows -> fused GEMMs reading the
               receive rows by index -> one partial row home per (token, rank)
+  fused_ep_regions  the same with SymmDispatcher(row_regions=1): the layer reads its rows in its own
+              receive region, where the peers stored them (no receive-side copy)
   symm        MoELayer(dispatcher="symm", pipeline="separate"): deduplicated exchange, expert-major copy
   all_to_all  MoELayer(dispatcher="all_to_all"): NCCL all_to_all_single + separate ops (the anchor)
 fwd+bwd TFLOP/s per GPU = 18*T*K*D*F / median step time (rank 0's clock, a barrier before each step);
@@ -56,7 +58,7 @@ SHAPES = {  # name: (D, F, E, K)
 PROVIDERS = ("fused", "separate", "torchtitan")
 EP_SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3-30b-a3b": (2048, 768, 128, 8),
              "deepseek-v3": (7168, 2048, 256, 8)}  # global E: each of W ranks holds E/W
-EP_PROVIDERS = ("fused_ep", "symm", "all_to_all")
+EP_PROVIDERS = ("fused_ep", "fused_ep_regions", "symm", "all_to_all")
 
 
 def torchtitan_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
@@ -221,7 +223,12 @@ def ep_main(args) -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     W, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
-    kinds = {"fused_ep": dict(dispatcher="symm", pipeline="fused"), "symm": dict(dispatcher="symm", pipeline="separate"),
+    from tlx_dist.comm import SymmDispatcher
+
+    kinds = {"fused_ep": dict(dispatcher="symm", pipeline="fused"),
+             # the fused EP layer reading its rows in its own receive region (no receive-side copy)
+             "fused_ep_regions": dict(pipeline="fused"),
+             "symm": dict(dispatcher="symm", pipeline="separate"),
              "all_to_all": dict(dispatcher="all_to_all", pipeline="separate")}
     providers = [p for p in args.providers.split(",") if p in kinds] or list(EP_PROVIDERS)
     shapes = [n for n in args.shapes.split(",") if n in EP_SHAPES] or ["olmoe"]
@@ -236,7 +243,10 @@ def ep_main(args) -> int:
             layers = {}
             with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
                 for p in providers:
-                    layers[p] = MoELayer(cfg, group, device="cuda", **kinds[p])
+                    kw = dict(kinds[p])
+                    if p == "fused_ep_regions":
+                        kw["dispatcher"] = SymmDispatcher(E, group, validate=False, row_regions=1)
+                    layers[p] = MoELayer(cfg, group, device="cuda", **kw)
             first = layers[providers[0]]
             g = torch.Generator(device="cuda").manual_seed(1234)  # the same router on every rank
             with torch.no_grad():

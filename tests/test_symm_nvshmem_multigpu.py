@@ -100,12 +100,14 @@ def test_moe_layer_over_nvshmem_matches_all_to_all(group):
     test_moe_layer_symm_vs_all_to_all(group)
 
 
-def test_moe_layer_fused_ep_over_nvshmem_matches_all_to_all(group):
+@pytest.mark.parametrize("regions", [0, 2])
+def test_moe_layer_fused_ep_over_nvshmem_matches_all_to_all(group, regions):
     """The fused EP layer (what ``pipeline="auto"`` takes under EP with the symmetric exchange) over
-    the NVSHMEM route: staged partial rows and gate gradients."""
+    the NVSHMEM route: staged partial rows and gate gradients. ``regions=2``: receive regions asked
+    for, which this route does not reserve (it copies as before)."""
     from test_symm_multigpu import test_moe_layer_fused_ep_vs_all_to_all
 
-    test_moe_layer_fused_ep_vs_all_to_all(group)
+    test_moe_layer_fused_ep_vs_all_to_all(group, regions)
 
 
 def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
