@@ -4,7 +4,8 @@
 #   source .carry/setup.sh && bash scripts/device/x2_s17.sh 2
 # 1: what session 10 could not finish or start on two GPUs -- the GPU tiers whose 215 s box ran out
 #    (emulated world, block-by-block receive copy: 20 of 23 had passed) beside memcheck, and T5 on
-#    peer pointers (now also the fused EP layer with per-layer receive regions, SymmDispatcher(row_regions=2)).
+#    peer pointers (now also the fused EP layer with per-layer receive regions, SymmDispatcher(row_regions=2)),
+#    and the fused EP layer over the NVSHMEM route with regions asked for (that route reserves none).
 # 2: EP=2 training on auto (configs/h200_2gpu_ep2.toml: T_max = 32768 per rank, so the overlapped
 #    receive copy is on; session 10's training run predates it) and with parallel.ep_row_regions=true
 #    (no receive copy at all); the W=2 grid with the rank-aligned per-op columns (bench/dispatch.py
@@ -17,6 +18,7 @@ if [ "${1:-1}" = 1 ]; then
   tiers_memcheck 300 "$NO_W8"
   t5_peer
   grep -E "^(FAILED|ERROR)" "$out/t5_peer.log" | cut -c1-300 | head -n 8
+  t5_nvshmem "fused_ep" 120  # the fused EP layer over NVSHMEM, regions asked for (none reserved there)
   exit 0
 fi
 train_ep2 auto
