@@ -36,6 +36,12 @@ from .router import Router, RoutingStats
 __all__ = ["MoELayer", "make_dispatcher"]
 
 
+def _narrow_experts(cfg) -> bool:
+    """``pipeline="auto"``'s shape rule for the fused form: F <= 2 D (at Mixtral's F = 3.5 D the
+    separate ops ran 4-7% faster on an H200)."""
+    return cfg.moe_inter_dim <= 2 * cfg.dim
+
+
 def make_dispatcher(kind: Union[str, Dispatcher], num_experts: int,
                     group: Optional[dist.ProcessGroup] = None, validate: bool = True,
                     capacity: Optional[Union[str, float, int]] = None) -> Dispatcher:
@@ -135,7 +141,7 @@ class MoELayer(nn.Module):
                 f"layer has E={cfg.num_experts}, W={world}")
         # The fused EP form's own receive region, if the symmetric dispatcher reserved them
         # (SymmDispatcher(row_regions=...)): its rows are read where they land, no receive copy.
-        fused_possible = pipeline == "fused" or (pipeline == "auto" and cfg.moe_inter_dim <= 2 * cfg.dim)
+        fused_possible = pipeline == "fused" or (pipeline == "auto" and _narrow_experts(cfg))
         self._rows_region = (self.dispatcher.claim_rows_region()
                              if isinstance(self.dispatcher, SymmDispatcher) and world > 1 and fused_possible else None)
 
@@ -250,7 +256,7 @@ class MoELayer(nn.Module):
         dispatcher = getattr(self.dispatcher, "_inner", self.dispatcher)
         exchange = (isinstance(dispatcher, LocalDispatcher) if self.ep_size == 1
                     else isinstance(dispatcher, SymmDispatcher))
-        return (exchange and self.gemm_backend is None and self.cfg.moe_inter_dim <= 2 * self.cfg.dim
+        return (exchange and self.gemm_backend is None and _narrow_experts(self.cfg)
                 and fused_tlx_supports(x_TD, self.w13, self.w2))
 
     def extra_repr(self) -> str:

@@ -91,9 +91,6 @@ class EmulatedWorld:
         ``region``: every rank's per-layer receive region of that index (``row_regions``)."""
         for v, n in ((xs_TD, "xs_TD"), (idxs_TK, "idxs_TK"), (gates_TK, "gates_TK")):
             self._check(v, n)
-        if region is not None:
-            for b in self.buffers:
-                b.rows_region(region)  # ValueError naming the region before any rank signals
         return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True, region=region)
                              for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
 

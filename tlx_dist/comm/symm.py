@@ -425,10 +425,14 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     target RECV)."""
     L = bufs.layout
     T, K = idx_TK.shape
-    if region is not None and (not rows or bufs.use_nvshmem):
-        region = None
     _check_bufs(bufs, x_TD, K, L.num_experts)
     _recv_mode(bufs)  # a bad TLX_DIST_RECV_OVERLAP raises here, before this op signals any peer
+    # ... and a region the buffers do not have (ValueError naming it; the NVSHMEM route reserves none)
+    region_RD = None
+    if region is not None and not (bufs.use_nvshmem and L.row_regions == 0):
+        region_RD = bufs.rows_region(region)
+    if region is not None and (not rows or bufs.use_nvshmem):
+        region, region_RD = None, None
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
@@ -446,7 +450,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     n = expanded_rows(capacity, bufs)  # static, or None for "exact"
     # Row form: the receive rows' copy, which this rank's own rows reach straight from the send kernel
     if rows and region is not None:
-        recv_RD = bufs.rows_region(region)
+        recv_RD = region_RD
         # this dispatch overwrites the region: rows saved from the last one are stale now
         torch.autograd.graph.increment_version(recv_RD)
     else:
@@ -811,8 +815,6 @@ class SymmDispatcher(Dispatcher):
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        if region is not None and not bufs.use_nvshmem:  # (the NVSHMEM route copies: no regions)
-            bufs.rows_region(region)  # ValueError naming the region if the buffers have no such one
         return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region)
 
     def combine_rows(self, part_RD, handle):

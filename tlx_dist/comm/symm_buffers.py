@@ -272,6 +272,7 @@ class SymmBuffers:
         self.backend = backend
         self.timeout_s = timeout_s
         self._mem = mem
+        self._rows_regions = {}  # per-layer receive region k -> its tensor (rows_region)
         self._handle = handle
         self.device = mem.device
         # The kernels declare every region start 16-byte aligned (tl.multiple_of: rows move as 16-byte
@@ -358,16 +359,13 @@ class SymmBuffers:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < L.row_regions:
             raise ValueError(f"row region {k!r} is not in [0, {L.row_regions}) (SymmBuffers(row_regions=...))")
         self._check_open()
-        regions = getattr(self, "_rows_regions", None)
-        if regions is None:
-            regions = self._rows_regions = {}
-        t = regions.get(k)
+        t = self._rows_regions.get(k)
         if t is None:
             isz = L.dtype.itemsize
             off = self._mem.storage_offset() + L.off_rows + k * L.rows_region_bytes  # bytes (uint8 storage)
             t = torch.empty(0, dtype=L.dtype, device=self._mem.device).set_(
                 self._mem.untyped_storage(), off // isz, (L.recv_rows, L.hidden), (L.hidden, 1))
-            regions[k] = t
+            self._rows_regions[k] = t
         # a new view per call: the caller's autograd history lives on the view, never on the region
         # (views share the region's version counter)
         return t.view(L.recv_rows, L.hidden)

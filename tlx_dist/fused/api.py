@@ -248,7 +248,8 @@ def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
     the scheduler tables of the TLX kernels: ``(tok_N int32, order_S int64, offsets_E int32,
     sched int32)`` with ``sched[:E + 1]`` the inclusive sum of ``block_m``-row tiles per expert
     (entry E adds the padding rows' tiles) and ``sched[o:o + E]``, ``o = sched_order_offset(E)``, the
-    experts by row count, longest first (ties by index). Same rows, same order as :func:`expert_major_slots` (a stable sort by expert). Ids
+    experts by row count, longest first (ties by index). Same rows, same order as
+    :func:`expert_major_slots` (a stable sort by expert). Ids
     outside ``[0, E)`` (never from the router) become padding rows after ``offsets_E[-1]`` that no
     kernel computes: those slots get no expert output. No host sync."""
     import triton
@@ -308,15 +309,14 @@ def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tenso
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     T, E = idx_TK.shape[0], w13_EDF2.shape[0]
-    if not _routing_kernel_runs(idx_TK):
-        tok_N, order_S, offsets_E = expert_major_slots(idx_TK, E)
-        gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
-        return fused_experts_rows(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, backend=backend)
-    # One launch for the layout and, for the TLX kernels, their scheduler tables (no prep kernel in
-    # either pass): the host work between the router and the first GEMM is most of the GPU's idle
-    # time at T <= 4096 (bench/RESULTS.md, session 10).
-    tok_N, order_S, offsets_E, sched = expert_major_layout(idx_TK, E)
-    gate_N = gate_TK.reshape(-1).index_select(0, order_S)
+    # The layout kernel: one launch for the layout and, for the TLX kernels, their scheduler tables
+    # (no prep kernel in either pass); the host work between the router and the first GEMM is most of
+    # the GPU's idle time at T <= 4096 (bench/RESULTS.md, session 10).
+    if _routing_kernel_runs(idx_TK):
+        tok_N, order_S, offsets_E, sched = expert_major_layout(idx_TK, E)
+    else:
+        (tok_N, order_S, offsets_E), sched = expert_major_slots(idx_TK, E), None
+    gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
     b = select_fused_backend(x_TD, w13_EDF2, w2_EFD, backend)
     out, _h = _run_fused(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, b.name,
                          sched if b.name == "tlx" else None)
