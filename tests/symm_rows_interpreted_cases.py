@@ -113,6 +113,24 @@ def test_rows_world_short_wide_tiles(monkeypatch):
     test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
 
 
+def test_rows_world_launch_overrides(monkeypatch):
+    """``symm.LAUNCH_OVERRIDES`` (what bench/exchange_tiles.py sweeps): a different tile shape and
+    warp count per row-moving kernel -- one-row tiles, tiles taller than a rank's rows, a column
+    chunk narrower than D -- still give the brute force's forward and backward; an empty dict is
+    the default launch again."""
+    import tlx_dist.comm.symm as symm
+    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {
+        "send": dict(BLOCK_ROWS=1, BLOCK_D=4, num_warps=8, per_sm=1),
+        "expand": dict(BLOCK_ROWS=16, BLOCK_D=8),
+        "reduce_send": dict(BLOCK_ROWS=4, BLOCK_D=2, num_warps=2),
+        "reduce_recv": dict(BLOCK_ROWS=8, BLOCK_D=16)})
+    assert symm._shape("send", 8, 5, torch.device("cpu"))[:3] == (1, 4, 8)
+    test_rows_world_matches_brute_force([5, 3], "random", None)
+    test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
+    symm.LAUNCH_OVERRIDES.clear()
+    assert symm._shape("send", 8, 5, torch.device("cpu")) == (*symm._tiles(8, 5), 4, symm._grid(-(-5 // symm._tiles(8, 5)[0]), torch.device("cpu")))
+
+
 @pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5, 2, 4], "heavy_imbalance"), ([4, 0, 6, 2], "random")])
 def test_rows_arrive_block_by_block(monkeypatch, Ts, kind):
     """The row form's receive copy waits on per-block arrival counters (RBLK): with 3-row receive

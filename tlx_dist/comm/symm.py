@@ -154,8 +154,28 @@ def _tiles(D: int, rows: Optional[int] = None) -> tuple[int, int]:
     return br, bd
 
 
-def _grid(n_blocks: int, dev: torch.device) -> tuple[int]:
-    return (max(1, min(n_blocks, _num_programs(str(dev)))),)
+def _grid(n_blocks: int, dev: torch.device, per_sm: Optional[int] = None) -> tuple[int]:
+    cap = _num_programs(str(dev))
+    if per_sm is not None and str(dev).startswith("cuda"):
+        cap = per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
+    return (max(1, min(n_blocks, cap)),)
+
+
+# Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
+# name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
+# (powers of two), num_warps, per_sm (programs per SM). Empty: the defaults (``_tiles``, 4 warps,
+# 4 programs per SM). Every rank must set the same; set it between ops, not inside one.
+LAUNCH_OVERRIDES: dict = {}
+
+
+def _shape(kind: str, D: int, rows: int, dev: torch.device) -> tuple[int, int, int, tuple[int]]:
+    """(BLOCK rows, BLOCK_D, num_warps, grid) of one launch of a row-moving kernel over ``rows``."""
+    br, bd = _tiles(D, rows)
+    o = LAUNCH_OVERRIDES.get(kind)
+    if not o:
+        return br, bd, 4, _grid(-(-rows // br), dev)
+    br, bd = o.get("BLOCK_ROWS", br), o.get("BLOCK_D", bd)
+    return br, bd, o.get("num_warps", 4), _grid(-(-rows // br), dev, o.get("per_sm"))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -302,10 +322,9 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         if skip_own:
             raise ValueError("skip_own needs row-contiguous x_TD (the expand kernel reads this rank's rows there)")
         x_TD = x_TD.contiguous()
-    bt, bd = _tiles(D, T)
+    bt, bd, warps, grid = _shape("send", D, T, bufs.device)
     dummy = send_row_TW
     E = L.num_experts
-    grid = _grid(-(-T // bt), bufs.device)
     rows_meta = {}
     if own_rows is not None and region is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True, ROWS_REGION=True,
@@ -329,7 +348,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
         E_LOCAL=E // L.world_size, D=D, T_MAX=L.max_tokens,
         META_W=L.meta_words, OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
-        OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
+        OFF_RECV=L.off_recv, WITH_META=with_meta, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps,
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
@@ -349,7 +368,7 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
     ``layout`` = ``(lay, offs, offs_cap)`` after a ``raw_meta`` send: this kernel waits for the
     counts, computes ``lay`` and ``offs`` (``rows_from_W`` must be ``lay[E+e:]``) and decodes META."""
     L, k = bufs.layout, _kernels(bufs.device)
-    br, bd = _tiles(L.hidden, L.recv_rows)
+    br, bd, warps, grid = _shape("expand", L.hidden, L.recv_rows, bufs.device)
     c = _common(bufs)
     extra = {}
     if gate_N is not None:
@@ -379,13 +398,13 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
                      E_LOCAL=E // W, NC=L.num_counts, OFF_COUNTS=L.off_counts, OFF_FLAGS=L.off_flags,
                      OFFS_CAP=-1 if cap is None else cap)
     _send_launch(
-        bufs, k._expand_kernel, _grid(-(-L.recv_rows // br), bufs.device),
+        bufs, k._expand_kernel, grid,
         out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND if gate_grad else out_ND, bufs.peers,
         bufs.rank, out_ND.shape[0] if n_exp is None else n_exp, WP=_next_pow2(L.world_size), K=L.top_k,
         KP=_next_pow2(L.top_k),
         D=L.hidden, T_MAX=L.max_tokens, META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate, FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br,
-        BLOCK_D=bd, num_warps=4, sends=gate_grad or end, **c, **extra)
+        BLOCK_D=bd, num_warps=warps, sends=gate_grad or end, **c, **extra)
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
@@ -502,12 +521,12 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
     to read them there (the caller keeps it alive until then)."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
-    br, bd = _tiles(L.hidden, L.recv_rows)
-    _send_launch(bufs, k._reduce_send_kernel, _grid(-(-L.recv_rows // br), bufs.device),
+    br, bd, warps, grid = _shape("reduce_send", L.hidden, L.recv_rows, bufs.device)
+    _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
-        BLOCK_R=br, BLOCK_D=bd, num_warps=4, **({"ROWS": True} if rows else {}),
+        BLOCK_R=br, BLOCK_D=bd, num_warps=warps, **({"ROWS": True} if rows else {}),
         **_await_meta(bufs))
     return y
 
@@ -517,12 +536,12 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
     the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read."""
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
-    br, bd = _tiles(L.hidden, T)
+    br, bd, warps, grid = _shape("reduce_recv", L.hidden, T, bufs.device)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
-    _send_launch(bufs, k._reduce_recv_kernel, _grid(-(-T // br), bufs.device),
+    _send_launch(bufs, k._reduce_recv_kernel, grid,
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
         OFF_COMB=L.off_comb,
-        BLOCK_T=br, BLOCK_D=bd, num_warps=4, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}),
+        BLOCK_T=br, BLOCK_D=bd, num_warps=warps, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}),
         **(dict(PART_ADDR=part.data_ptr(), T_MAX=L.max_tokens, LOCAL_ROWS=True) if part is not None else {}))
     return out
 

@@ -1,0 +1,131 @@
+"""Launch-shape sweep of the exchange's row-moving kernels (send, reduce_send, reduce_recv).
+
+Run under torchrun on real ranks (W >= 2; the launch shape that moves rows fastest over the link is
+what this looks for, so the emulated world is no guide):
+
+    torchrun --nproc-per-node=2 bench/exchange_tiles.py [--tokens 4096,16384] [--dim 7168] [--experts 64]
+
+For each launch shape (``tlx_dist.comm.symm.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
+programs per SM; ``default`` = what the library launches today) the row-form dispatch into a
+per-layer receive region and its combine (what the fused EP pipeline runs) are captured in CUDA
+graphs and replayed; each op's median over ``--iters`` replays, the ranks aligned on the device
+before each, and the bytes this rank sends to other ranks per second. Each shape is first checked
+against the all-to-all anchor (same rows, same combine), so a shape that breaks the kernels fails
+loudly instead of timing garbage. ``--configs "send:8x512w4p4,reduce_send:8x1024w8p2;..."`` sets
+the shapes to try (``;`` between candidates, ``default`` for none); without it a built-in grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
+
+_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?$")
+KINDS = ("send", "reduce_send", "reduce_recv", "expand")
+
+# rows x cols, warps, programs per SM; the send and both reduce kernels take the same shape
+GRID = ["default", "8x512w4p2", "8x512w4p8", "8x512w4p16", "8x512w8p4", "8x512w8p8", "16x512w8p4",
+        "4x1024w4p4", "4x1024w4p8", "8x1024w8p4", "16x1024w8p2", "2x2048w4p8", "32x256w8p4"]
+
+
+def parse(spec: str) -> dict:
+    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv;
+    ``"send:8x512w4,reduce_send:..."`` -> per kernel."""
+    if spec == "default":
+        return {}
+    out = {}
+    for part in spec.split(","):
+        kind, _, shape = part.rpartition(":")
+        m = _SHAPE.match(shape)
+        if not m:
+            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM])")
+        br, bd, w, p = (int(v) if v else None for v in m.groups())
+        if br & (br - 1) or bd & (bd - 1):
+            raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
+        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}))
+        for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
+            if k not in KINDS:
+                raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")
+            out[k] = o
+    return out
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher, symm
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--dim", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--configs", default=";".join(GRID))
+    ap.add_argument("--json", default="bench_exchange_tiles.json")
+    args = ap.parse_args()
+    specs = args.configs.split(";")
+    shapes = [parse(s) for s in specs]  # bad specs fail before any process group exists
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    W, r = dist.get_world_size(), dist.get_rank()
+    if W < 2:
+        raise SystemExit("bench/exchange_tiles.py needs real ranks: torchrun --nproc-per-node=2 (or more)")
+    group = dist.group.WORLD
+    sync = lambda: (torch.cuda.synchronize(), dist.barrier())  # noqa: E731
+    E, D = args.experts, args.dim
+    e = E // W
+    rows = []
+    for T in [int(v) for v in args.tokens.split(",")]:
+        g = torch.Generator(device="cuda").manual_seed(1000 * r + T)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        gate, idx = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(K, dim=1)
+        mask_TW = torch.zeros(T, W, dtype=torch.bool, device="cuda").scatter_(1, idx // e, True)
+        others = torch.arange(W, device="cuda") != r
+        token_rows = int((mask_TW & others).sum())
+        anchor = AllToAllDispatcher(E, group, validate=False)
+        ra, _ = anchor.dispatch(x, idx, gate)
+        disp = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1)
+        aligned = _aligned_sync(sync, disp) or sync
+        base = None
+        for spec, shape in zip(specs, shapes):
+            symm.LAUNCH_OVERRIDES.clear()
+            symm.LAUNCH_OVERRIDES.update(shape)
+            rows_check(disp, x, idx, gate, ra, mask_TW.sum(1), region=0)
+            fd, fc = _graphs_rows(disp, x, idx, gate, region=0)
+            td = _median_ms(fd, args.iters, aligned) * 1e3
+            tc = _median_ms(fc, args.iters, aligned) * 1e3
+            disp.check()
+            row = dict(config=spec, W=W, T=T, D=D, E=E, K=K, dispatch_us=td, combine_us=tc,
+                       dispatch_GBps=token_rows * D * 2 / td / 1e3, combine_GBps=token_rows * D * 2 / tc / 1e3)
+            base = base or row
+            row["pair_vs_default"] = (base["dispatch_us"] + base["combine_us"]) / (td + tc)
+            rows.append(row)
+            if r == 0:
+                print(f"{spec:>24} T={T:6d}  disp {td:8.1f} us {row['dispatch_GBps']:6.1f} GB/s   "
+                      f"comb {tc:8.1f} us {row['combine_GBps']:6.1f} GB/s   x default {row['pair_vs_default']:.3f}",
+                      flush=True)
+        symm.LAUNCH_OVERRIDES.clear()
+        disp.buffers.close()
+    if r == 0:
+        print(f"\nW={W} E={E} D={D} K={K}, row form into a receive region, graph-replayed, ranks aligned")
+        print("| config | T | disp us | disp GB/s | comb us | comb GB/s | x default |\n|---|---|---|---|---|---|---|")
+        for v in rows:
+            print(f"| {v['config']} | {v['T']} | {v['dispatch_us']:.1f} | {v['dispatch_GBps']:.1f} | "
+                  f"{v['combine_us']:.1f} | {v['combine_GBps']:.1f} | {v['pair_vs_default']:.3f} |")
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
