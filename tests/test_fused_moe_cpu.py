@@ -242,6 +242,7 @@ def test_tile_config_errors_name_the_field():
         _env_overrides("swiglu:STAGES=8")
     over = _env_overrides("swiglu:STAGES=3,LAG=1; wgrad:BK=64,STAGES=3,LAG=1")
     assert over["wgrad_a"].BK == 64 and over["wgrad_b"].BK == 64 and "wgrad" not in over  # the alias sets both
+    from tlx_dist.fused.tlx_backend import FORMS as FORMS_
     with pytest.raises(ValueError, match=r"PREFETCH_H=2 must be 0 or 1"):
         FusedTileConfig(PREFETCH_H=2)
     with pytest.raises(ValueError, match=r"EARLY_H and PREFETCH_H"):
@@ -251,6 +252,16 @@ def test_tile_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"bytes of shared memory"):  # 6 x 32 KB ring + the 64 KB h tile
         _env_overrides("dswiglu:PREFETCH_H=1")
     assert _env_overrides("dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")["dswiglu"].smem_bytes("dswiglu") == 4 * 32768 + 65536
+    # EARLY_H is the dSwiGLU default; PREFETCH_H or BN < 64 asked for without it turn it off, and
+    # naming both still raises
+    assert FORMS_["dswiglu"].EARLY_H == 1
+    assert _env_overrides("dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")["dswiglu"].EARLY_H == 0
+    assert _env_overrides("dswiglu:BN=32")["dswiglu"].EARLY_H == 0
+    assert _env_overrides("dswiglu:STAGES=5,LAG=3")["dswiglu"].EARLY_H == 1
+    assert _env_overrides("dswiglu:EARLY_H=0")["dswiglu"].EARLY_H == 0
+    with pytest.raises(ValueError, match=r"EARLY_H and PREFETCH_H"):
+        _env_overrides("dswiglu:PREFETCH_H=1,EARLY_H=1,STAGES=4,LAG=2")
+    assert _env_overrides("dswiglu:BN=32", "sm_100")["dswiglu"].BN == 32  # Blackwell has no EARLY_H field
     over = _env_overrides("wgrad:REGS=232;wgrad_a:GROUP_M=8")  # a later part refines the alias's fields
     assert (over["wgrad_a"].REGS, over["wgrad_a"].GROUP_M, over["wgrad_b"].REGS, over["wgrad_b"].GROUP_M) == (232, 8, 232, 1)
     over = _env_overrides("wgrad_b:STAGES=4,LAG=2")

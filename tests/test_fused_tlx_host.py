@@ -106,7 +106,8 @@ def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
     assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == [(True, False), (False, True)]
     if arch == "sm_90":
         # the dSwiGLU launch takes the h descriptor exactly when the override asks for it
-        pre, early = "PREFETCH_H" in env, "EARLY_H" in env
+        # EARLY_H is the dSwiGLU default (session 11); asking for PREFETCH_H turns it off
+        pre, early = "PREFETCH_H" in env, "PREFETCH_H" not in env
         assert [c["PREFETCH_H"] for c in mm] == [False, False, pre, False]
         assert (mm[2]["h_desc"] is not None) == pre
         assert [c["EARLY_H"] for c in mm] == [False, False, early, False]

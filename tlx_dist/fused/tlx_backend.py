@@ -57,8 +57,10 @@ class FusedTileConfig:
     EARLY_H (dswiglu only, not with PREFETCH_H, BN >= 64): each consumer prefetches its h lines (gate
     and up halves of its 64 rows) into L2 before the tile's main loop, so the epilogue's h loads hit
     L2 instead of waiting on HBM; no shared memory, no registers across the loop (loading h into
-    registers there instead spilled ~1.8 KB a thread). Session 10, compile-checked only; off until an
-    H200 run (``scripts/device/h200_s15.sh``) says it helps."""
+    registers there instead spilled ~1.8 KB a thread). On by default for dswiglu since session 11: on
+    an H200 (``bench/fused_forms.py --forms dswiglu``, T=16384) the form ran 1.478 / 1.156 / 1.563 ms
+    against 1.546 / 1.247 / 1.643 without (OLMoE / Qwen3-30B-A3B / DeepSeek-V2-Lite, 4-7% faster).
+    An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off."""
 
     BM: int = 128
     BN: int = 128
@@ -109,7 +111,7 @@ FORMS = {
     "scatter": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=0, REGS=232),
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
-    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216),
+    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
     # dW13 = x[src]^T @ dh, A gathered (BK rows x 128 columns a stage, 16 KB by cp.async): BK 64
     # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55-1.79 ms
     # (three runs) vs 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
@@ -211,6 +213,8 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
                 raise ValueError(f"{ENV_FUSED_CONFIG}: unknown field {k!r} in {text!r} (fields of {cls.__name__} "
                                  f"on {arch}: {sorted(names)})")
             kw[k] = int(v)
+        if "EARLY_H" in names and "EARLY_H" not in kw and (kw.get("PREFETCH_H") or kw.get("BN", 64) < 64):
+            kw["EARLY_H"] = 0  # the dSwiGLU default's early h loads exclude these: asking for them turns it off
         for form in _ALIASES.get(name, (name,)):
             cfg = dataclasses.replace(out.get(form, forms[form]), **kw)  # later parts refine earlier ones
             if cfg.smem_bytes(form) > _SMEM_LIMIT:
