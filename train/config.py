@@ -230,7 +230,8 @@ def _validate(cfg: Config) -> None:
     if p.ep_row_regions and (p.ep == 1 or p.dispatcher == "all_to_all" or p.moe_pipeline == "separate"):
         raise ValueError("parallel.ep_row_regions gives the fused EP layers their own receive regions: it needs "
                          "parallel.ep > 1, parallel.dispatcher 'symm' or 'auto' and parallel.moe_pipeline 'fused' "
-                         f"or 'auto' (got ep={p.ep}, dispatcher={p.dispatcher!r}, moe_pipeline={p.moe_pipeline!r})")
+                         f"or 'auto' (got ep={p.ep}, dispatcher={p.dispatcher!r}, moe_pipeline={p.moe_pipeline!r}); "
+                         "set parallel.ep_row_regions=false otherwise (configs/h200_2gpu_ep2.toml turns it on)")
     if p.moe_pipeline == "fused" and p.ep > 1 and p.dispatcher == "all_to_all":
         raise ValueError("parallel.moe_pipeline='fused' with parallel.ep > 1 exchanges tokens through the symmetric "
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
