@@ -150,6 +150,8 @@ def test_tiles_widen_only_for_few_rows():
     assert _tiles(7168, 128) == _tiles(7168, 1) == (2, 2048)
     assert _tiles(2048, 128) == (2, 2048) and _tiles(1024, 128) == (4, 1024)
     assert _tiles(6, 3) == (512, 8) and _tiles(256, 3) == (16, 256)
+    # the send kernel starts at 1024 columns (symm._DEFAULT_SHAPES); small ops widen to the same tiles
+    assert _tiles(7168, 2 * 16384, 1024) == (4, 1024) and _tiles(7168, 128, 1024) == (2, 2048)
 
 
 def test_emulated_world_short_wide_tiles(monkeypatch):
@@ -157,7 +159,7 @@ def test_emulated_world_short_wide_tiles(monkeypatch):
     ragged (what symm._tiles picks for few rows at large D, here forced at a small D)."""
     import tlx_dist.comm.symm as symm
     for tiles in ((2, 16), (1, 32)):
-        monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, t=tiles: t)
+        monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
         _check_world(2, 8, 3, [5, 4], 40, "random")
         _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
 

@@ -108,7 +108,7 @@ def test_rows_world_short_wide_tiles(monkeypatch):
     """The row form with 2-row tiles of two column chunks (what symm._tiles picks for few rows at
     large D, forced here at D = 8): forward and backward against the brute force."""
     import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None: (2, 4))
+    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (2, 4))
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
 
@@ -128,7 +128,8 @@ def test_rows_world_launch_overrides(monkeypatch):
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
     symm.LAUNCH_OVERRIDES.clear()
-    assert symm._shape("send", 8, 5, torch.device("cpu")) == (*symm._tiles(8, 5), 4, symm._grid(-(-5 // symm._tiles(8, 5)[0]), torch.device("cpu")))
+    cpu = torch.device("cpu")
+    assert symm._shape("send", 8, 5, cpu) == (*symm._tiles(8, 5, 1024), 4, symm._grid(-(-5 // symm._tiles(8, 5, 1024)[0]), cpu))
 
 
 @pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5, 2, 4], "heavy_imbalance"), ([4, 0, 6, 2], "random")])
@@ -140,7 +141,7 @@ def test_rows_arrive_block_by_block(monkeypatch, Ts, kind):
     import tlx_dist.comm.symm as symm
     import tlx_dist.comm.symm_buffers as sb
     monkeypatch.setattr(sb, "RECV_BLOCK", 3)
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None: (4, 4))
+    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
     W, E, K, D = len(Ts), 12, 3, 8
     world = EmulatedWorld(W, max(Ts), D, K, E, torch.float64, device="cpu")
     bufs = world.buffers

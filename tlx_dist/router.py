@@ -21,6 +21,7 @@ them into NaN; no host sync):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -107,6 +108,90 @@ def group_limited_select(select_TE: torch.Tensor, n_group: int, topk_group: int)
     return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
+# --- the router after its GEMM in one launch (tlx/portable/router.py) --------------------------------
+
+ENV_ROUTER_KERNEL = "TLX_DIST_ROUTER_KERNEL"
+
+
+def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig) -> bool:
+    """Whether :class:`Router` takes the one-launch scores / top-K / loss sums
+    (``tlx/portable/router.py``) instead of the torch ops. Eager mode, fp32 logits, no group-limited
+    selection, at least one token. ``TLX_DIST_ROUTER_KERNEL=1`` / ``0`` forces it on / off; by
+    default (``auto``) it runs on CPU under ``TRITON_INTERPRET=1`` (the tests) and not yet on GPUs:
+    written in session 11, it is interpreter-tested against the torch ops and compiled, and the
+    next GPU call (``scripts/device/x2_s19.sh``) checks and times it."""
+    if cfg.group_limited or logits_TE.dtype != torch.float32 or logits_TE.shape[0] == 0:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    mode = os.environ.get(ENV_ROUTER_KERNEL, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV_ROUTER_KERNEL}={mode!r}: expected auto, 0 or 1")
+    if mode == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    runs_here = (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
+    if mode == "auto":
+        return runs_here and logits_TE.device.type == "cpu"
+    return runs_here
+
+
+def _router_block(E: int) -> int:
+    """Tokens per program: a [BT, next_pow2(E)] fp32 tile of about 2K elements."""
+    ep = 1 << max(0, (E - 1).bit_length())
+    return max(1, min(32, 2048 // ep))
+
+
+class _RouteKernel(torch.autograd.Function):
+    """``(idx_TK, gate_TK, q_E, zsum, fin_slots_E, slots_E, n_fin)`` of fp32 logits in one launch
+    (see ``tlx/portable/router.py``); differentiable in the logits through ``gate_TK``, ``q_E`` (the
+    aux loss's score sums) and ``zsum`` (the z loss's sum of squared logsumexps)."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, bias_E, K: int, softmax: bool, route_norm: bool, scale: float):
+        from tlx.portable.router import _router_fwd_kernel
+
+        logits_TE = logits_TE.contiguous()
+        T, E = logits_TE.shape
+        bt = _router_block(E)
+        nb = -(-T // bt)
+        idx = torch.empty(T, K, dtype=torch.int64, device=logits_TE.device)
+        gate = torch.empty(T, K, dtype=torch.float32, device=logits_TE.device)
+        part = torch.empty(nb, 3 * E + 2, dtype=torch.float32, device=logits_TE.device)
+        ep = 1 << max(0, (E - 1).bit_length())
+        _router_fwd_kernel[(nb,)](logits_TE, bias_E if bias_E is not None else logits_TE, idx, gate, part, T,
+                                  float(scale), E=E, EP=ep, K=K, KP=1 << max(0, (K - 1).bit_length()),
+                                  SOFTMAX=softmax, HAS_BIAS=bias_E is not None, ROUTE_NORM=route_norm, BT=bt)
+        sums = part.sum(0, dtype=torch.float64)  # block partials are exact small counts: exact here
+        q_E, fin_slots_E, slots_E = sums[:E].float(), sums[E:2 * E].float(), sums[2 * E:3 * E].to(torch.int64)
+        n_fin, zsum = sums[3 * E].float(), sums[3 * E + 1].float()
+        ctx.save_for_backward(logits_TE, idx)
+        ctx.meta = (K, softmax, route_norm, float(scale), bt, ep)
+        ctx.mark_non_differentiable(idx, fin_slots_E, slots_E, n_fin)
+        return idx, gate, q_E, zsum, fin_slots_E, slots_E, n_fin
+
+    @staticmethod
+    def backward(ctx, _g_idx, g_gate, g_q, g_zsum, _g_fs, _g_s, _g_n):
+        from tlx.portable.router import _router_bwd_kernel
+
+        logits_TE, idx = ctx.saved_tensors
+        K, softmax, route_norm, scale, bt, ep = ctx.meta
+        T, E = logits_TE.shape
+        dl = torch.empty_like(logits_TE)
+        dummy = logits_TE
+        _router_bwd_kernel[(-(-T // bt),)](
+            logits_TE, idx, g_gate.contiguous() if g_gate is not None else dummy,
+            g_q.contiguous() if g_q is not None else dummy,
+            g_zsum.reshape(1) if g_zsum is not None else dummy, dl, T, scale,
+            E=E, EP=ep, K=K, KP=1 << max(0, (K - 1).bit_length()), SOFTMAX=softmax, ROUTE_NORM=route_norm,
+            HAS_GGATE=g_gate is not None, HAS_GQ=g_q is not None, HAS_GZ=g_zsum is not None, BT=bt)
+        return dl, None, None, None, None, None
+
+
 @dataclass(frozen=True)
 class RoutingStats:
     """What one forward of the router measured.
@@ -164,6 +249,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
         logits_TE = router_logits(x_TD, self.weight)
+        if _router_kernel_runs(logits_TE, cfg):
+            return self._forward_kernel(logits_TE)
         acc = logits_TE.dtype
         if cfg.score_func == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -205,6 +292,24 @@ class Router(nn.Module):
         if cfg.z_loss_coef > 0:
             lse_T = torch.where(finite_T, torch.logsumexp(logits_TE, dim=-1), 0.0)
             z = cfg.z_loss_coef * lse_T.square().sum() / n_finite
+        return RouterOutput(idx_TK, gate_TK, RoutingStats(counts_E, aux, z, logits_TE))
+
+    def _forward_kernel(self, logits_TE: torch.Tensor) -> RouterOutput:
+        """:meth:`forward` after the GEMM in one launch (``tlx/portable/router.py``) plus a few [E]
+        ops for the losses: the same selection, gates, counts and losses as the torch ops."""
+        cfg = self.cfg
+        bias = self.expert_bias.float().contiguous() if cfg.load_balance_bias else None
+        idx_TK, gate_TK, q_E, zsum, fin_slots_E, counts_E, n_fin = _RouteKernel.apply(
+            logits_TE, bias, cfg.top_k, cfg.score_func == "softmax", bool(cfg.route_norm), float(cfg.route_scale))
+        if self.training and cfg.load_balance_bias:
+            self.tokens_since_update.add_(counts_E)
+        zero = logits_TE.new_zeros(())
+        aux, z = zero, zero
+        n_finite = n_fin.clamp_min(1.0)  # an empty batch gives 0, not NaN
+        if cfg.aux_loss_coef > 0:
+            aux = cfg.aux_loss_coef * cfg.num_experts * ((fin_slots_E / (n_finite * cfg.top_k)) * (q_E / n_finite)).sum()
+        if cfg.z_loss_coef > 0:
+            z = cfg.z_loss_coef * zsum / n_finite
         return RouterOutput(idx_TK, gate_TK, RoutingStats(counts_E, aux, z, logits_TE))
 
     @torch.no_grad()

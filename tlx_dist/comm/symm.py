@@ -140,13 +140,14 @@ _WIDE_BELOW_BLOCKS = 256  # fewer row blocks than this (about 2 per H200 SM): wi
 _WIDEST = 2048
 
 
-def _tiles(D: int, rows: Optional[int] = None) -> tuple[int, int]:
+def _tiles(D: int, rows: Optional[int] = None, cols: int = 512) -> tuple[int, int]:
     """(BLOCK rows, BLOCK_D columns) of the row-moving kernels: ~4K-element tiles, 8 x 512 at the
     usual widths. Given the ``rows`` a launch walks, tiles get wider and shorter (up to 2 x 2048)
     while that leaves fewer than ``_WIDE_BELOW_BLOCKS`` row blocks: each program walks a row's
     column chunks one after another (load, then store to a peer), so at T = 128 rows and D = 7168 a
-    8 x 512 tile gave 16 programs with 28 dependent copies each, and 2 x 2048 gives 64 with 8."""
-    bd = min(512, _next_pow2(D))
+    8 x 512 tile gave 16 programs with 28 dependent copies each, and 2 x 2048 gives 64 with 8.
+    ``cols``: the starting width (the send kernel starts at 1024, see ``_DEFAULT_SHAPES``)."""
+    bd = min(cols, _next_pow2(D))
     br = max(1, 4096 // bd)
     if rows is not None:
         while br > 2 and bd < min(_WIDEST, _next_pow2(D)) and -(-rows // br) < _WIDE_BELOW_BLOCKS:
@@ -154,28 +155,41 @@ def _tiles(D: int, rows: Optional[int] = None) -> tuple[int, int]:
     return br, bd
 
 
+@functools.lru_cache(maxsize=None)
+def _programs_per(device_str: str, per_sm: int) -> int:
+    if device_str.startswith("cuda"):
+        return per_sm * torch.cuda.get_device_properties(torch.device(device_str)).multi_processor_count
+    return 2  # as _num_programs
+
+
 def _grid(n_blocks: int, dev: torch.device, per_sm: Optional[int] = None) -> tuple[int]:
-    cap = _num_programs(str(dev))
-    if per_sm is not None and str(dev).startswith("cuda"):
-        cap = per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
+    cap = _num_programs(str(dev)) if per_sm is None else _programs_per(str(dev), per_sm)
     return (max(1, min(n_blocks, cap)),)
 
 
 # Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
 # name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
-# (powers of two), num_warps, per_sm (programs per SM). Empty: the defaults (``_tiles``, 4 warps,
-# 4 programs per SM). Every rank must set the same; set it between ops, not inside one.
+# (powers of two), num_warps, per_sm (programs per SM). Empty: the defaults (``_DEFAULT_SHAPES``,
+# 4 warps). Every rank must set the same; set it between ops, not inside one.
 LAUNCH_OVERRIDES: dict = {}
 
 
+# Defaults per kernel (starting tile width, programs per SM), from the session-11 sweep on two H200s
+# (bench/exchange_tiles.py, D=7168, graph-replayed, ranks aligned; bench/RESULTS.md): the send
+# with 4 x 1024 tiles took 228.5 / 730.4 us at T=4096 / 16384 against 244.5 / 747.5 with 8 x 512;
+# the reductions with 16 programs (64 warps) per SM combined in 230.1 / 876.9 against 247.3 / 931.7
+# with 4. Small ops still widen their tiles (``_tiles``), so T=128 launches are unchanged.
+_DEFAULT_SHAPES = {"send": (1024, 4), "reduce_send": (512, 16), "reduce_recv": (512, 16), "expand": (512, 4)}
+
+
 def _shape(kind: str, D: int, rows: int, dev: torch.device) -> tuple[int, int, int, tuple[int]]:
-    """(BLOCK rows, BLOCK_D, num_warps, grid) of one launch of a row-moving kernel over ``rows``."""
-    br, bd = _tiles(D, rows)
-    o = LAUNCH_OVERRIDES.get(kind)
-    if not o:
-        return br, bd, 4, _grid(-(-rows // br), dev)
+    """(BLOCK rows, BLOCK_D, num_warps, grid) of one launch of a row-moving kernel over ``rows``:
+    ``_DEFAULT_SHAPES`` unless ``LAUNCH_OVERRIDES`` names the kernel."""
+    cols, per_sm = _DEFAULT_SHAPES[kind]
+    br, bd = _tiles(D, rows, cols)
+    o = LAUNCH_OVERRIDES.get(kind) or {}
     br, bd = o.get("BLOCK_ROWS", br), o.get("BLOCK_D", bd)
-    return br, bd, o.get("num_warps", 4), _grid(-(-rows // br), dev, o.get("per_sm"))
+    return br, bd, o.get("num_warps", 4), _grid(-(-rows // br), dev, o.get("per_sm", per_sm))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
