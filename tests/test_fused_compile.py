@@ -89,7 +89,7 @@ def test_fused_hopper_dswiglu_prefetch_h_compiles(fields):
         return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 128), options=opts)
 
-    cfg = dataclasses.replace(FORMS["dswiglu"], PREFETCH_H=1, **fields)
+    cfg = dataclasses.replace(FORMS["dswiglu"], PREFETCH_H=1, EARLY_H=0, **fields)  # (EARLY_H: the default)
     assert cfg.smem_bytes("dswiglu") <= _SMEM_LIMIT
     pre, base = compile_(cfg), compile_(dataclasses.replace(cfg, PREFETCH_H=0))
     assert pre.metadata.shared <= _SMEM_LIMIT

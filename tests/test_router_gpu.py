@@ -17,12 +17,15 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _fwd_bwd(r, x, w):
+    """(out, dlogits fp32, dx, dW): dlogits is what the router kernel's backward computes; dx and dW
+    come out of the bf16 router GEMM's backward."""
     x = x.detach().clone().requires_grad_(True)
     r.zero_grad(set_to_none=True)
     out = r(x)
+    out.stats.logits_TE.retain_grad()
     loss = (out.gate_TK * w).sum() + out.stats.aux_loss + out.stats.z_loss
     loss.backward()
-    return out, x.grad, r.weight.grad.clone()
+    return out, out.stats.logits_TE.grad, x.grad, r.weight.grad.clone()
 
 
 @pytest.mark.parametrize("E,K,score,norm,bias", [(64, 8, "softmax", False, False), (128, 8, "softmax", True, True),
@@ -42,9 +45,9 @@ def test_router_kernel_matches_torch_ops_on_gpu(E, K, score, norm, bias, T, monk
     w = torch.randn(T, K, device="cuda")
     monkeypatch.setenv(ENV_ROUTER_KERNEL, "1")
     assert _router_kernel_runs(torch.zeros(1, E, device="cuda"), cfg)
-    ko, kdx, kdw = _fwd_bwd(r, x, w)
+    ko, kdl, kdx, kdw = _fwd_bwd(r, x, w)
     monkeypatch.setenv(ENV_ROUTER_KERNEL, "0")
-    to, tdx, tdw = _fwd_bwd(r, x, w)
+    to, tdl, tdx, tdw = _fwd_bwd(r, x, w)
     # rows whose K-th and (K+1)-th selection scores are not (near-)equal must pick the same experts
     logits = to.stats.logits_TE.detach()
     sel = (torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)) + (r.expert_bias if bias else 0)
@@ -57,7 +60,11 @@ def test_router_kernel_matches_torch_ops_on_gpu(E, K, score, norm, bias, T, monk
     if bool(same.all()):
         assert torch.equal(ko.stats.tokens_per_expert, to.stats.tokens_per_expert)
         torch.testing.assert_close(ko.stats.aux_loss, to.stats.aux_loss, rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(kdw, tdw, rtol=2e-3, atol=2e-3 * float(tdw.abs().max()))
+        # the kernel's own output, fp32, tight; then dW / dx after the bf16 GEMM: the same fp32-level
+        # inputs may round to neighbouring bf16 values there, so one bf16 ulp (2^-7 relative) apart
+        # (session 11 on an H200: 1 of 32768 dW entries was 1 ulp off under a 2e-3 bound)
+        torch.testing.assert_close(kdl, tdl, rtol=1e-4, atol=1e-6 * float(tdl.abs().max()))
+        torch.testing.assert_close(kdw.float(), tdw.float(), rtol=2 ** -7, atol=2e-3 * float(tdw.float().abs().max()))
         torch.testing.assert_close(kdx.float(), tdx.float(), rtol=2e-2, atol=2e-2 * float(tdx.float().abs().max()))
     torch.testing.assert_close(ko.stats.z_loss, to.stats.z_loss, rtol=1e-4, atol=1e-7)
 
