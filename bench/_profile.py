@@ -158,3 +158,27 @@ def gap_profile(step, sync, min_gap_us: float = 10.0, top: int = 12) -> str:
     for gap, name, stack in sorted(rows, reverse=True)[:top]:
         out.append(f"  {gap:8.1f}  {name[:48]} | {stack[:150]}")
     return "\n".join(out)
+
+
+def interleaved_times(steps: dict, rounds: int, time_one) -> dict:
+    """``{name: [ms per round]}``: every round times one call of each step, the order rotated each
+    round (so no provider always runs first, after the same neighbour, or as the clocks drift),
+    ``time_one(step) -> ms``. Ratios taken round by round (:func:`round_ratios`) see the same
+    machine state on both sides, where medians of back-to-back blocks of reps drift apart (the
+    eager layer at T=4096 read 1.30-1.47x in different runs of the same code, session 11)."""
+    names = list(steps)
+    out = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            out[n].append(time_one(steps[n]))
+    return out
+
+
+def round_ratios(times: dict, num: str, den: str) -> tuple[float, float, float]:
+    """(median, min, max) over rounds of ``times[den][i] / times[num][i]``: how many times faster
+    ``num`` ran than ``den`` in the same round."""
+    import statistics
+
+    r = [b / a for a, b in zip(times[num], times[den])]
+    return statistics.median(r), min(r), max(r)

@@ -6,7 +6,8 @@ what this looks for, so the emulated world is no guide):
     torchrun --nproc-per-node=2 bench/exchange_tiles.py [--tokens 4096,16384] [--dim 7168] [--experts 64]
 
 For each launch shape (``tlx_dist.comm.symm.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
-programs per SM; ``default`` = what the library launches today) the row-form dispatch into a
+programs per SM, the copy-ahead loop, tokens per route block; ``default`` = what the library
+launches today) the row-form dispatch into a
 per-layer receive region and its combine (what the fused EP pipeline runs) are captured in CUDA
 graphs and replayed; each op's median over ``--iters`` replays, the ranks aligned on the device
 before each, and the bytes this rank sends to other ranks per second. Each shape is first checked
@@ -28,29 +29,37 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
-_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?$")
-KINDS = ("send", "reduce_send", "reduce_recv", "expand")
+_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?$")
+KINDS = ("send", "reduce_send", "reduce_recv", "expand", "route")
 
 # rows x cols, warps, programs per SM; the send and both reduce kernels take the same shape
-GRID = ["default", "8x512w4p2", "8x512w4p8", "8x512w4p16", "8x512w8p4", "8x512w8p8", "16x512w8p4",
-        "4x1024w4p4", "4x1024w4p8", "8x1024w8p4", "16x1024w8p2", "2x2048w4p8", "32x256w8p4"]
+GRID = ["default", "send:4x1024w4p4L,reduce_send:8x512w4p16L", "send:4x1024w4p8L,reduce_send:8x1024w8p8L",
+        "send:2x2048w4p8L,reduce_send:4x1024w4p16L", "send:8x512w4p8L,reduce_send:8x512w8p8L",
+        "route:16", "route:32", "route:64"]
 
 
 def parse(spec: str) -> dict:
-    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv;
-    ``"send:8x512w4,reduce_send:..."`` -> per kernel."""
+    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv
+    (a trailing ``L``: the copy-ahead loop, send and reduce_send); ``"send:8x512w4,route:16,..."``
+    -> per kernel (``route:N``: N tokens per route block)."""
     if spec == "default":
         return {}
     out = {}
     for part in spec.split(","):
         kind, _, shape = part.rpartition(":")
+        if kind == "route":
+            if not shape.isdigit() or int(shape) < 1 or int(shape) & (int(shape) - 1):
+                raise ValueError(f"--configs: route:{shape!r} must be a power of two (tokens per route block)")
+            out["route"] = dict(BLOCK_ROWS=int(shape))
+            continue
         m = _SHAPE.match(shape)
         if not m:
-            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM])")
-        br, bd, w, p = (int(v) if v else None for v in m.groups())
+            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM][L])")
+        br, bd, w, p = (int(v) if v else None for v in m.groups()[:4])
         if br & (br - 1) or bd & (bd - 1):
             raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
-        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}))
+        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}),
+                 **({"pipe": True} if m.group(5) else {}))
         for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
             if k not in KINDS:
                 raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")
@@ -64,7 +73,7 @@ def main() -> int:
     from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher, symm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--tokens", default="128,4096,16384")
     ap.add_argument("--dim", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)

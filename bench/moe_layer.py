@@ -16,7 +16,12 @@ fused/separate and fused/torchtitan relative errors of the output and of dw13 on
 operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproducible).
 
     python bench/moe_layer.py [--shapes olmoe,...] [--tokens 4096,16384] [--latency-tokens 1024,4096]
-                              [--providers fused,separate,torchtitan] [--reps 10] [--json out.json]
+                              [--providers fused,separate,torchtitan] [--reps 10] [--interleave 10]
+                              [--json out.json]
+
+The fused/separate and fused/torchtitan ratios: with ``--interleave ROUNDS`` (default 10) the
+median (and min-max) over rounds that time each provider once, the order rotating (each round's
+ratio sees one machine state); ``--interleave 0``: the ratio of the providers' medians.
 
 Expert parallelism (under torchrun, one process per GPU; W = the world size, E experts split over W):
 
@@ -46,7 +51,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from _profile import gap_profile, host_profile, kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
+from _profile import gap_profile, host_profile, interleaved_times, kernel_profile, round_ratios  # bench/_profile.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
@@ -106,25 +111,31 @@ def provider_fn(layer, provider: str):
     return fn
 
 
-def eager_ms(fn, x, g, params, reps: int) -> float:
+def eager_step(fn, x, g, params):
     def step():
         for p in params:
             p.grad = None
         x.grad = None
         fn(x).backward(g)
+    return step
 
+
+def time_once_ms(step) -> float:
+    """One eager call of ``step`` from an idle GPU, in ms (CUDA events)."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def eager_ms(fn, x, g, params, reps: int) -> float:
+    step = eager_step(fn, x, g, params)
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(time_once_ms(step) for _ in range(reps))
 
 
 def capture(step, capture_mode: str = "global") -> "torch.cuda.CUDAGraph":
@@ -343,6 +354,9 @@ def main() -> int:
     ap.add_argument("--latency-tokens", default="1024,4096", help="'' skips the CUDA-graph latency runs")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--interleave", type=int, default=10, metavar="ROUNDS",
+                    help="then time the providers alternately, ROUNDS rounds, and report fused's speed-up "
+                         "as the median (min-max) of the per-round ratios (0: off)")
     ap.add_argument("--profile", action="store_true",
                     help="print the per-kernel GPU time of one fwd+bwd per provider (torchrun mode: rank 0's)")
     ap.add_argument("--gaps", action="store_true",
@@ -433,6 +447,15 @@ def main() -> int:
                 for q in providers:
                     if p != q and f"{p}_tflops" in row and f"{q}_tflops" in row:
                         row[f"{p}/{q}"] = row[f"{p}_tflops"] / row[f"{q}_tflops"]
+            timed = [p for p in providers if f"{p}_tflops" in row]
+            if args.interleave > 0 and "fused" in timed and len(timed) > 1 and T in tflops_tokens:
+                times = interleaved_times({p: eager_step(provider_fn(layer, p), x, g, params) for p in timed},
+                                          args.interleave, time_once_ms)
+                for q in timed:
+                    if q != "fused":
+                        med, lo, hi = round_ratios(times, "fused", q)
+                        row[f"fused/{q} (blocks)"] = row[f"fused/{q}"]
+                        row[f"fused/{q}"], row[f"fused/{q} range"] = med, [lo, hi]
             for p, q in (("fused", "separate"), ("fused", "torchtitan")):
                 if p in results and q in results:
                     row[f"{p}_vs_{q}_out_relerr"] = rel_err(results[p][0], results[q][0])
@@ -448,6 +471,13 @@ def main() -> int:
         del layer, params
         torch.cuda.empty_cache()
 
+    def ratio(r, q):
+        v = r.get(f"fused/{q}", float("nan"))
+        rng = r.get(f"fused/{q} range")
+        return f"{v:.2f}" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
+
+    # fused/q: with --interleave the median of per-round ratios (min-max over the rounds), else
+    # the ratio of the providers' medians timed one block after the other
     print("\n| shape | T | " + " | ".join(f"{p} TFLOP/s" for p in providers) + " | fused/separate | fused/torchtitan |")
     print("|" + "---|" * (4 + len(providers)))
     for r in rows:
@@ -455,7 +485,7 @@ def main() -> int:
             continue
         print(f"| {r['shape']} | {r['T']} | "
               + " | ".join(f"{r.get(p + '_tflops', float('nan')):.1f}" for p in providers)
-              + f" | {r.get('fused/separate', float('nan')):.2f} | {r.get('fused/torchtitan', float('nan')):.2f} |")
+              + f" | {ratio(r, 'separate')} | {ratio(r, 'torchtitan')} |")
     print("\n| shape | T | " + " | ".join(f"{p} eager / graph ms" for p in providers) + " |")
     print("|" + "---|" * (2 + len(providers)))
     for r in rows:

@@ -41,3 +41,23 @@ def test_host_profile_times_both_halves_and_names_the_forward():
     # 4 timed + 4 profiled steps, each one backward: d/dw sum(relu(x @ w)) = x^T (x @ w > 0), 8 times
     torch.testing.assert_close(w.grad, 8 * (x.T @ (x @ w > 0).float()))
     assert len(syncs) >= 2 * 4  # the GPU is drained before every timed and every profiled step
+
+
+def test_interleaved_times_rotate_and_ratios_pair_rounds():
+    """Every round times each step once, the first step rotating; the ratio is taken round by round,
+    so a machine that slows down over the run (here 2x every round) leaves it unchanged, where
+    the ratio of two back-to-back blocks' medians would not."""
+    from _profile import interleaved_times, round_ratios
+
+    order, clock = [], [1.0]
+
+    def time_one(step):
+        order.append(step())
+        clock[0] *= 1.01  # drift
+        return {"fast": 1.0, "slow": 3.0}[order[-1]] * clock[0]
+
+    t = interleaved_times({"fast": lambda: "fast", "slow": lambda: "slow"}, 4, time_one)
+    assert order == ["fast", "slow", "slow", "fast", "fast", "slow", "slow", "fast"]
+    assert len(t["fast"]) == len(t["slow"]) == 4
+    med, lo, hi = round_ratios(t, "fast", "slow")
+    assert lo <= med <= hi and abs(med - 3.0) < 0.05 and hi - lo < 0.07

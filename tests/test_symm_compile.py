@@ -49,14 +49,14 @@ def _specs(amd: bool = False):
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
-                   ROWS_REGION=False,
+                   ROWS_REGION=False, PIPE=False,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
                        "OFF_RBLK"))
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                      peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
-                    USE_NVSHMEM=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))
+                    USE_NVSHMEM=False, PIPE=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))
     rrecv_sig = dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32",
                      PART_ADDR="i64")
     rrecv_cx = dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, T_MAX=T_MAX,
@@ -111,6 +111,12 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel[rows]": ("_reduce_send_kernel", rsend_sig,
                                       dict(rsend_cx, GATED=False, ROWS=True)),
         "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
+        # the copy-ahead loop (a launch-shape option of the sweep, symm.LAUNCH_OVERRIDES "pipe")
+        "_send_tokens_kernel[rows_region_pipe]": ("_send_tokens_kernel", send_sig,
+                                                  dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
+                                                       ROWS_REGION=True, PIPE=True, BLOCK_T=4, BLOCK_D=1024)),
+        "_reduce_send_kernel[rows_pipe]": ("_reduce_send_kernel", rsend_sig,
+                                           dict(rsend_cx, GATED=False, ROWS=True, PIPE=True)),
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
@@ -225,6 +231,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
     assert compiled["_expand_kernel[rows_dgate]"]["timer"] == 0, "rows_dgate waits for nothing"
     assert compiled["_expand_kernel[rows_dgate]"]["release"] > 0, "rows_dgate: no release of the answers"
     assert compiled["_reduce_send_kernel[rows]"]["release"] > 0 and compiled["_reduce_send_kernel[rows]"]["st"] > 0
+    # the copy-ahead loop still moves rows in 16-byte vectors (NVIDIA) and keeps its signals
+    for name in ("_send_tokens_kernel[rows_region_pipe]", "_reduce_send_kernel[rows_pipe]"):
+        info = compiled[name]
+        assert info["release"] > 0 and info["st"] > 0 and info["ld"] > 0, name
+        if "ld_v4" in info:
+            assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved in 16-byte vectors"
     # Static capacity: the send still opens with a bounded barrier (readiness), the expand kernel
     # now waits for the counts too (more bounded polls than the plain dispatch expand).
     for name in ("_send_tokens_kernel[raw]", "_send_tokens_kernel[rows_raw]"):

@@ -88,10 +88,14 @@ def test_training_config_checks_ep_row_regions():
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "h200_2gpu_ep2.toml")
-    assert load_config(recipe, ["parallel.ep_row_regions=true"]).parallel.ep_row_regions
-    for bad in (["parallel.ep=1", "parallel.dp=1"], ["parallel.moe_pipeline=separate"]):
-        with pytest.raises(ValueError, match="parallel.ep_row_regions"):
-            load_config(recipe, ["parallel.ep_row_regions=true", *bad])
+    assert load_config(recipe).parallel.ep_row_regions  # the EP=2 recipe turns them on (session 11)
+    assert not load_config(recipe, ["parallel.ep_row_regions=false"]).parallel.ep_row_regions
+    # where no fused EP layer reads them the key does nothing: the recipe still runs with these overrides
+    for other in (["parallel.ep=1", "parallel.dp=1"], ["parallel.moe_pipeline=separate"],
+                  ["parallel.dispatcher=all_to_all"]):
+        assert load_config(recipe, other).parallel.ep_row_regions
+    with pytest.raises(ValueError, match="parallel.ep_row_regions"):
+        load_config(recipe, ["parallel.ep_row_regions=2"])
 
 
 def _claims(rank, world, n):

@@ -70,11 +70,15 @@ class ParallelConfig:
     pipeline where it runs -- one EP rank, or ep > 1 over the symmetric exchange -- separate ops
     otherwise), ``"fused"`` (also under expert parallelism, over the symmetric exchange's row form:
     needs dispatcher symm, or auto resolving to it) or ``"separate"``.
-    ep_row_regions (symm, fused, ep > 1): each MoE layer gets its own symmetric receive region, where
-    its dispatched rows land and its fused GEMMs read them (no receive-side copy); costs
-    ``W*T*D`` elements of symmetric memory per MoE layer (T = batch_size*seq_len), about what the
-    copies it replaces hold at the end of the forward. Not for schedules that run a layer's forward
-    twice before its backward."""
+    ep_row_regions: each MoE layer that runs the fused EP pipeline over the symmetric exchange (ep >
+    1, dispatcher symm or auto resolving to it, moe_pipeline fused or auto) gets its own symmetric
+    receive region, where its dispatched rows land and its fused GEMMs read them (no receive-side
+    copy); costs ``W*T*D`` elements of symmetric memory per MoE layer (T = batch_size*seq_len),
+    about what the copies it replaces hold at the end of the forward (with
+    ``activation_checkpoint = "moe"`` those copies are freed and recomputed, the regions are not).
+    Elsewhere (one rank, all-to-all, separate pipeline) it does nothing, so a recipe that sets it
+    still runs with those overrides. Not for schedules that run a layer's forward twice before its
+    backward."""
 
     ep: int = 1
     dp: int = 0
@@ -227,11 +231,6 @@ def _validate(cfg: Config) -> None:
         raise ValueError("parallel.dispatcher='all_to_all' needs parallel.ep > 1 (one rank exchanges nothing)")
     if p.moe_pipeline not in ("auto", "fused", "separate"):
         raise ValueError(f"parallel.moe_pipeline={p.moe_pipeline!r} must be 'auto', 'fused' or 'separate'")
-    if p.ep_row_regions and (p.ep == 1 or p.dispatcher == "all_to_all" or p.moe_pipeline == "separate"):
-        raise ValueError("parallel.ep_row_regions gives the fused EP layers their own receive regions: it needs "
-                         "parallel.ep > 1, parallel.dispatcher 'symm' or 'auto' and parallel.moe_pipeline 'fused' "
-                         f"or 'auto' (got ep={p.ep}, dispatcher={p.dispatcher!r}, moe_pipeline={p.moe_pipeline!r}); "
-                         "set parallel.ep_row_regions=false otherwise (configs/h200_2gpu_ep2.toml turns it on)")
     if p.moe_pipeline == "fused" and p.ep > 1 and p.dispatcher == "all_to_all":
         raise ValueError("parallel.moe_pipeline='fused' with parallel.ep > 1 exchanges tokens through the symmetric "
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")

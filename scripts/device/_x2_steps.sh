@@ -48,7 +48,6 @@ train_ep2() {  # EP=2 training, 40 steps; $1: parallel.moe_pipeline (fused | sep
   local t0=$(date +%s) p=$1
   timeout 120 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config configs/h200_2gpu_ep2.toml \
     --override train.steps=40 --override train.log_every=20 --override parallel.moe_pipeline="$p" \
-    $( [ "$p" = separate ] && echo --override parallel.ep_row_regions=false ) \
     --override metrics.progress=false --override metrics.out_dir=/tmp/run_ep2_"$p" > "$out/train_ep2_$p.log" 2>&1
   echo "== EP=2 training, moe_pipeline=$p rc=$? [$(( $(date +%s)-t0 ))s]"
   grep -E "^step" "$out/train_ep2_$p.log" | cut -c1-160 | tail -n 2

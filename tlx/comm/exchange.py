@@ -168,6 +168,23 @@ def _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W: tl.constexpr, OFF_RB
 
 
 @triton.jit
+def _copy_chunks_ahead(src, dst, m_rows, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dst[r, :] = src[r, :]`` for the rows with ``m_rows`` (``src`` / ``dst``: row pointers), a
+    row's column chunk c + 1 loaded before chunk c is stored (PIPE), so a program has a load in
+    flight while its stores drain instead of waiting for each load before its store."""
+    cols = tl.arange(0, BLOCK_D)
+    cm = m_rows[:, None] & (cols < D)[None, :]
+    v = tl.load(src[:, None] + cols[None, :], mask=cm)
+    for c0 in range(BLOCK_D, D + BLOCK_D, BLOCK_D):
+        ncols = c0 + tl.arange(0, BLOCK_D)
+        ncm = m_rows[:, None] & (ncols < D)[None, :]
+        vn = tl.load(src[:, None] + ncols[None, :], mask=ncm)
+        tl.store(dst[:, None] + (ncols - BLOCK_D)[None, :], v, mask=cm)
+        v = vn
+        cm = ncm
+
+
+@triton.jit
 def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_ptr, gate_ptr, peers_ptr, RANK,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
@@ -184,7 +201,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
                         RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
-                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0):
+                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -203,6 +220,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     destination's region (a per-layer receive region, ``SymmLayout`` ROWS) instead of RECV, and
     stay there: no receive-side copy.
     Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
+    PIPE: each row's next column chunk is loaded before the current one is stored
+    (``_copy_chunks_ahead``; a launch-shape option, ``symm.LAUNCH_OVERRIDES``).
 
     The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
     destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
@@ -265,11 +284,14 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             mr = m
             if LOCAL_X:
                 mr = m & (d != RANK)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = mr[:, None] & (cols < D)[None, :]
-                v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
-                tl.store(recv[:, None] + cols[None, :], v, mask=cm)
+            if PIPE:
+                _copy_chunks_ahead(x_ptr + t.to(tl.int64) * stride_x, recv, mr, D, BLOCK_D)
+            else:
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = mr[:, None] & (cols < D)[None, :]
+                    v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
+                    tl.store(recv[:, None] + cols[None, :], v, mask=cm)
             if WITH_META:
                 mk = sent[:, None] & km[None, :]
                 tk = t[:, None] * K + kk[None, :]
@@ -518,8 +540,10 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         GATED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                         ROWS: tl.constexpr = False, BARRIER: tl.constexpr = False, OFF_STATE: tl.constexpr = 0,
-                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0):
-    """BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
+                        OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
+                        PIPE: tl.constexpr = False):
+    """PIPE (set only with ROWS and no NVSHMEM): chunk c + 1 of a row loaded before chunk c is stored
+    (``_copy_chunks_ahead``). BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
     (``[W*T_MAX, D]``, one row per received row,
     already summed over this rank's slots) goes home as it is. Otherwise,
     for each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
@@ -564,27 +588,30 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                     gate_t = tl.load(gate_ptr + n[:, None] * K + kk[None, :], mask=mk, other=0.0).to(ACC)
                 else:  # unused
                     gate_t = tl.zeros([BLOCK_R, KP], ACC)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = (cols < D)[None, :]
-                if ROWS:
-                    acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
-                                  other=0.0).to(ACC)
-                else:
-                    acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                    # unrolled up to K = 8: the K row loads of a chunk are in flight together (a loop
-                    # waits for each before issuing the next); the sum keeps the order k = 0, 1, ...
-                    if K <= 8:
-                        for k in tl.static_range(K):
-                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
-                                               ACC, DT)
+            if PIPE:  # (the host sets it only with ROWS and no NVSHMEM)
+                _copy_chunks_ahead(y_ptr + n.to(tl.int64) * D, dst, near, D, BLOCK_D)
+            else:
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = (cols < D)[None, :]
+                    if ROWS:
+                        acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
+                                      other=0.0).to(ACC)
                     else:
-                        for k in range(K):
-                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
-                                               ACC, DT)
-                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
-                if USE_NVSHMEM:
-                    tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
+                        acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+                        # unrolled up to K = 8: the K row loads of a chunk are in flight together (a loop
+                        # waits for each before issuing the next); the sum keeps the order k = 0, 1, ...
+                        if K <= 8:
+                            for k in tl.static_range(K):
+                                acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                                   ACC, DT)
+                        else:
+                            for k in range(K):
+                                acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                                   ACC, DT)
+                    tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
+                    if USE_NVSHMEM:
+                        tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
             if USE_NVSHMEM:
                 _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, RANK, W, D, T_MAX,
                                       DT.primitive_bitwidth // 8, OFF_COMB, OFF_SCOMB, BLOCK_R)

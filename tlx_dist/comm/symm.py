@@ -169,8 +169,10 @@ def _grid(n_blocks: int, dev: torch.device, per_sm: Optional[int] = None) -> tup
 
 # Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
 # name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
-# (powers of two), num_warps, per_sm (programs per SM). Empty: the defaults (``_DEFAULT_SHAPES``,
-# 4 warps). Every rank must set the same; set it between ops, not inside one.
+# (powers of two), num_warps, per_sm (programs per SM), pipe (send / row-form reduce_send: load a
+# row's next column chunk before storing this one); "route" -> {"BLOCK_ROWS": tokens per route
+# block}. Empty: the defaults (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it
+# between ops, not inside one.
 LAUNCH_OVERRIDES: dict = {}
 
 
@@ -190,6 +192,12 @@ def _shape(kind: str, D: int, rows: int, dev: torch.device) -> tuple[int, int, i
     o = LAUNCH_OVERRIDES.get(kind) or {}
     br, bd = o.get("BLOCK_ROWS", br), o.get("BLOCK_D", bd)
     return br, bd, o.get("num_warps", 4), _grid(-(-rows // br), dev, o.get("per_sm", per_sm))
+
+
+def _pipe(kind: str) -> dict:
+    """``{"PIPE": True}`` where ``LAUNCH_OVERRIDES[kind]`` asks for the copy-ahead loop (``pipe``:
+    ``tlx/comm/exchange.py::_copy_chunks_ahead``), else nothing."""
+    return {"PIPE": True} if (LAUNCH_OVERRIDES.get(kind) or {}).get("pipe") else {}
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -234,7 +242,8 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     dev = idx_TK.device
     EP, KP, WP = _next_pow2(E), _next_pow2(K), _next_pow2(W)
     # ~1024 slots a block (sorted in the kernel), whatever E; no more tokens than the buffers take
-    bt = _ROUTE_BLOCK_T or max(1, min(1024 // KP, _next_pow2(L.max_tokens)))
+    bt = _ROUTE_BLOCK_T or (LAUNCH_OVERRIDES.get("route") or {}).get("BLOCK_ROWS") \
+        or max(1, min(1024 // KP, _next_pow2(L.max_tokens)))
     nb = max(1, -(-T // bt))
     nb_max = max(1, -(-L.max_tokens // bt))
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
@@ -366,7 +375,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
-        **_await_meta(bufs))
+        **_pipe("send"), **_await_meta(bufs))
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
@@ -541,6 +550,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
         BLOCK_R=br, BLOCK_D=bd, num_warps=warps, **({"ROWS": True} if rows else {}),
+        **(_pipe("reduce_send") if rows and not bufs.use_nvshmem else {}),
         **_await_meta(bufs))
     return y
 
