@@ -28,6 +28,7 @@ Reference: ``tlx_dist.router.Router`` with ``TLX_DIST_ROUTER_KERNEL=0`` (the tor
 
 import triton
 import triton.language as tl
+from tlx import c_launch as _c_launch
 
 
 @triton.jit
@@ -155,3 +156,8 @@ def _router_bwd_kernel(logits_ptr, idx_ptr, g_gate_ptr, g_q_ptr, g_z_ptr, dl_ptr
         g_z = tl.load(g_z_ptr)
         dl += tl.where(fin2, (2.0 * g_z) * lse[:, None] * sm, 0.0)
     tl.store(dl_ptr + t.to(tl.int64)[:, None] * E + e[None, :], dl, mask=m2)
+
+
+# Launched every step (eager): fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_router_fwd_kernel)
+_c_launch(_router_bwd_kernel)
