@@ -216,3 +216,41 @@ def test_router_kernel_switch(monkeypatch):
     monkeypatch.setenv(ENV_ROUTER_KERNEL, "yes")
     with pytest.raises(ValueError, match=ENV_ROUTER_KERNEL):
         _router_kernel_runs(lg, cfg)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_kernel_partial_losses_and_nan_rows(score, monkeypatch):
+    """Only some outputs used (the unused ones' gradients arrive as None and their terms are skipped):
+    gates only (aux and z coefficients 0), losses only (gates unused); each matches the torch ops.
+    A sigmoid row with a NaN logit (the aux loss on): routed around the NaN, its logit gradient NaN
+    only at that entry, every other row's untouched."""
+    E, K = 12, 3
+    torch.manual_seed(9)
+    x = torch.randn(20, 24)
+    for aux, z, use_gates in ((0.0, 0.0, True), (0.05, 0.01, False), (0.05, 0.0, True)):
+        cfg = make_cfg(dim=24, num_experts=E, top_k=K, score_func=score, aux_loss_coef=aux, z_loss_coef=z,
+                       dtype="float32", init_std=0.5)
+        r = Router(cfg)
+        grads = []
+        for on in ("1", "0"):
+            monkeypatch.setenv(ENV_ROUTER_KERNEL, on)
+            xx = x.clone().requires_grad_(True)
+            r.zero_grad(set_to_none=True)
+            out = r(xx)
+            loss = out.stats.aux_loss + out.stats.z_loss + (out.gate_TK.square().sum() if use_gates else 0.0)
+            loss.backward()
+            grads.append((xx.grad, r.weight.grad.clone()))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if score == "sigmoid":
+        from tlx_dist.router import _RouteKernel
+
+        lg = torch.randn(6, E)
+        lg[2, 4] = float("nan")
+        lk = lg.clone().requires_grad_(True)
+        idx, gate, q_E, zsum, *_ = _RouteKernel.apply(lk, None, K, False, True, 1.0)
+        assert 4 not in idx[2].tolist() and torch.isfinite(gate).all()
+        (gate.sum() + 0.3 * q_E.sum() + 0.1 * zsum).backward()
+        g = lk.grad
+        assert torch.isnan(g[2, 4]) and torch.isfinite(g[2, [c for c in range(E) if c != 4]]).all()
+        assert torch.isfinite(g[[0, 1, 3, 4, 5]]).all()

@@ -219,6 +219,22 @@ def test_emulated_world_copy_ahead_and_route_override(monkeypatch):
     _check_world(4, 16, 3, [3, 5, 7, 9], 6, "heavy_imbalance")
 
 
+def test_route_scratch_is_per_layout():
+    """The route kernel's look-back scratch: the same layout (blocks, row words) gets the same
+    zeroed-once tensor back; another layout (a route block override) gets its own zeroed one, and
+    the earlier stays alive (a captured graph may hold its address) -- a reused one would put status
+    words where an earlier layout left prefix counts."""
+    world = EmulatedWorld(2, 64, 4, 2, 8, torch.float64, device="cpu")
+    b = world.buffers[0]
+    a1 = b.route_scratch(4, 10)
+    a1[:3] = 77
+    assert b.route_scratch(4, 10) is a1
+    c = b.route_scratch(64, 10)
+    assert c is not a1 and int(c.abs().sum()) == 0 and c.numel() == 64 * 21
+    assert b.route_scratch(4, 10) is a1 and int(a1[0]) == 77
+    world.close()
+
+
 def test_route_lookback_through_aggregates(monkeypatch):
     """The look-back path of concurrent blocks (a predecessor has published only its aggregate), which
     in-order interpretation never takes by itself: forced for every block, the layout still equals

@@ -45,7 +45,7 @@ def test_host_profile_times_both_halves_and_names_the_forward():
 
 def test_interleaved_times_rotate_and_ratios_pair_rounds():
     """Every round times each step once, the first step rotating; the ratio is taken round by round,
-    so a machine that slows down over the run (here 2x every round) leaves it unchanged, where
+    so a machine that slows down over the run (here 1% every call) barely moves it, where
     the ratio of two back-to-back blocks' medians would not."""
     from _profile import interleaved_times, round_ratios
 

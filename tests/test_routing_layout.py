@@ -78,8 +78,8 @@ def test_routing_kernel_switch(monkeypatch):
 
     cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
     cpu = types.SimpleNamespace(device=torch.device("cpu"))
-    for interp, env, want_cuda, want_cpu in (("0", "auto", True, False), ("1", "auto", True, True),
-                                             ("1", "1", True, True), ("0", "1", True, False), ("1", "0", False, False)):
+    for interp, env, want_cuda, want_cpu in (("0", "auto", True, False), ("1", "auto", False, True),
+                                             ("1", "1", False, True), ("0", "1", True, False), ("1", "0", False, False)):
         monkeypatch.setenv("TRITON_INTERPRET", interp)
         monkeypatch.setenv(api.ENV_ROUTING_KERNEL, env)
         assert api._routing_kernel_runs(cuda) is want_cuda, (interp, env)

@@ -175,6 +175,7 @@ class _RouteKernel(torch.autograd.Function):
         ctx.save_for_backward(logits_TE, idx)
         ctx.meta = (K, softmax, route_norm, float(scale), bt, ep)
         ctx.mark_non_differentiable(idx, fin_slots_E, slots_E, n_fin)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: its term is skipped
         return idx, gate, q_E, zsum, fin_slots_E, slots_E, n_fin
 
     @staticmethod
@@ -184,6 +185,8 @@ class _RouteKernel(torch.autograd.Function):
         logits_TE, idx = ctx.saved_tensors
         K, softmax, route_norm, scale, bt, ep = ctx.meta
         T, E = logits_TE.shape
+        if g_gate is None and g_q is None and g_zsum is None:
+            return None, None, None, None, None, None
         dl = torch.empty_like(logits_TE)
         dummy = logits_TE
         _router_bwd_kernel[(-(-T // bt),)](

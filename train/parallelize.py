@@ -137,9 +137,11 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     from tlx_dist.comm import SymmDispatcher
     # The exchange's bounded waits use the run's collective timeout: a rank may reach the first
     # dispatch long after another (first-step compilation), which is no failure.
-    # (per-layer receive regions only where the fused EP pipeline reads them: not for separate ops)
-    regions = (cfg.model.n_layers - cfg.model.n_dense_layers
-               if p.ep_row_regions and pd.ep > 1 and p.moe_pipeline != "separate" else 0)
+    # per-layer receive regions only where a fused EP layer claims one (MoELayer: pipeline "fused",
+    # or "auto" with narrow experts, F <= 2D), not for separate ops
+    m = cfg.model
+    fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and m.moe.moe_inter_dim <= 2 * m.dim)
+    regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions)

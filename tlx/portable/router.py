@@ -22,8 +22,10 @@ and per program (block b) the partial sums the load-balancing losses need, writt
 ``_router_bwd_kernel`` recomputes p from the logits and returns dL/dl for given dL/dgate [T, K],
 dL/d(part[:, :E] summed) [E] and dL/d(part[:, 3E+1] summed) (a one-element tensor): the gates' gradient through
 the normalisation and the gather, the aux loss's through q (fin rows only), the z loss's through
-logsumexp (fin rows only), then the score function's Jacobian. A non-finite row keeps torch's
-semantics for its gates (NaN in, NaN out) and adds nothing to the losses.
+logsumexp (fin rows only), then the score function's Jacobian. A non-finite row adds nothing to
+the losses or their gradients. Unlike torch.topk (which ranks NaN first), a NaN score ranks last:
+a softmax row with a NaN or +inf logit is all NaN (its gates and gradient too, as with torch); a
+sigmoid row routes around its NaN entries, whose own logit gradient is NaN (0 * NaN).
 Reference: ``tlx_dist.router.Router`` with ``TLX_DIST_ROUTER_KERNEL=0`` (the torch ops)."""
 
 import triton
@@ -145,9 +147,10 @@ def _router_bwd_kernel(logits_ptr, idx_ptr, g_gate_ptr, g_q_ptr, g_z_ptr, dl_ptr
         gq = tl.where(fin2, tl.load(g_q_ptr + e, mask=e < E, other=0.0)[None, :], 0.0)
         if SOFTMAX:
             dp += gq
-        else:  # q = p / (sum p + eps)
-            S = tl.sum(p, axis=1)[:, None] + 1e-20
-            dp += gq / S - tl.sum(gq * p, axis=1)[:, None] / (S * S)
+        else:  # q = p / (sum p + eps), finite rows only (a NaN score would spread NaN over the row)
+            pf = tl.where(fin2, p, 0.0)
+            S = tl.sum(pf, axis=1)[:, None] + 1e-20
+            dp += gq / S - tl.sum(gq * pf, axis=1)[:, None] / (S * S)
     if SOFTMAX:
         dl = p * (dp - tl.sum(tl.where(cm, dp * p, 0.0), axis=1)[:, None])
     else:

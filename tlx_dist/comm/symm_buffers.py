@@ -331,12 +331,15 @@ class SymmBuffers:
     def route_scratch(self, n_blocks: int, row_words: int) -> torch.Tensor:
         """The route kernel's look-back scratch (``tlx/comm/route.py`` ``_route_kernel``): int64
         ``[n_blocks * (1 + 2 * row_words)]``, this rank's own (not symmetric), zeroed once and kept:
-        its status words carry the op's epoch, so no later dispatch resets it."""
-        need = n_blocks * (1 + 2 * row_words)
-        s = getattr(self, "_route_scratch", None)
-        if s is None or s.numel() < need:
-            s = torch.zeros(need, dtype=torch.int64, device=self.device)
-            self._route_scratch = s
+        its status words carry the op's epoch, so no later dispatch resets it. One per layout
+        (``n_blocks``, ``row_words``): with another route block size (``symm.LAUNCH_OVERRIDES``)
+        the status words would sit where an earlier layout left prefix counts, which a look-back
+        would read as "ready"; kept for the buffers' life (a captured graph holds its address)."""
+        key = (n_blocks, row_words)
+        cache = self.__dict__.setdefault("_route_scratches", {})
+        s = cache.get(key)
+        if s is None:
+            s = cache[key] = torch.zeros(n_blocks * (1 + 2 * row_words), dtype=torch.int64, device=self.device)
         return s
 
     def recv_rows(self) -> torch.Tensor:

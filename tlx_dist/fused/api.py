@@ -238,7 +238,8 @@ def _routing_kernel_runs(idx_TK: torch.Tensor) -> bool:
         raise ValueError(f"{ENV_ROUTING_KERNEL}={mode!r}: expected auto, 0 or 1")
     from ..grouped_gemm.host import interpret_mode
 
-    runs_here = idx_TK.device.type == "cuda" or (idx_TK.device.type == "cpu" and interpret_mode())
+    runs_here = (idx_TK.device.type == "cuda" and not interpret_mode()) or (idx_TK.device.type == "cpu"
+                                                                            and interpret_mode())
     return runs_here and mode != "0"
 
 
