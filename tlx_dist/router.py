@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import tlx
+
 from .config import MoEConfig
 
 __all__ = ["Router", "RouterOutput", "RoutingStats", "expert_counts", "router_logits", "group_limited_select"]
@@ -130,11 +132,7 @@ def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig) -> bool:
     mode = os.environ.get(ENV_ROUTER_KERNEL, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{ENV_ROUTER_KERNEL}={mode!r}: expected auto, 0 or 1")
-    if mode == "0":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if mode == "0" or not tlx.triton_available():
         return False
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     runs_here = (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
@@ -143,10 +141,13 @@ def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig) -> bool:
     return runs_here
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def _router_block(E: int) -> int:
     """Tokens per program: a [BT, next_pow2(E)] fp32 tile of about 2K elements."""
-    ep = 1 << max(0, (E - 1).bit_length())
-    return max(1, min(32, 2048 // ep))
+    return max(1, min(32, 2048 // _pow2(E)))
 
 
 class _RouteKernel(torch.autograd.Function):
@@ -165,9 +166,9 @@ class _RouteKernel(torch.autograd.Function):
         idx = torch.empty(T, K, dtype=torch.int64, device=logits_TE.device)
         gate = torch.empty(T, K, dtype=torch.float32, device=logits_TE.device)
         part = torch.empty(nb, 3 * E + 2, dtype=torch.float32, device=logits_TE.device)
-        ep = 1 << max(0, (E - 1).bit_length())
+        ep = _pow2(E)
         _router_fwd_kernel[(nb,)](logits_TE, bias_E if bias_E is not None else logits_TE, idx, gate, part, T,
-                                  float(scale), E=E, EP=ep, K=K, KP=1 << max(0, (K - 1).bit_length()),
+                                  float(scale), E=E, EP=ep, K=K, KP=_pow2(K),
                                   SOFTMAX=softmax, HAS_BIAS=bias_E is not None, ROUTE_NORM=route_norm, BT=bt)
         sums = part.sum(0, dtype=torch.float64)  # block partials are exact small counts: exact here
         q_E, fin_slots_E, slots_E = sums[:E].float(), sums[E:2 * E].float(), sums[2 * E:3 * E].to(torch.int64)
@@ -193,7 +194,7 @@ class _RouteKernel(torch.autograd.Function):
             logits_TE, idx, g_gate.contiguous() if g_gate is not None else dummy,
             g_q.contiguous() if g_q is not None else dummy,
             g_zsum.reshape(1) if g_zsum is not None else dummy, dl, T, scale,
-            E=E, EP=ep, K=K, KP=1 << max(0, (K - 1).bit_length()), SOFTMAX=softmax, ROUTE_NORM=route_norm,
+            E=E, EP=ep, K=K, KP=_pow2(K), SOFTMAX=softmax, ROUTE_NORM=route_norm,
             HAS_GGATE=g_gate is not None, HAS_GQ=g_q is not None, HAS_GZ=g_zsum is not None, BT=bt)
         return dl, None, None, None, None, None
 

@@ -104,9 +104,10 @@ def expanded_rows(capacity: Capacity, bufs: SymmBuffers) -> Optional[int]:
 # ---------------------------------------------------------------- launch helpers
 
 @functools.lru_cache(maxsize=None)
-def _num_programs(device_str: str) -> int:
+def _num_programs(device_str: str, per_sm: int = 4) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM on CUDA."""
     if device_str.startswith("cuda"):
-        return 4 * torch.cuda.get_device_properties(torch.device(device_str)).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(torch.device(device_str)).multi_processor_count
     return 2  # Triton interpreter: a couple of programs still exercises the persistent loops
 
 
@@ -155,16 +156,8 @@ def _tiles(D: int, rows: Optional[int] = None, cols: int = 512) -> tuple[int, in
     return br, bd
 
 
-@functools.lru_cache(maxsize=None)
-def _programs_per(device_str: str, per_sm: int) -> int:
-    if device_str.startswith("cuda"):
-        return per_sm * torch.cuda.get_device_properties(torch.device(device_str)).multi_processor_count
-    return 2  # as _num_programs
-
-
-def _grid(n_blocks: int, dev: torch.device, per_sm: Optional[int] = None) -> tuple[int]:
-    cap = _num_programs(str(dev)) if per_sm is None else _programs_per(str(dev), per_sm)
-    return (max(1, min(n_blocks, cap)),)
+def _grid(n_blocks: int, dev: torch.device, per_sm: int = 4) -> tuple[int]:
+    return (max(1, min(n_blocks, _num_programs(str(dev), per_sm))),)
 
 
 # Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
