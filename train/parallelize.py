@@ -139,8 +139,9 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     # dispatch long after another (first-step compilation), which is no failure.
     # per-layer receive regions only where a fused EP layer claims one (MoELayer: pipeline "fused",
     # or "auto" with narrow experts, F <= 2D), not for separate ops
+    from tlx_dist.moe import _narrow_experts
     m = cfg.model
-    fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and m.moe.moe_inter_dim <= 2 * m.dim)
+    fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and _narrow_experts(m.moe))
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
