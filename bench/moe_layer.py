@@ -33,6 +33,11 @@ Providers there (same router and expert weights on every provider, T tokens per 
               receive rows by index -> one partial row home per (token, rank)
   fused_ep_regions  the same with SymmDispatcher(row_regions=1): the layer reads its rows in its own
               receive region, where the peers stored them (no receive-side copy)
+  fused_ep_static   regions + a static capacity (SymmDispatcher(capacity=EP_CAPACITY): no host read
+              of the row count; rows past the last expert are padding the GEMMs skip or zero)
+  fused_ep_overlap  fused_ep_static + overlap=True: the dispatch ends once the peers' metadata landed,
+              their rows follow on a side stream (TLX_DIST_EP_OVERLAP_SMS SMs) while the gate/up GEMM
+              computes this rank's own rows, then waits for the rest (issue 9, item 3)
   symm        MoELayer(dispatcher="symm", pipeline="separate"): deduplicated exchange, expert-major copy
   all_to_all  MoELayer(dispatcher="all_to_all"): NCCL all_to_all_single + separate ops (the anchor)
 fwd+bwd TFLOP/s per GPU = 18*T*K*D*F / median step time (rank 0's clock, a barrier before each step);
@@ -63,7 +68,9 @@ SHAPES = {  # name: (D, F, E, K)
 PROVIDERS = ("fused", "separate", "torchtitan")
 EP_SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3-30b-a3b": (2048, 768, 128, 8),
              "deepseek-v3": (7168, 2048, 256, 8)}  # global E: each of W ranks holds E/W
-EP_PROVIDERS = ("fused_ep", "fused_ep_regions", "symm", "all_to_all")
+EP_PROVIDERS = ("fused_ep", "fused_ep_regions", "symm", "all_to_all")  # the default set
+EP_EXTRA = ("fused_ep_static", "fused_ep_overlap")  # by name (--providers)
+EP_CAPACITY = 1.25  # expanded rows of the static-capacity providers: 1.25 * T * K per rank
 
 
 def torchtitan_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
@@ -239,6 +246,8 @@ def ep_main(args) -> int:
     kinds = {"fused_ep": dict(dispatcher="symm", pipeline="fused"),
              # the fused EP layer reading its rows in its own receive region (no receive-side copy)
              "fused_ep_regions": dict(pipeline="fused"),
+             "fused_ep_static": dict(pipeline="fused"),
+             "fused_ep_overlap": dict(pipeline="fused"),
              "symm": dict(dispatcher="symm", pipeline="separate"),
              "all_to_all": dict(dispatcher="all_to_all", pipeline="separate")}
     providers = [p for p in args.providers.split(",") if p in kinds] or list(EP_PROVIDERS)
@@ -257,6 +266,9 @@ def ep_main(args) -> int:
                     kw = dict(kinds[p])
                     if p == "fused_ep_regions":
                         kw["dispatcher"] = SymmDispatcher(E, group, validate=False, row_regions=1)
+                    elif p in ("fused_ep_static", "fused_ep_overlap"):
+                        kw["dispatcher"] = SymmDispatcher(E, group, validate=False, row_regions=1,
+                                                          capacity=EP_CAPACITY, overlap=p == "fused_ep_overlap")
                     layers[p] = MoELayer(cfg, group, device="cuda", **kw)
             first = layers[providers[0]]
             g = torch.Generator(device="cuda").manual_seed(1234)  # the same router on every rank

@@ -453,3 +453,178 @@ def test_region_rows_saved_then_overwritten_raise_in_backward():
     with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
         first.backward()
     sd.check()
+
+
+# ---- the overlapped row form (SymmDispatcher(overlap=True), issue 9 item 3) ----
+
+def _check_phase_runs(h, recv_rows_of, r, T_max, what):
+    """``offsets_V``: every local expert's rows cut in three consecutive runs -- rows from sources
+    before rank r, rank r's own, sources after -- ending at the expert's end."""
+    ov = h.overlap
+    offs = h.offsets_e.long()
+    V = ov.offsets_V.long()
+    e = offs.shape[0]
+    assert V.shape == (3 * e,) and ov.offsets_V.dtype == torch.int32, what
+    src = recv_rows_of
+    for j in range(e):
+        lo = int(offs[j - 1]) if j else 0
+        a, b, c = (int(v) for v in V[3 * j:3 * j + 3])
+        assert lo <= a <= b <= c == int(offs[j]), f"{what}: expert {j} runs {lo, a, b, c}"
+        s = src[lo:c] // T_max
+        assert bool((s[:a - lo] < r).all()), f"{what}: expert {j}, run 0 holds rows of rank >= {r}"
+        assert bool((s[a - lo:b - lo] == r).all()), f"{what}: expert {j}, run 1 is not rank {r}'s own rows"
+        assert bool((s[b - lo:] > r).all()), f"{what}: expert {j}, run 2 holds rows of rank <= {r}"
+
+
+@pytest.mark.parametrize("Ts,kind,capacity", [([5, 3], "random", "worst"), ([4, 0, 6, 2], "random", "worst"),
+                                              ([3, 5, 2, 4], "heavy_imbalance", "worst"),
+                                              ([6, 2], "zero_token_experts", 1.0), ([7, 7], "random", 0.5)])
+def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity):
+    """``overlap=True``: the same rows in the same regions, index maps, gates and layout as the plain
+    region form, two ops in a row (the region counters reset by each op's wait); before the wait the
+    counters hold every peer's rows (the emulated world sends in line) and the own column nothing;
+    ``offsets_V`` cut each expert into (before | own | after) runs; then the fused expert math on the
+    phase plan (``fused_experts_rows(overlap=)``, here the reference backend: wait, then one pass)
+    and the combine give the plain form's outputs bit for bit. Capacity 0.5 overflows (flagged)."""
+    W, E, K, D, Fe = len(Ts), 12, 3, 8, 4
+    e = E // W
+    dt = torch.float64
+    gen = torch.Generator().manual_seed(5)
+    T_max = max(max(Ts), 1)
+    w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=dt) * 0.5
+    w2 = torch.randn(E, Fe, D, generator=gen, dtype=dt) * 0.5
+    ops = []
+    for s in range(2):
+        xs = [torch.randn(T, D, generator=gen, dtype=dt) for T in Ts]
+        idxs = [_kind_routing(60 + 5 * s + d, T, K, E, W, kind) if T else torch.zeros(0, K, dtype=torch.long)
+                for d, T in enumerate(Ts)]
+        gates = [torch.rand(T, K, generator=gen, dtype=dt) for T in Ts]
+        ops.append((xs, idxs, gates))
+    outs = {}
+    for overlap in (False, True):
+        world = EmulatedWorld(W, T_max, D, K, E, dt, device="cpu", row_regions=2, capacity=capacity)
+        got = []
+        for k, (xs, idxs, gates) in enumerate(ops):
+            res = world.dispatch_rows(xs, idxs, gates, region=k, overlap=overlap)
+            parts = []
+            for d, (recv, src, gate_N, h) in enumerate(res):
+                if overlap:
+                    assert h.overlap is not None, "an overlapped dispatch returns its receive plan"
+                    ctr = world.buffers[d].region_counters()[k]
+                    want = h.rows_from_W.clone()
+                    want[d] = 0
+                    assert torch.equal(ctr, want), f"op {k} rank {d}: region counters {ctr} != rows from {want}"
+                    _check_phase_runs(h, src.long(), d, T_max, f"op {k} rank {d}")
+                else:
+                    assert h.overlap is None
+                w13s, w2s = w13[d * e:(d + 1) * e], w2[d * e:(d + 1) * e]
+                part = fused_experts_rows(recv, src, src, gate_N, w13s, w2s, h.offsets_e, recv.shape[0],
+                                          backend="reference", overlap=h.overlap)
+                if overlap:
+                    assert h.overlap.waited
+                    assert torch.equal(world.buffers[d].region_counters()[k], torch.zeros(W, dtype=torch.int64)), \
+                        f"op {k} rank {d}: the wait takes the rows off the region counters"
+                n = int(h.offsets_e[-1])
+                got.append((recv[src[:n].long()].clone(), src[:n].clone(), gate_N[:n].clone(), h.offsets_e.clone(),
+                            h.pos_RK.clone()))
+                parts.append(part)
+            got.append(world.combine_rows(parts, [h for *_, h in res]))
+        if capacity == 0.5:
+            with pytest.raises(RuntimeError, match="received more expert rows"):
+                world.check()
+        else:
+            world.check()
+        world.close()
+        outs[overlap] = got
+    for i, (a, b) in enumerate(zip(outs[False], outs[True])):
+        if isinstance(a, tuple):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"item {i}: the overlapped form differs from the plain one"
+        else:
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"combine {i}: the overlapped form's output differs"
+
+
+def test_overlapped_rows_autograd_and_fallbacks():
+    """The overlap is asked for where it cannot run -- one rank, no region, capacity 'exact' -- and
+    the dispatch is the plain one there (no plan); with a plan, ``fused_experts_rows`` differentiates
+    as without one (the plan is an extra, non-tensor input of its autograd function)."""
+    E, K, D, Fe, T = 4, 2, 8, 4, 6
+    dt = torch.float64
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(T, D, generator=gen, dtype=dt)
+    idx = _kind_routing(3, T, K, E, 1, "random")
+    gate = torch.rand(T, K, generator=gen, dtype=dt)
+    for region, cap in ((0, "worst"), (None, "worst"), (0, "exact")):
+        sd = SymmDispatcher(E, max_tokens=T, capacity=cap, row_regions=1, overlap=True)
+        recv, src, gate_N, h = sd.dispatch_rows(x, idx, gate, region=region)
+        assert h.overlap is None, f"region={region}, capacity={cap}: one rank has nothing to overlap"
+    with pytest.raises(TypeError, match="overlap"):
+        SymmDispatcher(E, overlap=1)
+    # the plan through autograd: an emulated W=2 dispatch's plan on rank 0, the reference backend
+    W = 2
+    world = EmulatedWorld(W, T, D, K, E, dt, device="cpu", row_regions=1, capacity="worst")
+    xs = [torch.randn(T, D, generator=gen, dtype=dt) for _ in range(W)]
+    idxs = [_kind_routing(7 + d, T, K, E, W, "random") for d in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=dt) for _ in range(W)]
+    res = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+    recv, src, gate_N, h = res[0]
+    w13 = torch.randn(E // W, D, 2 * Fe, generator=gen, dtype=dt, requires_grad=True)
+    w2 = torch.randn(E // W, Fe, D, generator=gen, dtype=dt, requires_grad=True)
+    g_N = gate_N.clone().requires_grad_(True)
+    r_in = recv.clone().requires_grad_(True)
+    with_plan = fused_experts_rows(r_in, src, src, g_N, w13, w2, h.offsets_e, recv.shape[0], backend="reference",
+                                   overlap=h.overlap)
+    grads = torch.autograd.grad(with_plan.sum(), (r_in, g_N, w13, w2))
+    plain = fused_experts_rows(r_in, src, src, g_N, w13, w2, h.offsets_e, recv.shape[0], backend="reference")
+    grads0 = torch.autograd.grad(plain.sum(), (r_in, g_N, w13, w2))
+    assert torch.equal(with_plan, plain)
+    for a, b in zip(grads, grads0):
+        assert torch.equal(a, b)
+    world.combine_rows([with_plan.detach(), torch.zeros_like(res[1][0])], [r[3] for r in res])
+    world.check()
+    world.close()
+
+
+def test_overlapped_rows_wait_times_out_naming_the_peer():
+    """A peer whose rows never land (its row send skipped: the counters are taken back here) makes
+    the wait give up after the timeout and ``check()`` raise, naming the token rows and the peer --
+    no hang."""
+    from tlx_dist.comm.symm_buffers import ExchangeError
+
+    W, E, K, D, T = 2, 4, 2, 8, 5
+    dt = torch.float64
+    gen = torch.Generator().manual_seed(9)
+    world = EmulatedWorld(W, T, D, K, E, dt, device="cpu", row_regions=1, capacity="worst", timeout_s=0.02)
+    xs = [torch.randn(T, D, generator=gen, dtype=dt) for _ in range(W)]
+    idxs = [_kind_routing(30 + d, T, K, E, W, "random") for d in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=dt) for _ in range(W)]
+    res = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+    h0 = res[0][3]
+    assert int(h0.rows_from_W[1]) > 0
+    world.buffers[0].region_counters()[0].zero_()  # rank 1's rows "never arrived" at rank 0
+    h0.overlap.wait()
+    with pytest.raises(ExchangeError, match=r"rank 0 waited .* from rank 1"):
+        world.buffers[0].check()
+
+
+@pytest.mark.parametrize("offsets,N", [([3, 9, 9, 9, 20, 33], 40), ([0, 0, 0, 5, 5, 5], 8), ([4, 4, 4], 4),
+                                       ([0, 130, 260, 300, 301, 640], 700)])
+def test_phase_tile_counts(offsets, N):
+    """The overlapped gate/up GEMM's two tile walks over 3e virtual experts: phase 0 gets tiles only
+    for the own runs (v % 3 == 1), phase 1 for the others and the padding; together exactly the
+    tiles of the one-launch walk over the same runs (``prep_offsets(phase=)``, the real prep kernel)."""
+    from tlx_dist.grouped_gemm.host import prep_offsets
+
+    BM = 32
+    off = torch.tensor(offsets, dtype=torch.int32)
+    rows = torch.diff(torch.tensor([0] + offsets + [N])).tolist()
+    m_tiles = [-(-r // BM) for r in rows]
+    _, all_cum = prep_offsets(off, N, BM)
+    _, cum0 = prep_offsets(off, N, BM, phase=0)
+    _, cum1 = prep_offsets(off, N, BM, phase=1)
+    want0 = [m if v < len(offsets) and v % 3 == 1 else 0 for v, m in enumerate(m_tiles)]
+    want1 = [0 if v < len(offsets) and v % 3 == 1 else m for v, m in enumerate(m_tiles)]
+    assert torch.equal(all_cum, torch.tensor(m_tiles).cumsum(0).to(torch.int32))
+    assert torch.equal(cum0, torch.tensor(want0).cumsum(0).to(torch.int32)), cum0
+    assert torch.equal(cum1, torch.tensor(want1).cumsum(0).to(torch.int32)), cum1

@@ -239,3 +239,27 @@ def test_fused_portable_kernels_compile(target, form):
                 f"scatter epilogue: fp32 atomic adds only, got {sorted(set(atomics))}"
     assert scatter or not atomics, f"atomics outside the scatter epilogue: {sorted(set(atomics))}"
     assert 0 < k.metadata.shared <= limit, f"{k.metadata.shared} bytes of shared memory / LDS > {limit} on {target}"
+
+
+def test_fused_hopper_swiglu_virtual_experts_compiles():
+    """The EP overlap's split gate/up GEMM (VIRT=3: three runs of each expert's rows as virtual
+    experts, weights of expert e // 3): the same kernel -- wgmma, 16-byte row gathers, TMA weights,
+    the same shared memory -- with the weight coordinate divided (an extra integer division)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import kernel_signature
+
+    fn, sig, constexprs, attrs, opts = kernel_signature("swiglu")
+    ks = {}
+    for virt in (1, 3):
+        cx = dict(constexprs, VIRT=virt)
+        ks[virt] = triton.compile(ASTSource(fn, dict(sig, VIRT="constexpr"), constexprs=cx, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 128), options=opts)
+    for k in ks.values():
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        assert any("0x10" in ln for ln in ptx.splitlines() if "cp.async.cg.shared.global" in ln)
+    assert ks[3].metadata.shared == ks[1].metadata.shared
+    assert ks[3].asm["ptx"] != ks[1].asm["ptx"], "VIRT must reach the weight coordinate"

@@ -103,3 +103,92 @@ def test_layer_fused_ep_one_rank_vs_separate():
         torch.testing.assert_close(pb.grad.float(), pa.grad.float(), rtol=2e-2,
                                    atol=2e-2 * float(pa.grad.abs().max()), msg=name)
     b.dispatcher.check()
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("W,kind", [(2, "random"), (4, "random"), (4, "heavy_imbalance")])
+def test_overlapped_rows_world_equals_plain(W, kind):
+    """``overlap=True`` (issue 9 item 3) in the emulated world with the real kernels: the split send,
+    the region counters and, on sm_90, the gate/up GEMM in two launches over (before | own | after)
+    runs -- forward output and every gradient bit for bit the plain region form's (same tiles'
+    arithmetic, same fp32 atomics order is not guaranteed, so the k-sums are compared at one ulp)."""
+    E, K, D, Fe = 32, 4, 1024, 512
+    e = E // W
+    Ts = [256 - 61 * s for s in range(W)]
+    g = torch.Generator(DEV).manual_seed(10 + W)
+    xs = [torch.randn(T, D, device=DEV, generator=g).to(BF16) for T in Ts]
+    idxs = [_routing(g, T, K, E, kind) for T in Ts]
+    gates = [torch.softmax(torch.randn(T, K, device=DEV, generator=g), -1).to(BF16).float() for T in Ts]
+    w13 = (torch.randn(E, D, 2 * Fe, device=DEV, generator=g) / D ** 0.5).to(BF16)
+    w2 = (torch.randn(E, Fe, D, device=DEV, generator=g) / Fe ** 0.5).to(BF16)
+    gys = [torch.randn(T, D, device=DEV, generator=g).to(BF16) for T in Ts]
+    res = {}
+    for overlap in (False, True):
+        world = EmulatedWorld(W, max(Ts), D, K, E, BF16, device=DEV, row_regions=1, capacity=1.5)
+        rows = world.dispatch_rows(xs, idxs, gates, region=0, overlap=overlap)
+        leaves, parts, hs = [], [], []
+        for d, (recv, src, gate_N, h) in enumerate(rows):
+            assert (h.overlap is not None) == overlap
+            lv = [recv.detach().clone().requires_grad_(True), gate_N.detach().clone().requires_grad_(True),
+                  w13[d * e:(d + 1) * e].clone().requires_grad_(True),
+                  w2[d * e:(d + 1) * e].clone().requires_grad_(True)]
+            leaves.append(lv)
+            parts.append(fused_experts_rows(lv[0], src, src, lv[1], lv[2], lv[3], h.offsets_e, recv.shape[0],
+                                            overlap=h.overlap))
+            hs.append(h)
+        outs = world.combine_rows([p.detach() for p in parts], hs)
+        g_parts = world.combine_rows_grad(gys, hs)
+        for p, gp in zip(parts, g_parts):
+            p.backward(gp)
+        world.check()
+        res[overlap] = (outs, [[t.grad for t in lv] for lv in leaves], hs)
+        world.close()
+    for d in range(W):
+        n = int(res[False][2][d].offsets_e[-1])
+        torch.testing.assert_close(res[True][0][d].float(), res[False][0][d].float(), rtol=8e-3, atol=1e-3,
+                                   msg=f"rank {d}: output")
+        for name, a, b in zip(("recv", "gate", "w13", "w2"), res[True][1][d], res[False][1][d]):
+            if name == "gate":
+                a, b = a[:n], b[:n]
+            torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-3, msg=f"rank {d}: d{name}")
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the phased gate/up GEMM is the Hopper TLX kernel's")
+def test_phased_gate_up_equals_one_launch():
+    """The overlapped gate/up GEMM (two launches over 3e virtual experts, the first on fewer SMs)
+    against the one-launch kernel: h and a bit for bit, for runs of every kind -- empty runs, runs
+    shorter than a tile, runs that cut tiles anywhere, a whole expert in one run, padding rows."""
+    from tlx_dist.fused.tlx_backend import _Hopper
+    from tlx_dist.grouped_gemm.host import prep_tile_cum
+
+    E, D, Fe, N, R = 6, 1024, 768, 2000, 1500
+    g = torch.Generator(DEV).manual_seed(3)
+    x = torch.randn(R, D, device=DEV, generator=g).to(BF16)
+    src = torch.randint(0, R, (N,), device=DEV, generator=g, dtype=torch.int32)
+    w13 = (torch.randn(E, D, 2 * Fe, device=DEV, generator=g) / D ** 0.5).to(BF16)
+    # expert e owns rows [starts[e], offs_E[e]); the last one none; 160 padding rows past 1840
+    offs_E = torch.tensor([300, 301, 700, 1100, 1840, 1840], dtype=torch.int32, device=DEV)
+    starts = [0, 300, 301, 700, 1100, 1840]
+    cuts = [(0, 0), (120, 300), (301, 301), (301, 700), (700, 1100), (1333, 1555)]  # own run [a, b)
+    V = []
+    for j in range(E):
+        a, b = cuts[j]
+        a, b = max(a, starts[j]), max(b, starts[j])
+        a, b = min(a, int(offs_E[j])), min(b, int(offs_E[j]))
+        V += [a, b, int(offs_E[j])]
+
+    class Plan:
+        offsets_V = torch.tensor(V, dtype=torch.int32, device=DEV)
+        side_sms = 40
+        calls = 0
+
+        def wait(self):
+            Plan.calls += 1
+
+    h1, a1 = _Hopper.gate_up_swiglu(x, src, w13, offs_E, prep_tile_cum(offs_E, N, 128))
+    h2, a2 = _Hopper.gate_up_swiglu_phased(x, src, w13, Plan())
+    torch.cuda.synchronize()
+    assert Plan.calls == 1
+    assert torch.equal(h1, h2) and torch.equal(a1, a2)

@@ -44,12 +44,12 @@ def _specs(amd: bool = False):
                       "OFF_RBLK"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
                     start_ptr="*i64", gate_ptr="*fp32", peers_ptr="*i64", RANK="i32", offs_ptr="*i32", OWN_ADDR="i64",
-                    N_SEND="i32", rows_from_ptr="*i64", ROWS_OFF="i64")
+                    N_SEND="i32", rows_from_ptr="*i64", ROWS_OFF="i64", RCNT_OFF="i64")
     send_cx = dict(W=W, WP=8, K=K, KP=8, E_LOCAL=E // W, D=D, T_MAX=T_MAX, META_W=K + 1, WITH_META=True, BLOCK_T=8,
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
-                   ROWS_REGION=False, PIPE=False,
+                   ROWS_REGION=False, PIPE=False, SPLIT=0,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
                        "OFF_RBLK"))
@@ -117,6 +117,22 @@ def _specs(amd: bool = False):
                                                        ROWS_REGION=True, PIPE=True, BLOCK_T=4, BLOCK_D=1024)),
         "_reduce_send_kernel[rows_pipe]": ("_reduce_send_kernel", rsend_sig,
                                            dict(rsend_cx, GATED=False, ROWS=True, PIPE=True)),
+        # the overlapped row form (symm.RowsOverlap): META + gates + own rows in the op (SPLIT=1), the
+        # peers' rows after it with region-counter adds and no barrier (SPLIT=2), the arrival wait and
+        # the gate/up GEMM's virtual-expert offsets
+        "_send_tokens_kernel[split1]": ("_send_tokens_kernel", send_sig,
+                                        dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
+                                             ROWS_REGION=True, SPLIT=1)),
+        "_send_tokens_kernel[split2]": ("_send_tokens_kernel", send_sig,
+                                        dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, WITH_META=False,
+                                             BARRIER=False, ROWS_REGION=True, SPLIT=2)),
+        "_rows_wait_kernel": ("_rows_wait_kernel",
+                              dict(want_ptr="*i64", peers_ptr="*i64", RANK="i32", RCNT_OFF="i64"),
+                              dict(W=W, OFF_STATE=0, **wait)),
+        "_phase_offsets_kernel": ("_phase_offsets_kernel",
+                                  dict(starts_ptr="*i64", counts_ptr="*i64", offs_ptr="*i32", out_ptr="*i32",
+                                       RANK="i32", CAP="i32"),
+                                  dict(W=W, E_LOCAL=E // W, EP=E // W)),
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
@@ -249,6 +265,16 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert compiled[name]["release"] > compiled["_send_tokens_kernel[rows]"]["release"], name
         assert compiled[name]["acquire"] > compiled["_send_tokens_kernel[rows]"]["acquire"], name
     assert compiled["_expand_kernel[rows_blocks]"]["acquire"] > compiled["_expand_kernel[rows]"]["acquire"]
+    # The overlapped row form: its first half opens the op with the bounded barrier and publishes
+    # ARRIVE; its second half waits for nothing (outside the op) and releases the region counters;
+    # the arrival wait is a bounded acquire poll that takes the rows off the counter.
+    s1, s2 = compiled["_send_tokens_kernel[split1]"], compiled["_send_tokens_kernel[split2]"]
+    assert s1["acquire"] > 0 and s1["timer"] > 0 and s1["release"] > 0 and s1["st"] > 0
+    assert s2["acquire"] == 0 and s2["timer"] == 0, "the row half must not wait"
+    assert s2["release"] > 0 and s2["st"] > 0 and s2["ld"] > 0
+    wk = compiled["_rows_wait_kernel"]
+    assert wk["acquire"] > 0 and wk["timer"] > 0 and wk["atomic"] > 1
+    assert compiled["_phase_offsets_kernel"]["st"] > 0
     # Rows move as 16-byte vectors, also through the symmetric regions, whose pointers are made
     # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
     # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,

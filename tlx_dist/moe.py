@@ -245,7 +245,7 @@ class MoELayer(nn.Module):
         recv_RD, src_N, gate_N, handle = disp.dispatch_rows(x_TD, route.idx_TK, route.gate_TK,
                                                             region=self._rows_region)
         part_RD = fused_experts_rows(recv_RD, src_N, src_N, gate_N, self.w13, self.w2, handle.offsets_e,
-                                     recv_RD.shape[0])
+                                     recv_RD.shape[0], overlap=handle.overlap)
         return disp.combine_rows(part_RD, handle).to(x_TD.dtype)
 
     def _fused(self, x_TD: torch.Tensor) -> bool:

@@ -78,7 +78,11 @@ class ParallelConfig:
     ``activation_checkpoint = "moe"`` those copies are freed and recomputed, the regions are not).
     Elsewhere (one rank, all-to-all, separate pipeline) it does nothing, so a recipe that sets it
     still runs with those overrides. Not for schedules that run a layer's forward twice before its
-    backward."""
+    backward.
+    ep_overlap: the arrival-driven overlap of those layers (``SymmDispatcher(overlap=True)``): a
+    dispatch ends once the peers' metadata landed, their token rows follow on a side stream while
+    the gate/up GEMM computes this rank's own rows. Needs ``ep_row_regions = true`` and
+    ``capacity_factor > 0`` (checked); does nothing where the layers get no region."""
 
     ep: int = 1
     dp: int = 0
@@ -86,6 +90,7 @@ class ParallelConfig:
     capacity_factor: float = 0.0
     moe_pipeline: str = "auto"
     ep_row_regions: bool = False
+    ep_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,12 @@ def _validate(cfg: Config) -> None:
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
+    if p.ep_overlap and not p.ep_row_regions:
+        raise ValueError("parallel.ep_overlap=true overlaps the dispatch with GEMMs that read the rows where they "
+                         "land: set parallel.ep_row_regions = true too")
+    if p.ep_overlap and p.capacity_factor == 0:
+        raise ValueError("parallel.ep_overlap=true needs a static capacity (the rows leave before the counts are "
+                         "known): set parallel.capacity_factor > 0")
     _positive("data", d, "seq_len", "batch_size")
     if d.source not in ("pydoc", "file", "synthetic"):
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")

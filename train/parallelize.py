@@ -145,7 +145,8 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
-                          capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions)
+                          capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
+                          overlap=p.ep_overlap)
 
 
 def check_exchange(model: Transformer) -> None:

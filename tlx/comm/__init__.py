@@ -11,8 +11,10 @@ autograd live in ``tlx_dist.comm.symm``.
 from .exchange import (  # noqa: F401
     _expand_kernel,
     _gate_grad_recv_kernel,
+    _phase_offsets_kernel,
     _reduce_recv_kernel,
     _reduce_send_kernel,
     _route_kernel,
+    _rows_wait_kernel,
     _send_tokens_kernel,
 )

@@ -201,7 +201,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
                         RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
-                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False):
+                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False,
+                        SPLIT: tl.constexpr = 0, RCNT_OFF=0):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -222,6 +223,14 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
     PIPE: each row's next column chunk is loaded before the current one is stored
     (``_copy_chunks_ahead``; a launch-shape option, ``symm.LAUNCH_OVERRIDES``).
+    SPLIT (the overlapped row form, ROWS_REGION on peer pointers; ``symm.RowsOverlap``): the send in
+    two launches. SPLIT=1, the op's phase 2 (BARRIER, WITH_META): every destination's META and
+    gates and this rank's own rows (to OWN_ADDR), then the ARRIVE adds as usual -- so the expand
+    kernel's wait covers the own rows, and everything a peer needs to lay out its rows. SPLIT=2,
+    after it on a side stream, outside the op protocol (no barrier: SPLIT=1 passed it): the rows for
+    every peer, then one release add per destination of this program's rows to that destination's
+    region counter at RCNT_OFF + 8 * RANK (``rows_wait``, not ARRIVE: the op may have ended before
+    they land, and its end zeroes ARRIVE).
 
     The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
     destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
@@ -266,6 +275,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
         for d in range(W):
             row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
             sent = row >= 0
+            if SPLIT == 2:
+                sent = sent & (d != RANK)
             hist += tl.where(wr == d, tl.sum(sent.to(tl.int64)), 0)
             base = tl.load(peers_ptr + d)
             m = sent
@@ -283,6 +294,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             recv = tl.multiple_of(rbase.to(tl.pointer_type(DT)), 16) + dst * D
             mr = m
             if LOCAL_X:
+                mr = m & (d != RANK)
+            if SPLIT == 1:
+                mr = m & (d == RANK)
+            elif SPLIT == 2:
                 mr = m & (d != RANK)
             if PIPE:
                 _copy_chunks_ahead(x_ptr + t.to(tl.int64) * stride_x, recv, mr, D, BLOCK_D)
@@ -319,7 +334,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                                 OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
         if BLK_SIGNAL:
             _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB)
-    _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    if SPLIT == 2:
+        _publish(hist, peers_ptr, RCNT_OFF + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    else:
+        _publish(hist, peers_ptr, OFF_ARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
 
 
 @triton.jit
@@ -704,3 +722,50 @@ def _gate_grad_recv_kernel(out_ptr, rows_to_ptr, peers_ptr, RANK, S,
         tl.store(out_ptr + i, tl.load(src + i, mask=m, other=0.0), mask=m)
     if END:  # the op's last kernel: ready for the next op
         _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
+
+
+@triton.jit
+def _rows_wait_kernel(want_ptr, peers_ptr, RANK, RCNT_OFF, W: tl.constexpr, OFF_STATE: tl.constexpr,
+                      TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+    """The overlapped row form's arrival wait (one program, on the stream of the GEMMs that read
+    the rows): for every source s != RANK, waits (bounded, OP_TOKENS) until this rank's region
+    counter RCNT[s] at ``RCNT_OFF`` holds ``want[s]`` rows (``rows_from``: every row of s landed),
+    then takes them off the counter, so it reads 0 again before the next dispatch into the region
+    (whose senders start adding only after this rank ended a later op)."""
+    my = tl.load(peers_ptr + RANK)
+    ctr = (my + RCNT_OFF).to(tl.pointer_type(tl.int64))
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for s in range(W):
+        if s != RANK:
+            want = tl.load(want_ptr + s)
+            _wait_geq(ctr + s, want, err_ptr, OP_TOKENS, s, TIMEOUT_NS, CLOCK)
+            got = tl.atomic_add(ctr + s, 0, sem="acquire", scope="sys")
+            if got >= want:
+                tl.atomic_add(ctr + s, -want, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _phase_offsets_kernel(starts_ptr, counts_ptr, offs_ptr, out_ptr, RANK, CAP, W: tl.constexpr,
+                          E_LOCAL: tl.constexpr, EP: tl.constexpr):
+    """The overlapped gate/up GEMM's virtual experts (one program): for local expert j, three runs
+    of its expert-major rows -- sources before RANK, RANK's own, sources after -- as cumulative
+    ends ``out[3j] = start(RANK, j)``, ``out[3j + 1] = start(RANK, j) + own rows``, ``out[3j + 2] =
+    offs[j]``, each capped at CAP (the capacity; ``offs`` is capped already), int32. ``starts``:
+    ``[W, E_LOCAL]`` first expanded row of (source, expert) (``_await`` STARTS), ``counts``:
+    ``[E_LOCAL]`` rows per expert; the end of (s, j)'s run is the next source's start, or for
+    the last source the expert's first row + its rows."""
+    j = tl.arange(0, EP)
+    jm = j < E_LOCAL
+    lo = tl.load(starts_ptr + RANK * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    if RANK + 1 < W:
+        hi = tl.load(starts_ptr + (RANK + 1) * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    else:
+        hi = tl.load(starts_ptr + j, mask=jm, other=0).to(tl.int64) + tl.load(counts_ptr + j, mask=jm,
+                                                                                other=0).to(tl.int64)
+    end = tl.load(offs_ptr + j, mask=jm, other=0).to(tl.int64)
+    if CAP >= 0:
+        lo = tl.minimum(lo, CAP)
+        hi = tl.minimum(hi, CAP)
+    tl.store(out_ptr + 3 * j, lo.to(tl.int32), mask=jm)
+    tl.store(out_ptr + 3 * j + 1, hi.to(tl.int32), mask=jm)
+    tl.store(out_ptr + 3 * j + 2, end.to(tl.int32), mask=jm)

@@ -58,13 +58,18 @@ def _max_combine(a, b):
 
 @triton.jit
 def _grouped_tile_prep_kernel(offsets_ptr, safe_ptr, tile_cum_ptr, flag_ptr, E, N_ROWS, BM: tl.constexpr,
-                              E1_P2: tl.constexpr, TILES: tl.constexpr):
+                              E1_P2: tl.constexpr, TILES: tl.constexpr, PHASE: tl.constexpr = -1,
+                              VIRT: tl.constexpr = 3):
     """Offsets guard (+ tile counts), one program. ``offsets_ptr`` int32 or int64, ``E >= 1``.
 
     safe[e] = min(N, max(0, offsets[0..e]))  (int32; clamped to the rows, made non-decreasing)
     flag   |= OFFSETS_NEGATIVE | OFFSETS_PAST_END | OFFSETS_DECREASING for what the raw offsets did
     tile_cum[e] = sum_{j<=e} cdiv(rows_j, BM) for e in [0, E] over the safe rows (TILES only);
-    rows_E = N - safe[E-1] is the padding pseudo-expert."""
+    rows_E = N - safe[E-1] is the padding pseudo-expert.
+    PHASE >= 0 (the EP overlap's split gate/up GEMM; E = VIRT * experts "virtual experts", each
+    expert's rows cut in VIRT consecutive runs, run 1 of each being this rank's own rows): only the
+    runs of that phase get tiles -- phase 0 the runs ``e % VIRT == 1``, phase 1 the others and the
+    padding -- so one launch per phase walks exactly its runs' tiles."""
     idx = tl.arange(0, E1_P2)
     in_e = idx < E
     # Compared in int64: an int64 offset past 2**31 must not wrap into range before it is checked.
@@ -81,6 +86,10 @@ def _grouped_tile_prep_kernel(offsets_ptr, safe_ptr, tile_cum_ptr, flag_ptr, E, 
     if TILES:
         safe_prev = tl.associative_scan(tl.minimum(tl.maximum(raw_prev, 0), N_ROWS), 0, _max_combine)
         cnt = tl.where(in_e, safe - safe_prev, tl.where(idx == E, N_ROWS - safe_prev, 0))
+        if PHASE == 0:
+            cnt = tl.where(in_e & (idx % VIRT == 1), cnt, 0)
+        elif PHASE == 1:
+            cnt = tl.where(in_e & (idx % VIRT == 1), 0, cnt)
         m_tiles = ((cnt + BM - 1) // BM).to(tl.int32)
         cum = tl.cumsum(m_tiles, axis=0)
         tl.store(tile_cum_ptr + idx, cum, mask=idx <= E)

@@ -37,6 +37,8 @@ kernels (tlx/common/gather.py).
 ``_fused_wgrad_hopper_kernel`` (ragged K): dw[e] = A[ia]^T @ B[ib] over the expert's rows, either
   operand gathered by ``cp.async`` (A_GATHER: x[src] for dW13; B_GATHER: dout[dst] for dW2), the other
   by ragged TMA; tiles longest expert first with atomic claims (DYNAMIC), as the landed dW kernel.
+  VIRT > 1 (SWIGLU; the EP overlap's split gate/up GEMM): E counts VIRT runs per expert, each
+  run a "virtual expert" of the tile walk, whose weights are those of expert e // VIRT.
   The gathered rows are the reduction, so their indices change every k-step: the producer loads
   step k + 1's indices while issuing step k's copies (1.4x faster than loading them in line).
 Epilogue stores are plain (masked) global stores from the wgmma accumulator layout; the dW output
@@ -76,13 +78,14 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
                 E, N_ROWS, K_DIM, tiles_n, F_OFF, stride_an,
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                GROUP_M: tl.constexpr, LAG: tl.constexpr):
+                GROUP_M: tl.constexpr, LAG: tl.constexpr, VIRT: tl.constexpr = 1):
     BMS: tl.constexpr = BM // 2
     A_BYTES: tl.constexpr = 0 if A_GATHER else BM * BK * 2
     B_BYTES: tl.constexpr = (2 if EPILOGUE == SWIGLU else 1) * BK * BN * 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     n_off = nt * BN
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
+    ew = e // VIRT  # the weights' expert (VIRT > 1: runs of one expert's rows as virtual experts)
     if A_GATHER:
         # Row pointers of the two BMS-row halves, once per tile; rows past the expert load zeros.
         p0, m0 = gather_ptrs(a_ptr, src_ptr, lo, mt * BM, cnt, stride_an, 0, BK, BMS, BK)
@@ -101,12 +104,12 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
             tlx.async_descriptor_load(a_desc, a_buf[s * 2], [row, k_off], full[s])
             tlx.async_descriptor_load(a_desc, a_buf[s * 2 + 1], [row + BMS, k_off], full[s])
         if EPILOGUE == SWIGLU:
-            tlx.async_descriptor_load(b_desc, b_buf[s * 2], [e, k_off, n_off], full[s])
-            tlx.async_descriptor_load(b_desc, b_buf[s * 2 + 1], [e, k_off, n_off + F_OFF], full[s])
+            tlx.async_descriptor_load(b_desc, b_buf[s * 2], [ew, k_off, n_off], full[s])
+            tlx.async_descriptor_load(b_desc, b_buf[s * 2 + 1], [ew, k_off, n_off + F_OFF], full[s])
         elif B_KMAJOR:
-            tlx.async_descriptor_load(b_desc, b_buf[s], [e, n_off, k_off], full[s])
+            tlx.async_descriptor_load(b_desc, b_buf[s], [ew, n_off, k_off], full[s])
         else:
-            tlx.async_descriptor_load(b_desc, b_buf[s], [e, k_off, n_off], full[s])
+            tlx.async_descriptor_load(b_desc, b_buf[s], [ew, k_off, n_off], full[s])
         if A_GATHER:
             _signal_gathered(it, k, LAG, NUM_STAGES, afull)
         it += 1
@@ -250,7 +253,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr,
+    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr = 1,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -285,7 +288,7 @@ def _fused_mm_hopper_kernel(
             for t in range(tl.program_id(0), total, NUM_SMS):
                 it = _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull, empty, tile_cum_ptr,
                                  offsets_ptr, E, N_ROWS, K_DIM, tiles_n, F_OFF, stride_an, EPILOGUE, A_GATHER,
-                                 B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, LAG)
+                                 B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, LAG, VIRT)
                 if PREFETCH_H:
                     _h_produce(t, tc, h_desc, h_buf, hfull, hempty, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n,
                                F_OFF, BM, BN, SEARCH_STEPS, GROUP_M)

@@ -86,12 +86,15 @@ class EmulatedWorld:
 
     # ---- the fused EP pipeline's row form (SymmDispatcher.dispatch_rows / combine_rows) ----
     def dispatch_rows(self, xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[torch.Tensor],
-                      gates_TK: Sequence[torch.Tensor], region: Optional[int] = None):
+                      gates_TK: Sequence[torch.Tensor], region: Optional[int] = None, overlap: bool = False):
         """Returns ``[(recv_RD, src_N, gate_N, SymmHandle)]`` per rank (no expert-major copy);
-        ``region``: every rank's per-layer receive region of that index (``row_regions``)."""
+        ``region``: every rank's per-layer receive region of that index (``row_regions``);
+        ``overlap``: the overlapped form (``SymmDispatcher(overlap=True)``; its second send runs in
+        line here, so every row has landed on return, and ``handle.overlap.wait()`` only checks
+        and resets the region counters)."""
         for v, n in ((xs_TD, "xs_TD"), (idxs_TK, "idxs_TK"), (gates_TK, "gates_TK")):
             self._check(v, n)
-        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True, region=region)
+        return run_lockstep([dispatch_steps(b, x, i, g, self.capacity, rows=True, region=region, overlap=overlap)
                              for b, x, i, g in zip(self.buffers, xs_TD, idxs_TK, gates_TK)])
 
     def combine_rows(self, parts_RD: Sequence[torch.Tensor], handles: Sequence):

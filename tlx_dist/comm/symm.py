@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args
 from .symm_buffers import SymmBuffers
 
-__all__ = ["SymmDispatcher", "SymmHandle", "ep_buffers", "expanded_rows", "dispatch_steps", "combine_steps",
+__all__ = ["SymmDispatcher", "SymmHandle", "RowsOverlap", "ep_buffers", "expanded_rows", "dispatch_steps", "combine_steps",
            "dispatch_grad_steps", "combine_grad_steps", "combine_rows_steps", "combine_rows_grad_steps",
            "dispatch_rows_grad_steps", "run_steps"]
 
@@ -78,6 +78,69 @@ class SymmHandle(DispatchHandle):
     src_map_N: torch.Tensor
     gate_TK: Optional[torch.Tensor]
     buffers: SymmBuffers
+    overlap: Optional["RowsOverlap"] = None
+
+
+ENV_OVERLAP_SMS = "TLX_DIST_EP_OVERLAP_SMS"
+# SMs the overlapped dispatch's row send keeps while the gate/up GEMM computes this rank's own rows
+# on the others (the send's programs; the GEMM's first launch takes the rest).
+OVERLAP_SMS = 32
+
+
+def overlap_sms() -> int:
+    """The SM budget of the overlapped send (``TLX_DIST_EP_OVERLAP_SMS``, default ``OVERLAP_SMS``)."""
+    v = os.environ.get(ENV_OVERLAP_SMS)
+    if v is None:
+        return OVERLAP_SMS
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV_OVERLAP_SMS}={v!r} must be a positive integer (SMs of the overlapped send)")
+    return n
+
+
+class RowsOverlap:
+    """The receive plan of an overlapped row-form dispatch (``SymmDispatcher(overlap=True)``): the
+    op ended once every peer's META and gates landed; the peers' token rows are still on their way
+    into this rank's receive region, sent by a kernel on a side stream of each rank.
+
+    ``offsets_V``: ``[3e]`` int32, each local expert's expert-major rows as three runs (sources
+    before this rank | this rank's own rows, already present | sources after), cumulative ends:
+    what the gate/up GEMM's first launch computes while the rows land
+    (:func:`tlx_dist.fused.fused_experts_rows` ``overlap=``). ``side_sms``: the send's SM budget.
+    :meth:`wait` enqueues the arrival wait (one program; bounded, an unarrived peer is reported by
+    ``check()`` like every exchange wait) on the current stream; :meth:`finish` (the combine calls
+    it) waits if nobody did and joins the side stream into the current one."""
+
+    def __init__(self, bufs: SymmBuffers, region: int, rows_from_W: torch.Tensor, offsets_V: torch.Tensor,
+                 side_sms: int, side_done: Optional[torch.cuda.Event]):
+        self.buffers, self.region, self.rows_from_W = bufs, region, rows_from_W
+        self.offsets_V, self.side_sms, self.side_done = offsets_V, side_sms, side_done
+        self.waited = False
+        self.joined = False
+
+    def wait(self) -> None:
+        if self.waited:
+            return
+        self.waited = True
+        bufs = self.buffers
+        L, k = bufs.layout, _kernels(bufs.device)
+        k._rows_wait_kernel[(1,)](self.rows_from_W, bufs.peers, bufs.rank, _rcnt_off(L, self.region),
+                                  W=L.world_size, OFF_STATE=L.off_state, TIMEOUT_NS=bufs.timeout_ns,
+                                  CLOCK=_clock(), num_warps=1)
+
+    def finish(self) -> None:
+        self.wait()
+        if not self.joined:
+            self.joined = True
+            if self.side_done is not None:
+                torch.cuda.current_stream(self.buffers.device).wait_event(self.side_done)
+
+
+def _rcnt_off(L, region: int) -> int:
+    return L.off_rcnt + region * L.world_size * 8
 
 
 def check_capacity(capacity: Capacity) -> Capacity:
@@ -234,9 +297,13 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     W, E, NC = L.world_size, L.num_experts, L.num_counts
     dev = idx_TK.device
     EP, KP, WP = _next_pow2(E), _next_pow2(K), _next_pow2(W)
-    # ~1024 slots a block (sorted in the kernel), whatever E; no more tokens than the buffers take
+    # ~1024 slots a block (sorted in the kernel), whatever E; no more tokens than the buffers take.
+    # Small ops (T <= ROUTE_SMALL_T) take 32-token blocks: four programs instead of one at T=128, whose
+    # dispatch went 48.6 -> 36.0 us on two H200s (x2_s20, graph-replayed, D=7168, E=64, K=8); at
+    # T = 4096 and 16384 the block size moved nothing beyond the noise (0.98-1.03x).
     bt = _ROUTE_BLOCK_T or (LAUNCH_OVERRIDES.get("route") or {}).get("BLOCK_ROWS") \
-        or max(1, min(1024 // KP, _next_pow2(L.max_tokens)))
+        or (min(32, _next_pow2(L.max_tokens)) if T <= ROUTE_SMALL_T
+            else max(1, min(1024 // KP, _next_pow2(L.max_tokens))))
     nb = max(1, -(-T // bt))
     nb_max = max(1, -(-L.max_tokens // bt))
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
@@ -252,6 +319,7 @@ def _route(bufs: SymmBuffers, idx_TK: torch.Tensor):
     return q_TK, send_row_TW, counts_C
 
 
+ROUTE_SMALL_T = 1024  # tokens up to which the route kernel takes 32-token blocks
 _ROUTE_AGG_ONLY = False  # tests: force the route kernel's look-back through every aggregate
 _ROUTE_BLOCK_T = 0  # tests: tokens per route block (a power of two; 0 = automatic) to span many blocks
 
@@ -318,7 +386,8 @@ def _blk_meta(bufs: SymmBuffers) -> dict:
 
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
                  offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
-                 raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None, region: Optional[int] = None):
+                 raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None, region: Optional[int] = None,
+                 split: int = 0):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
@@ -331,7 +400,9 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     ``"overlap"`` mode this launch's last programs copy them as they land; ``rows_from`` (int64
     ``[W]``, rows from each source) is then where they read how many to expect. ``region``: the
     rows go to every destination's per-layer receive region ``region`` (``own_rows`` must be this
-    rank's view of it) and stay there: no receive-side copy in any mode."""
+    rank's view of it) and stay there: no receive-side copy in any mode. ``split=1`` (with
+    ``region``): the overlapped dispatch's first half -- META, gates and the own rows only; the
+    peers' rows follow from :func:`_send_rows_side`."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -344,7 +415,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     rows_meta = {}
     if own_rows is not None and region is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True, ROWS_REGION=True,
-                         ROWS_OFF=L.off_rows + region * L.rows_region_bytes)
+                         ROWS_OFF=L.off_rows + region * L.rows_region_bytes, **({"SPLIT": 1} if split else {}))
     elif own_rows is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True)
         mode = _recv_mode(bufs)
@@ -371,6 +442,42 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         **_pipe("send"), **_await_meta(bufs))
 
 
+def _send_rows_side(bufs: SymmBuffers, x_TD: torch.Tensor, send_row_TW: torch.Tensor, own_rows: torch.Tensor,
+                    region: int, side_sms: int) -> Optional[torch.cuda.Event]:
+    """The overlapped dispatch's second half (``SPLIT=2``): every peer's token rows into its region
+    ``region``, each program adding its rows to the destination's region counter when done. Real
+    ranks: on the buffers' side stream, ``side_sms`` programs (one an SM), after what the current
+    stream has enqueued (the first half); returns the event the combine joins. The emulated world
+    and the interpreter: in line (their ranks run one after another), returns None."""
+    L, k = bufs.layout, _kernels(bufs.device)
+    T, D = x_TD.shape
+    bt, bd, warps, _grid_unused = _shape("send", D, T, bufs.device)
+    n_prog = max(1, min(-(-T // bt), side_sms))
+    args = (x_TD, x_TD.stride(0), T, send_row_TW, send_row_TW, send_row_TW, send_row_TW, send_row_TW, bufs.peers,
+            bufs.rank)
+    meta = dict(W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
+                E_LOCAL=L.num_experts // L.world_size, D=D, T_MAX=L.max_tokens, META_W=L.meta_words,
+                OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_RECV=L.off_recv,
+                WITH_META=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps, OWN_ADDR=own_rows.data_ptr(),
+                LOCAL_ROWS=True, ROWS_REGION=True, ROWS_OFF=L.off_rows + region * L.rows_region_bytes, SPLIT=2,
+                RCNT_OFF=_rcnt_off(L, region), **_pipe("send"))
+    if bufs.device.type != "cuda" or bufs.backend in ("emulated", "local"):
+        k._send_tokens_kernel[(n_prog,)](*args, **meta)
+        return None
+    cur = torch.cuda.current_stream(bufs.device)
+    side = getattr(bufs, "_side_stream", None)
+    if side is None:
+        side = bufs._side_stream = torch.cuda.Stream(device=bufs.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        k._send_tokens_kernel[(n_prog,)](*args, **meta)
+        done = torch.cuda.Event()
+        done.record(side)
+    x_TD.record_stream(side)
+    send_row_TW.record_stream(side)
+    return done
+
+
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
             n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
             dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
@@ -382,7 +489,8 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
     rows ``_send_tokens(own_rows=out_ND)`` stored); ``x_own``: the rows this rank
     sent with ``_send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel;
     ``layout`` = ``(lay, offs, offs_cap)`` after a ``raw_meta`` send: this kernel waits for the
-    counts, computes ``lay`` and ``offs`` (``rows_from_W`` must be ``lay[E+e:]``) and decodes META."""
+    counts, computes ``lay`` and ``offs`` (``rows_from_W`` must be ``lay[E+e:]``) and decodes META;
+    returns then the ``[W, e]`` int64 first expanded row of each (source, local expert), else None."""
     L, k = bufs.layout, _kernels(bufs.device)
     br, bd, warps, grid = _shape("expand", L.hidden, L.recv_rows, bufs.device)
     c = _common(bufs)
@@ -421,6 +529,7 @@ def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, 
         D=L.hidden, T_MAX=L.max_tokens, META_W=L.meta_words, OFF_META=L.off_meta, OFF_GATES=L.off_gates,
         OFF_RECV=L.off_recv, OFF_DGATE=L.off_dgate, FROM_META=from_meta, GATE_GRAD=gate_grad, BLOCK_R=br,
         BLOCK_D=bd, num_warps=warps, sends=gate_grad or end, **c, **extra)
+    return extra.get("starts_ptr")
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
@@ -447,7 +556,7 @@ def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int)
 
 def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
                    gate_TK: Optional[torch.Tensor] = None, capacity: Capacity = "worst",
-                   rows: bool = False, region: Optional[int] = None) -> Steps:
+                   rows: bool = False, region: Optional[int] = None, overlap: bool = False) -> Steps:
     """Phases of one dispatch on rank ``bufs.rank``; returns ``(x_exp_ND, SymmHandle)``.
 
     ``rows=True`` (the fused EP pipeline) skips the expert-major copy and returns ``(recv_RD, src_N,
@@ -457,7 +566,10 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     ``region`` (row form over peer pointers) ``recv_RD`` is instead this rank's per-layer receive
     region ``region`` itself (``SymmBuffers.rows_region``), where the peers' rows land: no copy,
     valid until the next dispatch into that region. The NVSHMEM route ignores ``region`` (its puts
-    target RECV)."""
+    target RECV). ``overlap`` (with ``region`` and a static capacity; ignored otherwise): the send
+    splits in two -- META, gates and the own rows in the op, the peers' rows after it on a side
+    stream (``_send_rows_side``) -- and the op ends without waiting for the rows: the handle's
+    ``overlap`` (:class:`RowsOverlap`) says how to wait for them."""
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
@@ -495,8 +607,12 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # and the expand kernel, which waits for them, computes the layout; "exact" needs the layout on
     # the host before expand, so there the send waits for the counts and computes it.
     raw = n is not None
+    ovl = bool(overlap) and rows and region is not None and raw and W > 1
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
-                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region)
+                 own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region,
+                 split=1 if ovl else 0)
+    side_sms = overlap_sms() if ovl else 0
+    side_done = _send_rows_side(bufs, x_TD, send_row_TW, recv_RD, region, side_sms) if ovl else None
     layout = (lay, offsets_e, n) if raw else None
     yield
     if n is None:
@@ -512,9 +628,9 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         x_exp = recv_RD
         gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
-        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
-                n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=region is None, src_row_N=src_N,
-                layout=layout)
+        starts = _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True,
+                         gate_grad=False, n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=region is None,
+                         src_row_N=src_N, layout=layout)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
         _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
@@ -525,10 +641,24 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         recv_counts_e=recv_counts_e, tokens_per_expert_E=counts_C[:E],
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
-        gate_TK=gate_TK, buffers=bufs)
+        gate_TK=gate_TK, buffers=bufs,
+        overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done) if rows and ovl else None)
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
+
+
+def _rows_overlap(bufs: SymmBuffers, region: int, starts: torch.Tensor, lay: torch.Tensor, offsets_e: torch.Tensor,
+                  cap: int, side_sms: int, side_done) -> RowsOverlap:
+    """The overlapped dispatch's :class:`RowsOverlap`: ``offsets_V`` from the layout the expand
+    kernel computed (one launch of ``_phase_offsets_kernel``)."""
+    L = bufs.layout
+    E, W = L.num_experts, L.world_size
+    e = E // W
+    offsets_V = torch.empty(3 * e, dtype=torch.int32, device=bufs.device)
+    _kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], offsets_e, offsets_V, bufs.rank, cap,
+                                                      W=W, E_LOCAL=e, EP=_next_pow2(e), num_warps=1)
+    return RowsOverlap(bufs, region, lay[E + e:], offsets_V, side_sms, side_done)
 
 
 def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> torch.Tensor:
@@ -611,7 +741,10 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
 def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Steps:
     """Fused-EP combine: row r of ``part_RD`` (``[W*T_max, D]``, the gate-weighted sum over this
     rank's experts of receive row r) goes home; returns ``out_TD[t] = sum over ranks`` (fp32, one
-    rounding)."""
+    rounding). After an overlapped dispatch, first the rows' wait if the GEMMs did not enqueue it,
+    and the join of the side stream that sent them (``RowsOverlap.finish``)."""
+    if h.overlap is not None:
+        h.overlap.finish()
     return (yield from _reduce_steps(bufs, part_RD, h, gated=False, rows=True))
 
 
@@ -689,9 +822,9 @@ class _Combine(torch.autograd.Function):
 
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity, region=None):
+    def forward(ctx, x_TD, gate_TK, idx_TK, bufs, capacity, region=None, overlap=False):
         recv_RD, src_N, gate_N, h = run_steps(dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=True,
-                                                             region=region))
+                                                             region=region, overlap=overlap))
         ctx.h, ctx.gate_dtype = h, gate_TK.dtype
         ctx.mark_non_differentiable(src_N)
         return recv_RD, src_N, gate_N, h
@@ -703,7 +836,7 @@ class _DispatchRows(torch.autograd.Function):
             g_RD = torch.zeros(h.buffers.layout.recv_rows, h.buffers.layout.hidden, dtype=h.buffers.layout.dtype,
                                device=h.buffers.device)
         g_TD, g_gate = run_steps(dispatch_rows_grad_steps(h.buffers, g_RD, g_gate_N, h))
-        return g_TD, (g_gate.to(ctx.gate_dtype) if g_gate is not None else None), None, None, None, None
+        return g_TD, (g_gate.to(ctx.gate_dtype) if g_gate is not None else None), None, None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -764,12 +897,17 @@ class SymmDispatcher(Dispatcher):
             NVSHMEM route copies as before and reserves none). Costs ``row_regions * W*T_max*D``
             elements of symmetric memory per rank; every rank must claim the same regions (checked
             once, at the first dispatch).
+        overlap: the arrival-driven overlap of the fused EP pipeline (peer pointers, a layer with a
+            receive region, a static ``capacity``; elsewhere it does nothing): a row-form dispatch
+            ends once every peer's META and gates landed; the peers' rows follow on a side stream
+            (``TLX_DIST_EP_OVERLAP_SMS`` SMs, default 32) while the gate/up GEMM computes this
+            rank's own rows on the other SMs, then waits for them (``RowsOverlap``).
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
                  capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True,
-                 row_regions: int = 0):
+                 row_regions: int = 0, overlap: bool = False):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if buffers is not None:
@@ -793,6 +931,9 @@ class SymmDispatcher(Dispatcher):
         self.timeout_s = timeout_s
         self.row_regions = row_regions
         self._claimed_regions = 0
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap={overlap!r} must be a bool")
+        self.overlap = overlap
 
     def claim_rows_region(self) -> Optional[int]:
         """The next free per-layer receive region (``row_regions``), or None when none is left (the
@@ -845,13 +986,16 @@ class SymmDispatcher(Dispatcher):
         :func:`tlx_dist.fused.fused_experts_rows` with ``dst_N = src_N`` and
         ``num_dst = recv_RD.shape[0]``, then :meth:`combine_rows`. ``region`` (from
         :meth:`claim_rows_region`): ``recv_RD`` is that per-layer receive region, where the rows
-        landed (no copy; valid until the next dispatch into it)."""
+        landed (no copy; valid until the next dispatch into it). With ``overlap`` (and a region, a
+        static capacity, peer pointers) the peers' rows may still be landing on return: pass
+        ``handle.overlap`` to ``fused_experts_rows(overlap=...)`` (or call ``handle.overlap.wait()``
+        before reading ``recv_RD``); :meth:`combine_rows` must follow (it joins the side stream)."""
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         if not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region)
+        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region, self.overlap)
 
     def combine_rows(self, part_RD, handle):
         """``out_TD[t] = sum over the ranks t went to of part_RD[row of t there]`` (fp32, one

@@ -98,6 +98,7 @@ class SymmLayout:
     recv_block: int = 64  # RECV_BLOCK when built
     row_regions: int = 0
     off_rows: int = 0
+    off_rcnt: int = 0  # RCNT [row_regions, W] int64: the overlapped row form's rows landed per source
 
     @property
     def rows_region_bytes(self) -> int:
@@ -172,10 +173,13 @@ class SymmLayout:
             raise ValueError(f"row_regions={row_regions!r} must be a non-negative int")
         off_rows = off
         off = off + row_regions * _align(row * W * max_tokens)
+        off_rcnt = off  # per region, per source: rows of an overlapped dispatch landed (never zeroed by an op end)
+        off = off + _align(8 * W * row_regions)
         return cls(world_size, num_experts, max_tokens, hidden, top_k, dtype,
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
                    offs["gates"], offs["recv"], offs["comb"], offs["dgate"], offs["rblk"], off, staging=staging,
-                   recv_block=RECV_BLOCK, row_regions=row_regions, off_rows=off_rows if row_regions else 0, **st)
+                   recv_block=RECV_BLOCK, row_regions=row_regions, off_rows=off_rows if row_regions else 0,
+                   off_rcnt=off_rcnt if row_regions else 0, **st)
 
 
 def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
@@ -372,6 +376,13 @@ class SymmBuffers:
         # a new view per call: the caller's autograd history lives on the view, never on the region
         # (views share the region's version counter)
         return t.view(L.recv_rows, L.hidden)
+
+    def region_counters(self) -> torch.Tensor:
+        """``[row_regions, W]`` int64 view of RCNT: row k, column s counts source s's rows of an
+        overlapped dispatch into region k landed here and not yet waited for (``rows_wait``)."""
+        L = self.layout
+        return self._region(L.off_rcnt, 8 * L.world_size * L.row_regions).view(torch.int64).view(
+            L.row_regions, L.world_size)
 
     def recv_block_counters(self) -> torch.Tensor:
         """``[W, recv_blocks]`` int64 view of RBLK: row s counts source s's row-form rows landed per

@@ -43,9 +43,20 @@ __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx
 def _fwd_impl(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
               w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
               backend: str, sched: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched)
+
+
+def _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None, overlap=None):
+    """The forward's body; ``overlap`` (a receive plan, eager only) is no custom-op argument."""
     b = get_fused_backend(backend)
     args = (x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
-    return b.forward(*args) if sched is None else b.forward(*args, sched=sched)
+    kw = {} if sched is None else {"sched": sched}
+    if overlap is not None:  # (eager only: the custom op never gets one)
+        if backend == "tlx":
+            kw["overlap"] = overlap
+        else:
+            overlap.wait()  # every row landed before the one-launch gate/up GEMM
+    return b.forward(*args, **kw)
 
 
 def _bwd_impl(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
@@ -76,6 +87,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1], *rest[:1])
     ctx.backend = backend
     ctx.num_dst = num_dst
+    ctx.num_inputs = len(inputs)
     # h's gradient is never used: without this autograd fills an [N, 2F] zero tensor for it every
     # backward (537 MB at OLMoE T=16384: 159 us of an H200's time, bench/RESULTS.md session 9)
     ctx.set_materialize_grads(False)
@@ -88,7 +100,8 @@ def _grads(ctx, dout_TD, bwd):
         dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
     dx, dgate, dw13, dw2 = bwd(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, ctx.backend,
                                sched[0] if sched else None)
-    return (dx, None, None, dgate, dw13, dw2, None, None, None) + (None,) * len(sched)
+    grads = (dx, None, None, dgate, dw13, dw2)
+    return grads + (None,) * (ctx.num_inputs - len(grads))
 
 
 def _backward(ctx, dout_TD, _dh):
@@ -106,7 +119,7 @@ class _FusedEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        out, h_N2F = _fwd_impl(*inputs)
+        out, h_N2F = _fwd_body(*inputs)
         _setup_context(ctx, inputs, (out, h_N2F))
         ctx.mark_non_differentiable(h_N2F)
         return out, h_N2F
@@ -116,10 +129,17 @@ class _FusedEager(torch.autograd.Function):
         return _grads(ctx, dout_TD, _bwd_impl)
 
 
-def _run_fused(*args):
-    """``(out, h)``: the custom op under torch.compile, :class:`_FusedEager` in eager mode."""
+def _run_fused(*args, overlap=None):
+    """``(out, h)``: the custom op under torch.compile, :class:`_FusedEager` in eager mode.
+    ``overlap``: see :func:`fused_experts_rows` (the compiled op waits for every row first)."""
     if torch.compiler.is_compiling():
+        if overlap is not None:
+            overlap.wait()
         return _fwd_op(*args)
+    if overlap is not None:
+        if len(args) == 9:
+            args = args + (None,)
+        return _FusedEager.apply(*args, overlap)
     return _FusedEager.apply(*args)
 
 
@@ -184,7 +204,7 @@ def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
 
 def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
                        w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-                       *, backend: Optional[str] = None) -> torch.Tensor:
+                       *, backend: Optional[str] = None, overlap=None) -> torch.Tensor:
     """The fused experts in row-index form, differentiable in ``x_RD``, ``gate_N``, ``w13``, ``w2``.
 
     ``out[dst[n]] += gate[n] * (SwiGLU(x[src[n]] @ w13[e]) @ w2[e])`` for every row n of expert e
@@ -201,6 +221,10 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
         offsets_E: ``[E]`` int32/int64 cumulative end rows, ``offsets_E[-1] <= N``.
         num_dst: rows of the output.
         backend: ``"tlx" | "triton" | "reference"`` to pin one; default automatic.
+        overlap: the receive plan of an overlapped EP dispatch (``SymmDispatcher(overlap=True)``,
+            :class:`tlx_dist.comm.symm.RowsOverlap`): the peers' rows of ``x_RD`` may still be
+            landing. The Hopper TLX kernels compute this rank's own rows first, wait, then the
+            rest; other backends wait for every row first.
     Returns:
         ``[num_dst, D]`` in ``x_RD.dtype``.
     """
@@ -216,7 +240,8 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
     if not isinstance(num_dst, int) or isinstance(num_dst, bool) or num_dst < 0:
         raise ValueError(f"num_dst={num_dst!r} must be a non-negative int")
     b = select_fused_backend(x_RD, w13_EDF2, w2_EFD, backend)
-    out, _h = _run_fused(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), num_dst, b.name)
+    out, _h = _run_fused(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), num_dst, b.name,
+                         overlap=overlap)
     return out
 
 

@@ -112,13 +112,22 @@ def _sched_parts(sched, offsets_E):
     return sched[:E + 1], sched[o:o + E]
 
 
-def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None):
+def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None,
+                    overlap=None):
     """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``. ``sched``: the
     scheduler tables already computed with the routing (int32: tile_cum ``[E + 1]`` for ``p``'s tile
     height, then from :func:`sched_order_offset` the dW expert order ``[E]``; the TLX primitives
-    only), else the prep kernel runs."""
+    only), else the prep kernel runs. ``overlap`` (the EP overlap's receive plan,
+    :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; primitives with
+    ``gate_up_swiglu_phased`` (Hopper) run this rank's own rows while they do, the others wait
+    for every row first (``overlap.wait()``)."""
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
-    h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
+    if overlap is not None and hasattr(p, "gate_up_swiglu_phased"):
+        h_N2F, a_NF = p.gate_up_swiglu_phased(x_RD, src_N, w13_EDF2, overlap)
+    else:
+        if overlap is not None:
+            overlap.wait()
+        h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
 

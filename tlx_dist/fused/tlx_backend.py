@@ -303,20 +303,23 @@ class _TlxFused:
 
     @classmethod
     def _mm(cls, form, epilogue, a, src, w_desc_args, offsets, tile_cum, n_rows, K, nn, f_off, b_kmajor,
-            c, c2=None, dst=None, scale=None, h=None, part=None):
+            c, c2=None, dst=None, scale=None, h=None, part=None, virt=1, grid_cap=None):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         from ..grouped_gemm.host import max_m_tiles, search_steps
 
         cfg = fused_config(form, nn, cls.ARCH)
         w, shape, strides = w_desc_args
-        E = shape[0]
+        E = shape[0] * virt  # virt > 1: the tile walk's virtual experts (runs of each expert's rows)
         block = [1, cfg.BN, cfg.BK] if b_kmajor else [1, cfg.BK, cfg.BN]
         b_desc = TensorDescriptor(w, shape, strides, block)
         a_desc = None
         if src is None:  # A read in place: TMA
             a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.BM // cls.A_SPLIT, cfg.BK])
         grid = _grid(a.device, max_m_tiles(n_rows, E, cfg.BM) * -(-nn // cfg.BN))
+        if grid_cap is not None:
+            grid = max(1, min(grid, grid_cap))
+        virt_meta = {"VIRT": virt} if virt > 1 else {}
         cls._mm_kernel()[(grid,)](
             a_desc, a if src is not None else None, src, b_desc, offsets, tile_cum,
             c, c2, dst, scale, h, part, n_rows, E, K, nn, f_off, a.stride(0), c.stride(0),
@@ -324,7 +327,8 @@ class _TlxFused:
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES, NUM_SMS=grid, SEARCH_STEPS=search_steps(E),
-            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), num_warps=4, num_stages=1)
+            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **virt_meta, num_warps=4,
+            num_stages=1)
 
     @classmethod
     def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
@@ -440,6 +444,37 @@ class _Hopper(_TlxFused):
         return dict(DYNAMIC=True, LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
 
 
+    @classmethod
+    def gate_up_swiglu_phased(cls, x_RD, src_N, w13_EDF2, ov):
+        """The gate/up GEMM of an EP dispatch whose peers' rows are still landing (``ov``: a
+        :class:`tlx_dist.comm.symm.RowsOverlap`): each local expert's rows cut in three runs --
+        the sources before this rank, this rank's own rows, the sources after it -- as virtual
+        experts (``ov.offsets_V``, ``[3 * E]`` cumulative ends); phase 0 computes the own runs on the
+        SMs the sending kernel leaves free (``grid <= SMs - ov.side_sms``), then ``ov.wait()`` (one
+        program: every peer's rows landed), then phase 1 the rest and the padding. Same tiles'
+        arithmetic as one launch: h and a equal :meth:`gate_up_swiglu`'s bit for bit."""
+        from ..grouped_gemm.host import prep_offsets
+
+        N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+        h = x_RD.new_empty(N, F2)
+        a = x_RD.new_empty(N, F2 // 2)
+        if not N:
+            ov.wait()
+            return h, a
+        offs_V = ov.offsets_V
+        if offs_V.shape[0] != 3 * E:
+            raise ValueError(f"overlap.offsets_V has {offs_V.shape[0]} entries, expected 3 * E = {3 * E}")
+        w = (w13_EDF2, [E, D, F2], [w13_EDF2.stride(0), w13_EDF2.stride(1), 1])
+        tc0 = prep_offsets(offs_V, N, SCHED_BM, phase=0)[1]
+        tc1 = prep_offsets(offs_V, N, SCHED_BM, phase=1)[1]
+        sms = _num_sms(x_RD.device.index if x_RD.device.index is not None else torch.cuda.current_device())
+        cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offs_V, tc0, N, D, F2 // 2, F2 // 2, False, h, c2=a, virt=3,
+                grid_cap=max(1, sms - ov.side_sms))
+        ov.wait()
+        cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offs_V, tc1, N, D, F2 // 2, F2 // 2, False, h, c2=a, virt=3)
+        return h, a
+
+
 class _Blackwell(_TlxFused):
     """tlx/blackwell/fused_moe.py: producer (1 or 4 warps), tcgen05 MMA warp, epilogue warp group."""
 
@@ -531,6 +566,8 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
             constexprs["PREFETCH_H"] = pre
         if "EARLY_H" in fn.arg_names:
             constexprs["EARLY_H"] = base == "dswiglu" and bool(getattr(cfg, "EARLY_H", 0))
+        if "VIRT" in fn.arg_names:
+            constexprs["VIRT"] = 1
     else:
         fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
@@ -560,8 +597,8 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
     return fn, sig, constexprs, attrs, {"num_warps": 4, "num_stages": 1}
 
 
-def _tlx_forward(*a, sched=None):
-    return compose_forward(_tlx_prims(), *a, sched=sched)
+def _tlx_forward(*a, sched=None, overlap=None):
+    return compose_forward(_tlx_prims(), *a, sched=sched, overlap=overlap)
 
 
 def _tlx_backward(*a, sched=None):

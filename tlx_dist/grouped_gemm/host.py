@@ -33,12 +33,14 @@ def max_m_tiles(n_rows: int, n_experts: int, block_m: int) -> int:
     return n_rows // block_m + n_experts + 1
 
 
-def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0):
+def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0, phase: int = -1):
     """(``safe_E`` ``[E]`` int32, ``tile_cum`` ``[E + 1]`` int32 or None) on the device, from one
     launch of the scheduler's prep kernel: the offsets clamped into ``[0, n_rows]`` and made
     non-decreasing (the device offsets flag records what was out of range; see ``guard.py``), and,
     with ``block_m``, the inclusive cumsum of BM-row tiles per expert (+ padding). ``offsets_E``
-    may be int32 or int64; ``E >= 1``."""
+    may be int32 or int64; ``E >= 1``. ``phase`` 0 / 1 (with ``block_m``): the tiles of one phase
+    of the EP overlap's split gate/up GEMM over ``3 * experts`` virtual experts
+    (``tlx/common/scheduler.py``)."""
     import triton
 
     from tlx.common.scheduler import _grouped_tile_prep_kernel
@@ -52,7 +54,8 @@ def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0):
     tile_cum = torch.empty(E + 1, dtype=torch.int32, device=dev) if block_m else None
     _grouped_tile_prep_kernel[(1,)](offsets_E.contiguous(), safe, safe if tile_cum is None else tile_cum,
                                     offsets_flag(dev), E, n_rows, BM=max(block_m, 1),
-                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m))
+                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m),
+                                    **({"PHASE": phase} if phase >= 0 else {}))
     return safe, tile_cum
 
 
