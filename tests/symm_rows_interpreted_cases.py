@@ -476,19 +476,24 @@ def _check_phase_runs(h, recv_rows_of, r, T_max, what):
         assert bool((s[b - lo:] > r).all()), f"{what}: expert {j}, run 2 holds rows of rank <= {r}"
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("Ts,kind,capacity", [([5, 3], "random", "worst"), ([4, 0, 6, 2], "random", "worst"),
                                               ([3, 5, 2, 4], "heavy_imbalance", "worst"),
                                               ([6, 2], "zero_token_experts", 1.0), ([7, 7], "random", 0.5)])
-def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity):
+def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity, backend):
     """``overlap=True``: the same rows in the same regions, index maps, gates and layout as the plain
     region form, two ops in a row (the region counters reset by each op's wait); before the wait the
     counters hold every peer's rows (the emulated world sends in line) and the own column nothing;
     ``offsets_V`` cut each expert into (before | own | after) runs; then the fused expert math on the
     phase plan (``fused_experts_rows(overlap=)``, here the reference backend: wait, then one pass)
-    and the combine give the plain form's outputs bit for bit. Capacity 0.5 overflows (flagged)."""
+    and the combine give the plain form's outputs bit for bit. Capacity 0.5 overflows (flagged).
+    ``triton`` (the portable kernels, interpreted): the phased forward -- gate/up over the own runs,
+    wait, the rest, down over the peers' runs, their partial rows sent home early (the combine's
+    first kernel), down over the own runs -- and a combine that only receives; fp32-ordered sums,
+    so equal to fp32 rounding (fp32 operands), the exchange's outputs bit for bit."""
     W, E, K, D, Fe = len(Ts), 12, 3, 8, 4
     e = E // W
-    dt = torch.float64
+    dt = torch.float64 if backend == "reference" else torch.float32  # (the portable kernels: no fp64)
     gen = torch.Generator().manual_seed(5)
     T_max = max(max(Ts), 1)
     w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=dt) * 0.5
@@ -519,9 +524,10 @@ def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity):
                     assert h.overlap is None
                 w13s, w2s = w13[d * e:(d + 1) * e], w2[d * e:(d + 1) * e]
                 part = fused_experts_rows(recv, src, src, gate_N, w13s, w2s, h.offsets_e, recv.shape[0],
-                                          backend="reference", overlap=h.overlap)
+                                          backend=backend, overlap=h.overlap)
                 if overlap:
                     assert h.overlap.waited
+                    assert (h.overlap.partials_sent is not None) == (backend == "triton")
                     assert torch.equal(world.buffers[d].region_counters()[k], torch.zeros(W, dtype=torch.int64)), \
                         f"op {k} rank {d}: the wait takes the rows off the region counters"
                 n = int(h.offsets_e[-1])
@@ -542,7 +548,10 @@ def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity):
                 assert torch.equal(x, y), f"item {i}: the overlapped form differs from the plain one"
         else:
             for x, y in zip(a, b):
-                assert torch.equal(x, y), f"combine {i}: the overlapped form's output differs"
+                if backend == "reference":
+                    assert torch.equal(x, y), f"combine {i}: the overlapped form's output differs"
+                else:
+                    torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"combine {i}")
 
 
 def test_overlapped_rows_autograd_and_fallbacks():
@@ -561,6 +570,21 @@ def test_overlapped_rows_autograd_and_fallbacks():
         assert h.overlap is None, f"region={region}, capacity={cap}: one rank has nothing to overlap"
     with pytest.raises(TypeError, match="overlap"):
         SymmDispatcher(E, overlap=1)
+    # the output of a phased forward (partial rows already sent) must reach the combine as it is
+    W = 2
+    f32 = torch.float32
+    world = EmulatedWorld(W, T, D, K, E, f32, device="cpu", row_regions=1, capacity="worst")
+    xs = [torch.randn(T, D, generator=gen, dtype=f32) for _ in range(W)]
+    idxs = [_kind_routing(11 + d, T, K, E, W, "random") for d in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=f32) for _ in range(W)]
+    res = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+    w13 = torch.randn(E // W, D, 2 * Fe, generator=gen, dtype=f32)
+    w2 = torch.randn(E // W, Fe, D, generator=gen, dtype=f32)
+    parts = [fused_experts_rows(r, s_, s_, g, w13, w2, h.offsets_e, r.shape[0], backend="triton", overlap=h.overlap)
+             for r, s_, g, h in res]
+    with pytest.raises(ValueError, match="as it is"):
+        world.combine_rows([parts[0].clone(), parts[1]], [r[3] for r in res])
+    world.close()
     # the plan through autograd: an emulated W=2 dispatch's plan on rank 0, the reference backend
     W = 2
     world = EmulatedWorld(W, T, D, K, E, dt, device="cpu", row_regions=1, capacity="worst")

@@ -156,10 +156,12 @@ def test_overlapped_rows_world_equals_plain(W, kind):
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the phased gate/up GEMM is the Hopper TLX kernel's")
-def test_phased_gate_up_equals_one_launch():
-    """The overlapped gate/up GEMM (two launches over 3e virtual experts, the first on fewer SMs)
-    against the one-launch kernel: h and a bit for bit, for runs of every kind -- empty runs, runs
-    shorter than a tile, runs that cut tiles anywhere, a whole expert in one run, padding rows."""
+def test_phased_launches_equal_one_launch():
+    """The overlapped forward's launches (``backends._forward_overlapped``: two of the gate/up
+    GEMM over 3e virtual experts, the first on fewer SMs; two of the down GEMM, peers' runs first)
+    against the one-launch kernels: h and a bit for bit, the fp32 scatter sums to fp32 rounding,
+    for runs of every kind -- empty runs, runs shorter than a tile, runs that cut tiles anywhere, a
+    whole expert in one run, padding rows."""
     from tlx_dist.fused.tlx_backend import _Hopper
     from tlx_dist.grouped_gemm.host import prep_tile_cum
 
@@ -167,28 +169,27 @@ def test_phased_gate_up_equals_one_launch():
     g = torch.Generator(DEV).manual_seed(3)
     x = torch.randn(R, D, device=DEV, generator=g).to(BF16)
     src = torch.randint(0, R, (N,), device=DEV, generator=g, dtype=torch.int32)
+    gate = torch.rand(N, device=DEV, generator=g)
     w13 = (torch.randn(E, D, 2 * Fe, device=DEV, generator=g) / D ** 0.5).to(BF16)
+    w2 = (torch.randn(E, Fe, D, device=DEV, generator=g) / Fe ** 0.5).to(BF16)
     # expert e owns rows [starts[e], offs_E[e]); the last one none; 160 padding rows past 1840
     offs_E = torch.tensor([300, 301, 700, 1100, 1840, 1840], dtype=torch.int32, device=DEV)
     starts = [0, 300, 301, 700, 1100, 1840]
     cuts = [(0, 0), (120, 300), (301, 301), (301, 700), (700, 1100), (1333, 1555)]  # own run [a, b)
     V = []
     for j in range(E):
-        a, b = cuts[j]
-        a, b = max(a, starts[j]), max(b, starts[j])
-        a, b = min(a, int(offs_E[j])), min(b, int(offs_E[j]))
+        a, b = (min(max(c, starts[j]), int(offs_E[j])) for c in cuts[j])
         V += [a, b, int(offs_E[j])]
-
-    class Plan:
-        offsets_V = torch.tensor(V, dtype=torch.int32, device=DEV)
-        side_sms = 40
-        calls = 0
-
-        def wait(self):
-            Plan.calls += 1
-
-    h1, a1 = _Hopper.gate_up_swiglu(x, src, w13, offs_E, prep_tile_cum(offs_E, N, 128))
-    h2, a2 = _Hopper.gate_up_swiglu_phased(x, src, w13, Plan())
+    offs_V = torch.tensor(V, dtype=torch.int32, device=DEV)
+    tc = prep_tile_cum(offs_E, N, 128)
+    h1, a1 = _Hopper.gate_up_swiglu(x, src, w13, offs_E, tc)
+    o1 = _Hopper.down_scatter(a1, w2, offs_E, src, gate, R, tc)
+    tc0, tc1 = _Hopper.phase_tile_cums(offs_V, N, x)
+    cap = _Hopper.free_sms(x.device, 40)
+    h2, a2 = _Hopper.gate_up_swiglu(x, src, w13, offs_V, tc0, virt=3, grid_cap=cap)
+    _Hopper.gate_up_swiglu(x, src, w13, offs_V, tc1, virt=3, out=(h2, a2))
+    o2 = _Hopper.down_scatter(a2, w2, offs_V, src, gate, R, tc1, virt=3)
+    _Hopper.down_scatter(a2, w2, offs_V, src, gate, R, tc0, virt=3, grid_cap=cap, out=o2)
     torch.cuda.synchronize()
-    assert Plan.calls == 1
     assert torch.equal(h1, h2) and torch.equal(a1, a2)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,8 @@ destination row. Rows at or past ``offsets_E[E-1]`` are padding (the scheduler's
                         part[n, f-tile] (summed on the host side: deterministic, no atomics).
 ``_fused_wgrad_kernel``: dw[e] = sum_{n of e} A[ia[n]]^T B[ib[n]] with ia/ib the identity unless
 A_GATHER / B_GATHER; one program per (expert, D-tile, F-tile); empty experts store zeros.
+VIRT > 1 (the EP overlap's phased launches, ``backends.compose_forward``): E counts VIRT runs of
+rows per expert, each a virtual expert of the tile walk with expert e // VIRT's weights.
 Epilogue math: tlx/common/moe_epilogues.py (shared with the Hopper kernels).
 """
 
@@ -40,7 +42,7 @@ def _fused_mm_kernel(
     stride_an, stride_ak, stride_we, stride_wk, stride_wn, stride_cn, stride_c2n, stride_hn, stride_pn,
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, IEEE: tl.constexpr, NO_DOT: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, IEEE: tl.constexpr, NO_DOT: tl.constexpr, VIRT: tl.constexpr = 1,
 ):
     t = tl.program_id(0)
     tiles_n = tl.cdiv(NN, BN)
@@ -60,7 +62,7 @@ def _fused_mm_kernel(
                 a_row = n_idx
             ks = tl.arange(0, BK)
             a_rows = a_ptr + a_row[:, None] * stride_an
-            w_e = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+            w_e = w_ptr + (e // VIRT).to(tl.int64) * stride_we + cols[None, :] * stride_wn
             for k0 in range(0, K, BK):
                 k_ok = (k0 + ks) < K
                 a = tl.load(a_rows + (k0 + ks)[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)

@@ -115,11 +115,16 @@ class RowsOverlap:
     it) waits if nobody did and joins the side stream into the current one."""
 
     def __init__(self, bufs: SymmBuffers, region: int, rows_from_W: torch.Tensor, offsets_V: torch.Tensor,
-                 side_sms: int, side_done: Optional[torch.cuda.Event]):
+                 side_sms: int, side_done: Optional[torch.cuda.Event], handle_fields: Optional[dict] = None):
         self.buffers, self.region, self.rows_from_W = bufs, region, rows_from_W
         self.offsets_V, self.side_sms, self.side_done = offsets_V, side_sms, side_done
         self.waited = False
         self.joined = False
+        L = bufs.layout
+        # the receive rows of this rank's own tokens (their partial rows never cross a link)
+        self.own_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
+        self._h = handle_fields  # what the combine's first kernel reads (set by _rows_overlap)
+        self.partials_sent = None  # the part_RD whose peers' rows went home early (send_partials)
 
     def wait(self) -> None:
         if self.waited:
@@ -130,6 +135,31 @@ class RowsOverlap:
         k._rows_wait_kernel[(1,)](self.rows_from_W, bufs.peers, bufs.rank, _rcnt_off(L, self.region),
                                   W=L.world_size, OFF_STATE=L.off_state, TIMEOUT_NS=bufs.timeout_ns,
                                   CLOCK=_clock(), num_warps=1)
+
+    def send_partials(self, part_RD: torch.Tensor) -> None:
+        """The combine's first kernel (``_reduce_send``, row form) launched early: the peers'
+        partial rows of ``part_RD`` are final (the down GEMM's peer runs are done), this rank's own
+        are still being computed on the current stream. Real ranks: on the side stream, after what
+        the current stream enqueued, ``side_sms`` programs; the combine (``combine_rows``, with this
+        same ``part_RD``) then only joins and receives. The emulated world: in line."""
+        if self.partials_sent is not None:
+            raise RuntimeError("send_partials: this dispatch's partial rows were already sent")
+        self.wait()
+        bufs = self.buffers
+        real = bufs.device.type == "cuda" and bufs.backend not in ("emulated", "local")
+        if not real:
+            _reduce_send(bufs, part_RD, self._h, gated=False, rows=True)
+        else:
+            cur = torch.cuda.current_stream(bufs.device)
+            side = bufs._side_stream
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                _reduce_send(bufs, part_RD, self._h, gated=False, rows=True, programs=self.side_sms)
+                done = torch.cuda.Event()
+                done.record(side)
+            part_RD.record_stream(side)
+            self.side_done = done
+        self.partials_sent = part_RD
 
     def finish(self) -> None:
         self.wait()
@@ -642,14 +672,26 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs,
-        overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done) if rows and ovl else None)
+        overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done,
+                              dict(pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, rows_from_W=rows_from_W,
+                                   num_recv_rows=n)) if rows and ovl else None)
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
 
 
+@dataclass(frozen=True)
+class _Fields:
+    """The handle fields ``_reduce_send`` reads, before the handle exists."""
+    pos_RK: torch.Tensor
+    gate_RK: torch.Tensor
+    tok_R: torch.Tensor
+    rows_from_W: torch.Tensor
+    num_recv_rows: int
+
+
 def _rows_overlap(bufs: SymmBuffers, region: int, starts: torch.Tensor, lay: torch.Tensor, offsets_e: torch.Tensor,
-                  cap: int, side_sms: int, side_done) -> RowsOverlap:
+                  cap: int, side_sms: int, side_done, fields: dict) -> RowsOverlap:
     """The overlapped dispatch's :class:`RowsOverlap`: ``offsets_V`` from the layout the expand
     kernel computed (one launch of ``_phase_offsets_kernel``)."""
     L = bufs.layout
@@ -658,16 +700,22 @@ def _rows_overlap(bufs: SymmBuffers, region: int, starts: torch.Tensor, lay: tor
     offsets_V = torch.empty(3 * e, dtype=torch.int32, device=bufs.device)
     _kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], offsets_e, offsets_V, bufs.rank, cap,
                                                       W=W, E_LOCAL=e, EP=_next_pow2(e), num_warps=1)
-    return RowsOverlap(bufs, region, lay[E + e:], offsets_V, side_sms, side_done)
+    return RowsOverlap(bufs, region, lay[E + e:], offsets_V, side_sms, side_done, fields)
 
 
-def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> torch.Tensor:
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h, gated: bool, rows: bool = False,
+                 programs: Optional[int] = None) -> torch.Tensor:
     """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows.
     Row form: rows of this rank's own tokens stay in ``y``, which is returned for ``_reduce_recv``
-    to read them there (the caller keeps it alive until then)."""
+    to read them there (the caller keeps it alive until then). ``programs``: at most that many
+    (the overlapped combine's SM budget). ``h``: a :class:`SymmHandle` or a dict of its fields."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd, warps, grid = _shape("reduce_send", L.hidden, L.recv_rows, bufs.device)
+    if programs is not None:
+        grid = (max(1, min(grid[0], programs)),)
+    if isinstance(h, dict):
+        h = _Fields(**h)
     _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
@@ -743,8 +791,16 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
     rank's experts of receive row r) goes home; returns ``out_TD[t] = sum over ranks`` (fp32, one
     rounding). After an overlapped dispatch, first the rows' wait if the GEMMs did not enqueue it,
     and the join of the side stream that sent them (``RowsOverlap.finish``)."""
-    if h.overlap is not None:
-        h.overlap.finish()
+    ov = h.overlap
+    if ov is not None and ov.partials_sent is not None:  # the fused forward sent the peers' rows already
+        if ov.partials_sent.data_ptr() != part_RD.data_ptr():
+            raise ValueError("combine_rows after an overlapped fused forward must get that forward's output as it "
+                             "is: its peers' partial rows went home from there")
+        ov.finish()
+        yield
+        return _reduce_recv(bufs, h, part=part_RD)
+    if ov is not None:
+        ov.finish()
     return (yield from _reduce_steps(bufs, part_RD, h, gated=False, rows=True))
 
 

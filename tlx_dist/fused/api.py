@@ -52,7 +52,7 @@ def _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, 
     args = (x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
     kw = {} if sched is None else {"sched": sched}
     if overlap is not None:  # (eager only: the custom op never gets one)
-        if backend == "tlx":
+        if backend in ("tlx", "triton"):  # the kernel backends: phased launches where the kernels can
             kw["overlap"] = overlap
         else:
             overlap.wait()  # every row landed before the one-launch gate/up GEMM
@@ -223,8 +223,11 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
         backend: ``"tlx" | "triton" | "reference"`` to pin one; default automatic.
         overlap: the receive plan of an overlapped EP dispatch (``SymmDispatcher(overlap=True)``,
             :class:`tlx_dist.comm.symm.RowsOverlap`): the peers' rows of ``x_RD`` may still be
-            landing. The Hopper TLX kernels compute this rank's own rows first, wait, then the
-            rest; other backends wait for every row first.
+            landing. The Hopper TLX and the portable kernels compute this rank's own rows first,
+            wait, then the rest, and send the peers' partial rows home (the combine's first
+            kernel) while the down GEMM computes the own ones; the output must then go to
+            ``combine_rows`` as it is. Other backends wait for every row first and leave the
+            combine whole.
     Returns:
         ``[num_dst, D]`` in ``x_RD.dtype``.
     """

@@ -121,15 +121,55 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; primitives with
     ``gate_up_swiglu_phased`` (Hopper) run this rank's own rows while they do, the others wait
     for every row first (``overlap.wait()``)."""
+    if overlap is not None and getattr(p, "PHASED", False):
+        return _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, num_dst, overlap)
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
-    if overlap is not None and hasattr(p, "gate_up_swiglu_phased"):
-        h_N2F, a_NF = p.gate_up_swiglu_phased(x_RD, src_N, w13_EDF2, overlap)
-    else:
-        if overlap is not None:
-            overlap.wait()
-        h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
+    if overlap is not None:
+        overlap.wait()
+    h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
+
+
+def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, num_dst, ov):
+    """The EP overlap's forward (``ov``: a :class:`tlx_dist.comm.symm.RowsOverlap`): each local
+    expert's rows as three runs -- sources before this rank | its own rows | sources after
+    (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
+      gate/up GEMM, own runs   (the peers' rows are still landing; on the SMs the send leaves free)
+      ov.wait()                (every peer's rows landed)
+      gate/up GEMM, the rest + padding
+      down GEMM, peers' runs   -> the peers' partial rows are final: cast, and ``ov.send_partials``
+                                 sends them home (the combine's first kernel, on the side stream)
+      down GEMM, own runs      (on the SMs that send leaves free) -> cast the own partial rows
+    Same tiles' arithmetic as the one-launch forms (h and a bit for bit; the partial rows' fp32
+    atomic sums in another order). The expert-major rows of source s's tokens only ever add into
+    receive rows of source s, so after the peers' runs those receive rows are complete."""
+    N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+    offs_V = ov.offsets_V
+    if offs_V.shape[0] != 3 * E:
+        raise ValueError(f"overlap.offsets_V has {offs_V.shape[0]} entries, expected 3 * E = {3 * E}")
+    acc = torch.promote_types(x_RD.dtype, torch.float32)
+    out = torch.zeros(num_dst, w2_EFD.shape[2], dtype=acc, device=x_RD.device)
+    part = torch.empty(num_dst, w2_EFD.shape[2], dtype=x_RD.dtype, device=x_RD.device)
+    lo, hi = ov.own_rows
+    if not N:
+        ov.wait()
+        h, a = x_RD.new_empty(0, F2), x_RD.new_empty(0, F2 // 2)
+        part.copy_(out)
+        ov.send_partials(part)
+        return part, h
+    tc0, tc1 = p.phase_tile_cums(offs_V, N, x_RD)
+    cap = p.free_sms(x_RD.device, ov.side_sms)
+    h, a = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc0, virt=3, grid_cap=cap)
+    ov.wait()
+    p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc1, virt=3, out=(h, a))
+    p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc1, virt=3, out=out)
+    part[:lo].copy_(out[:lo])
+    part[hi:].copy_(out[hi:])
+    ov.send_partials(part)
+    p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc0, virt=3, grid_cap=cap, out=out)
+    part[lo:hi].copy_(out[lo:hi])
+    return part, h
 
 
 def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, sched=None):
@@ -184,15 +224,28 @@ class _Portable:
     def wgrad_order(offsets_E):
         return None  # one program per dW tile: no walk order
 
+    PHASED = True  # the kernels take VIRT (compose_forward's overlapped form)
+
+    @staticmethod
+    def phase_tile_cums(offsets_V, n_rows, x):
+        from ..grouped_gemm.host import prep_offsets
+
+        bm = _Portable._blocks(x)[0]
+        return prep_offsets(offsets_V, n_rows, bm, phase=0)[1], prep_offsets(offsets_V, n_rows, bm, phase=1)[1]
+
+    @staticmethod
+    def free_sms(device, side_sms):
+        return None  # one program per tile: no persistent grid to shrink
+
     @staticmethod
     def _mm(a, src, w_EKN, offsets, tile_cum, nn, f_off, epilogue, c, c2=None, dst=None, scale=None, h=None,
-            part=None):
+            part=None, virt=1):
         from tlx.portable.fused_moe import _fused_mm_kernel
 
         from ..grouped_gemm.host import max_m_tiles, search_steps
 
         N = src.shape[0] if src is not None else a.shape[0]  # expert-major rows
-        E, K = w_EKN.shape[0], w_EKN.shape[1]
+        E, K = w_EKN.shape[0] * virt, w_EKN.shape[1]
         BM, BN, BK, warps, stages = _Portable._blocks(a)
         grid = (max_m_tiles(N, E, BM) * -(-nn // BN),)
         _fused_mm_kernel[grid](
@@ -201,23 +254,25 @@ class _Portable:
             c2.stride(0) if c2 is not None else 0, h.stride(0) if h is not None else 0,
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, BM=BM, BN=BN, BK=BK,
-            SEARCH_STEPS=search_steps(E), **_Portable._flags(a), num_warps=warps, num_stages=_Portable._stages(stages))
+            SEARCH_STEPS=search_steps(E), **_Portable._flags(a), num_warps=warps, num_stages=_Portable._stages(stages),
+            **({"VIRT": virt} if virt > 1 else {}))
 
     @staticmethod
-    def gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
+    def gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, virt=1, grid_cap=None, out=None):
         N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
-        h = x_RD.new_empty(N, F2)
-        a = x_RD.new_empty(N, F2 // 2)
+        h, a = out if out is not None else (x_RD.new_empty(N, F2), x_RD.new_empty(N, F2 // 2))
         if N:
-            _Portable._mm(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, F2 // 2, F2 // 2, 1, h, c2=a)
+            _Portable._mm(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, F2 // 2, F2 // 2, 1, h, c2=a, virt=virt)
         return h, a
 
     @staticmethod
-    def down_scatter(a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum):
+    def down_scatter(a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum, virt=1, grid_cap=None, out=None):
         acc = torch.promote_types(a_NF.dtype, torch.float32)
-        out = torch.zeros(num_dst, w_EFD.shape[2], dtype=acc, device=a_NF.device)
+        if out is None:
+            out = torch.zeros(num_dst, w_EFD.shape[2], dtype=acc, device=a_NF.device)
         if a_NF.shape[0]:
-            _Portable._mm(a_NF, None, w_EFD, offsets_E, tile_cum, w_EFD.shape[2], 0, 2, out, dst=dst_N, scale=scale_N)
+            _Portable._mm(a_NF, None, w_EFD, offsets_E, tile_cum, w_EFD.shape[2], 0, 2, out, dst=dst_N, scale=scale_N,
+                          virt=virt)
         return out
 
     @staticmethod
@@ -267,7 +322,7 @@ def _portable_supports(x_RD, w13_EDF2, w2_EFD) -> Optional[str]:
 
 
 register_fused_backend(FusedBackend(
-    "triton", lambda *a: compose_forward(_Portable, *a), lambda *a: compose_backward(_Portable, *a),
+    "triton", lambda *a, **kw: compose_forward(_Portable, *a, **kw), lambda *a: compose_backward(_Portable, *a),
     _portable_supports, priority=20))
 register_fused_backend(FusedBackend("reference", fused_forward_ref, fused_backward_ref, lambda x, w13, w2: None,
                                     priority=100, auto_on_cpu=True))

@@ -330,20 +330,36 @@ class _TlxFused:
             GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **virt_meta, num_warps=4,
             num_stages=1)
 
+    PHASED = False  # kernels that take VIRT (backends.compose_forward's overlapped form): Hopper's
+
+    @staticmethod
+    def phase_tile_cums(offsets_V, n_rows, x):
+        from ..grouped_gemm.host import prep_offsets
+
+        return (prep_offsets(offsets_V, n_rows, SCHED_BM, phase=0)[1],
+                prep_offsets(offsets_V, n_rows, SCHED_BM, phase=1)[1])
+
+    @staticmethod
+    def free_sms(device, side_sms):
+        """The persistent grid of a launch that runs beside a ``side_sms``-program kernel."""
+        return max(1, _num_sms(device.index if device.index is not None else torch.cuda.current_device()) - side_sms)
+
     @classmethod
-    def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum):
+    def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum, virt=1, grid_cap=None, out=None):
         N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
-        h = x_RD.new_empty(N, F2)
-        a = x_RD.new_empty(N, F2 // 2)
+        h, a = out if out is not None else (x_RD.new_empty(N, F2), x_RD.new_empty(N, F2 // 2))
         if N:
             w = (w13_EDF2, [E, D, F2], [w13_EDF2.stride(0), w13_EDF2.stride(1), 1])
-            cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offsets_E, tile_cum, N, D, F2 // 2, F2 // 2, False, h, c2=a)
+            cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offsets_E, tile_cum, N, D, F2 // 2, F2 // 2, False, h, c2=a,
+                    virt=virt, grid_cap=grid_cap)
         return h, a
 
     @classmethod
-    def down_scatter(cls, a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum):
+    def down_scatter(cls, a_NF, w_EFD, offsets_E, dst_N, scale_N, num_dst, tile_cum, virt=1, grid_cap=None,
+                     out=None):
         E, K, NN = w_EFD.shape
-        out = torch.zeros(num_dst, NN, dtype=torch.float32, device=a_NF.device)
+        if out is None:
+            out = torch.zeros(num_dst, NN, dtype=torch.float32, device=a_NF.device)
         N = a_NF.shape[0]
         if N:
             b_kmajor = w_EFD.stride(2) != 1  # dX of GEMM 1: w13^T, read K-major
@@ -352,7 +368,7 @@ class _TlxFused:
             else:
                 w = (w_EFD, [E, K, NN], [w_EFD.stride(0), w_EFD.stride(1), 1])
             cls._mm("scatter", SCATTER, a_NF, None, w, offsets_E, tile_cum, N, K, NN, 0, b_kmajor, out,
-                    dst=dst_N, scale=scale_N)
+                    dst=dst_N, scale=scale_N, virt=virt, grid_cap=grid_cap)
         return out
 
     @classmethod
@@ -401,6 +417,7 @@ class _Hopper(_TlxFused):
 
     ARCH = "sm_90"
     A_SPLIT = 2
+    PHASED = True
 
     @staticmethod
     def _mm_kernel():
@@ -442,37 +459,6 @@ class _Hopper(_TlxFused):
     @staticmethod
     def _wgrad_meta(cfg) -> dict:
         return dict(DYNAMIC=True, LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
-
-
-    @classmethod
-    def gate_up_swiglu_phased(cls, x_RD, src_N, w13_EDF2, ov):
-        """The gate/up GEMM of an EP dispatch whose peers' rows are still landing (``ov``: a
-        :class:`tlx_dist.comm.symm.RowsOverlap`): each local expert's rows cut in three runs --
-        the sources before this rank, this rank's own rows, the sources after it -- as virtual
-        experts (``ov.offsets_V``, ``[3 * E]`` cumulative ends); phase 0 computes the own runs on the
-        SMs the sending kernel leaves free (``grid <= SMs - ov.side_sms``), then ``ov.wait()`` (one
-        program: every peer's rows landed), then phase 1 the rest and the padding. Same tiles'
-        arithmetic as one launch: h and a equal :meth:`gate_up_swiglu`'s bit for bit."""
-        from ..grouped_gemm.host import prep_offsets
-
-        N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
-        h = x_RD.new_empty(N, F2)
-        a = x_RD.new_empty(N, F2 // 2)
-        if not N:
-            ov.wait()
-            return h, a
-        offs_V = ov.offsets_V
-        if offs_V.shape[0] != 3 * E:
-            raise ValueError(f"overlap.offsets_V has {offs_V.shape[0]} entries, expected 3 * E = {3 * E}")
-        w = (w13_EDF2, [E, D, F2], [w13_EDF2.stride(0), w13_EDF2.stride(1), 1])
-        tc0 = prep_offsets(offs_V, N, SCHED_BM, phase=0)[1]
-        tc1 = prep_offsets(offs_V, N, SCHED_BM, phase=1)[1]
-        sms = _num_sms(x_RD.device.index if x_RD.device.index is not None else torch.cuda.current_device())
-        cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offs_V, tc0, N, D, F2 // 2, F2 // 2, False, h, c2=a, virt=3,
-                grid_cap=max(1, sms - ov.side_sms))
-        ov.wait()
-        cls._mm("swiglu", SWIGLU, x_RD, src_N, w, offs_V, tc1, N, D, F2 // 2, F2 // 2, False, h, c2=a, virt=3)
-        return h, a
 
 
 class _Blackwell(_TlxFused):
