@@ -7,7 +7,8 @@ Emulated worlds on one GPU (every virtual rank's symmetric region is a slice of 
 memcheck sees accesses outside the world's memory and outside every local operand): W = 1, 2, 4 with
 random routing, all slots to one rank, zero-token experts, a rank with no tokens, odd D, and an
 expanded-row capacity that overflows, E = 256 over many route blocks; dispatch, combine and both
-gradient ops, and the fused EP row form (dispatch_rows, combine_rows and their gradients). Dispatch
+gradient ops, the fused EP row form (dispatch_rows, combine_rows and their gradients) and its
+overlapped form (split send, region counters, the arrival wait, partial rows sent early). Dispatch
 rows are checked against the oracle exactly. Ends with "memcheck exchange cases: all ok".
 """
 
@@ -68,6 +69,20 @@ def main() -> int:
                 overflowed.append(str(err))
         assert bool(overflowed) == (cap != "worst"), (W, kind, cap, overflowed)
         world.close()
+        if W > 1 and cap == "worst":  # the overlapped row form: split send, region counters, wait, early partials
+            world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, torch.bfloat16, capacity=cap, device=dev, timeout_s=5,
+                                  row_regions=1)
+            rows = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+            parts = [recv * 2 for recv, *_ in rows]
+            for p_, (*_, h) in zip(parts, rows):
+                h.overlap.wait()
+                h.overlap.send_partials(p_)
+            world.combine_rows(parts, [h for *_, h in rows])
+            torch.cuda.synchronize()
+            for b in world.buffers:
+                b.check()
+                assert int(b.region_counters().abs().sum()) == 0, (W, kind)
+            world.close()
         print(f"case W={W} E={E} K={K} D={D} T={Ts} {kind} capacity={cap}: ok", flush=True)
     print("memcheck exchange cases: all ok", flush=True)
     return 0

@@ -124,7 +124,8 @@ def test_overlapped_rows_world_equals_plain(W, kind):
     gys = [torch.randn(T, D, device=DEV, generator=g).to(BF16) for T in Ts]
     res = {}
     for overlap in (False, True):
-        world = EmulatedWorld(W, max(Ts), D, K, E, BF16, device=DEV, row_regions=1, capacity=1.5)
+        world = EmulatedWorld(W, max(Ts), D, K, E, BF16, device=DEV, row_regions=1,
+                              capacity="worst" if kind == "heavy_imbalance" else 1.5)
         rows = world.dispatch_rows(xs, idxs, gates, region=0, overlap=overlap)
         leaves, parts, hs = [], [], []
         for d, (recv, src, gate_N, h) in enumerate(rows):

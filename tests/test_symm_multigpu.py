@@ -182,7 +182,11 @@ def test_moe_layer_overlapped_fused_ep(group):
         torch.cuda.synchronize()
         assert int(disp.buffers.region_counters().abs().sum()) == 0, "the rows' waits left counts behind"
     disp.check()
-    # the step in a CUDA graph: side stream forked and joined inside the capture
+    # the step in a CUDA graph: side stream forked and joined inside the capture. The eager steps'
+    # outputs go first: their autograd graphs hold the parameters' AccumulateGrad nodes, made on the
+    # default stream, which a capture's backward must not reuse.
+    del oa, ob, xa, xb
+    torch.cuda.synchronize()
     xs = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

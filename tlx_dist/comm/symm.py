@@ -124,7 +124,10 @@ class RowsOverlap:
         # the receive rows of this rank's own tokens (their partial rows never cross a link)
         self.own_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
         self._h = handle_fields  # what the combine's first kernel reads (set by _rows_overlap)
-        self.partials_sent = None  # the part_RD whose peers' rows went home early (send_partials)
+        # data_ptr of the part_RD whose peers' rows went home early (send_partials); not the tensor,
+        # which carries the autograd graph (held here, it would keep the graph's AccumulateGrad nodes,
+        # and their streams, alive into the next step: a CUDA-graph capture then fails)
+        self.partials_sent: Optional[int] = None
 
     def wait(self) -> None:
         if self.waited:
@@ -159,7 +162,7 @@ class RowsOverlap:
                 done.record(side)
             part_RD.record_stream(side)
             self.side_done = done
-        self.partials_sent = part_RD
+        self.partials_sent = part_RD.data_ptr()
 
     def finish(self) -> None:
         self.wait()
@@ -793,7 +796,7 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
     and the join of the side stream that sent them (``RowsOverlap.finish``)."""
     ov = h.overlap
     if ov is not None and ov.partials_sent is not None:  # the fused forward sent the peers' rows already
-        if ov.partials_sent.data_ptr() != part_RD.data_ptr():
+        if ov.partials_sent != part_RD.data_ptr():
             raise ValueError("combine_rows after an overlapped fused forward must get that forward's output as it "
                              "is: its peers' partial rows went home from there")
         ov.finish()
