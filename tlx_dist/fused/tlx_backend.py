@@ -319,7 +319,9 @@ class _TlxFused:
         grid = _grid(a.device, max_m_tiles(n_rows, E, cfg.BM) * -(-nn // cfg.BN))
         if grid_cap is not None:
             grid = max(1, min(grid, grid_cap))
-        virt_meta = {"VIRT": virt} if virt > 1 else {}
+        if virt > 1 and not cls.PHASED:
+            raise ValueError(f"the {cls.ARCH} fused kernels take no virtual experts (virt={virt})")
+        virt_meta = {"VIRT": virt} if cls.PHASED else {}
         cls._mm_kernel()[(grid,)](
             a_desc, a if src is not None else None, src, b_desc, offsets, tile_cum,
             c, c2, dst, scale, h, part, n_rows, E, K, nn, f_off, a.stride(0), c.stride(0),
