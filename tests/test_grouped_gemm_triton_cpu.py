@@ -253,8 +253,10 @@ def test_offsets_prep_kernel_compiles_for_gpu(arch, off_ty, tiles):
     from tlx.common.scheduler import _grouped_tile_prep_kernel
 
     sig = {"offsets_ptr": off_ty, "safe_ptr": "*i32", "tile_cum_ptr": "*i32", "flag_ptr": "*i32", "E": "i32",
-           "N_ROWS": "i32", "BM": "constexpr", "E1_P2": "constexpr", "TILES": "constexpr"}
-    src = ASTSource(_grouped_tile_prep_kernel, sig, constexprs={"BM": 128, "E1_P2": 256, "TILES": tiles})
+           "N_ROWS": "i32", "BM": "constexpr", "E1_P2": "constexpr", "TILES": "constexpr", "PHASE": "constexpr",
+           "VIRT": "constexpr"}
+    src = ASTSource(_grouped_tile_prep_kernel, sig,
+                    constexprs={"BM": 128, "E1_P2": 256, "TILES": tiles, "PHASE": -1, "VIRT": 3})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": 4})
     assert len(k.asm["cubin"]) > 0 and "atom.global" in k.asm["ptx"]
 

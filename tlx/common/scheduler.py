@@ -58,15 +58,15 @@ def _max_combine(a, b):
 
 @triton.jit
 def _grouped_tile_prep_kernel(offsets_ptr, safe_ptr, tile_cum_ptr, flag_ptr, E, N_ROWS, BM: tl.constexpr,
-                              E1_P2: tl.constexpr, TILES: tl.constexpr, PHASE: tl.constexpr = -1,
-                              VIRT: tl.constexpr = 3):
+                              E1_P2: tl.constexpr, TILES: tl.constexpr, PHASE: tl.constexpr,
+                              VIRT: tl.constexpr):
     """Offsets guard (+ tile counts), one program. ``offsets_ptr`` int32 or int64, ``E >= 1``.
 
     safe[e] = min(N, max(0, offsets[0..e]))  (int32; clamped to the rows, made non-decreasing)
     flag   |= OFFSETS_NEGATIVE | OFFSETS_PAST_END | OFFSETS_DECREASING for what the raw offsets did
     tile_cum[e] = sum_{j<=e} cdiv(rows_j, BM) for e in [0, E] over the safe rows (TILES only);
     rows_E = N - safe[E-1] is the padding pseudo-expert.
-    PHASE >= 0 (the EP overlap's split gate/up GEMM; E = VIRT * experts "virtual experts", each
+    PHASE = -1: every expert (VIRT unused). PHASE >= 0 (the EP overlap's phased launches; E = VIRT * experts "virtual experts", each
     expert's rows cut in VIRT consecutive runs, run 1 of each being this rank's own rows): only the
     runs of that phase get tiles -- phase 0 the runs ``e % VIRT == 1``, phase 1 the others and the
     padding -- so one launch per phase walks exactly its runs' tiles."""

@@ -253,7 +253,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr = 1,
+    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)

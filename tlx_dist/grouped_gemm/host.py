@@ -54,8 +54,7 @@ def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0, phase: 
     tile_cum = torch.empty(E + 1, dtype=torch.int32, device=dev) if block_m else None
     _grouped_tile_prep_kernel[(1,)](offsets_E.contiguous(), safe, safe if tile_cum is None else tile_cum,
                                     offsets_flag(dev), E, n_rows, BM=max(block_m, 1),
-                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m),
-                                    **({"PHASE": phase} if phase >= 0 else {}))
+                                    E1_P2=triton.next_power_of_2(E + 1), TILES=bool(block_m), PHASE=phase, VIRT=3)
     return safe, tile_cum
 
 
