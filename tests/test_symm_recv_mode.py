@@ -62,10 +62,12 @@ def test_row_regions_append_to_the_layout_and_move_nothing():
     args = (1000, 2048, 8, 64, 2, torch.bfloat16)
     plain, three = SymmLayout.build(*args), SymmLayout.build(*args, row_regions=3)
     fields = [f for f in vars(plain) if f.startswith("off_")]
-    assert all(getattr(three, f) == getattr(plain, f) for f in fields if f != "off_rows")
+    assert all(getattr(three, f) == getattr(plain, f) for f in fields if f not in ("off_rows", "off_rcnt"))
     assert three.off_rows == plain.nbytes and three.off_rows % 256 == 0
     assert three.rows_region_bytes >= 2 * 1000 * 2048 * 2 and three.rows_region_bytes % 256 == 0
-    assert three.nbytes == plain.nbytes + 3 * three.rows_region_bytes
+    # then the overlapped form's region counters, [3, W] int64, one aligned block
+    assert three.off_rcnt == three.off_rows + 3 * three.rows_region_bytes and plain.off_rcnt == 0
+    assert three.nbytes == three.off_rcnt + 256
     staged = SymmLayout.build(*args, staging=True, row_regions=1)  # after the NVSHMEM staging regions
     assert staged.off_rows == SymmLayout.build(*args, staging=True).nbytes
     for bad in (-1, 1.5, True):
