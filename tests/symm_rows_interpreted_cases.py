@@ -652,3 +652,57 @@ def test_phase_tile_counts(offsets, N):
     assert torch.equal(all_cum, torch.tensor(m_tiles).cumsum(0).to(torch.int32))
     assert torch.equal(cum0, torch.tensor(want0).cumsum(0).to(torch.int32)), cum0
     assert torch.equal(cum1, torch.tensor(want1).cumsum(0).to(torch.int32)), cum1
+
+
+def test_overlapped_forward_in_a_recompute_leaves_the_combine_whole():
+    """Activation checkpointing recomputes the forward inside the backward and may stop right after
+    the fused GEMMs (non-reentrant early stop): there the overlapped forward must not start the
+    combine's op (no early partial rows), and joins the rows' side stream itself; the combine, if
+    it runs, sends everything. Also: the forward refuses calls that are not this dispatch's row form
+    before it launches anything."""
+    W, E, K, D, Fe, T = 2, 4, 2, 8, 4, 6
+    f32 = torch.float32
+    gen = torch.Generator().manual_seed(4)
+    world = EmulatedWorld(W, T, D, K, E, f32, device="cpu", row_regions=1, capacity="worst")
+    xs = [torch.randn(T, D, generator=gen, dtype=f32) for _ in range(W)]
+    idxs = [_kind_routing(50 + d, T, K, E, W, "random") for d in range(W)]
+    gates = [torch.rand(T, K, generator=gen, dtype=f32) for _ in range(W)]
+    res = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+    w13 = torch.randn(E // W, D, 2 * Fe, generator=gen, dtype=f32)
+    w2 = torch.randn(E // W, Fe, D, generator=gen, dtype=f32)
+    recv, src, gate_N, h = res[0]
+    with pytest.raises(ValueError, match="dst_N must be src_N"):
+        fused_experts_rows(recv, src, src.clone(), gate_N, w13, w2, h.offsets_e, recv.shape[0], backend="triton",
+                           overlap=h.overlap)
+    with pytest.raises(ValueError, match="num_dst"):
+        fused_experts_rows(recv, src, src, gate_N, w13, w2, h.offsets_e, recv.shape[0] - 1, backend="triton",
+                           overlap=h.overlap)
+    with pytest.raises(ValueError, match="offsets_E"):
+        fused_experts_rows(recv, src, src, gate_N, w13, w2, h.offsets_e.clone(), recv.shape[0], backend="triton",
+                           overlap=h.overlap)
+    assert h.overlap.partials_sent is None and not h.overlap.waited, "a refused call launched something"
+    parts = {}
+
+    class InBackward(torch.autograd.Function):  # runs rank d's fused forward the way a recompute does
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            for d, (r, s_, gn, hh) in enumerate(res):
+                parts[d] = fused_experts_rows(r, s_, s_, gn, w13, w2, hh.offsets_e, r.shape[0], backend="triton",
+                                              overlap=hh.overlap)
+            return g
+
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    for d, (*_, hh) in enumerate(res):
+        assert hh.overlap.waited and hh.overlap.joined and hh.overlap.partials_sent is None, d
+    want = [fused_experts_rows(r, s_, s_, gn, w13, w2, hh.offsets_e, r.shape[0], backend="triton")
+            for r, s_, gn, hh in res]
+    outs = world.combine_rows([parts[d] for d in range(W)], [r[3] for r in res])  # a whole combine
+    for d in range(W):
+        torch.testing.assert_close(parts[d], want[d], rtol=1e-5, atol=1e-5)
+        assert outs[d].shape == (T, D)
+    world.check()
+    world.close()

@@ -613,6 +613,8 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                     cols = c0 + tl.arange(0, BLOCK_D)
                     cm = (cols < D)[None, :]
                     if ROWS:
+                        # (own rows are loaded too and dropped by the store mask; under the overlapped
+                        # forward they may still be being written on another stream: a benign read)
                         acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=valid[:, None] & cm,
                                       other=0.0).to(ACC)
                     else:

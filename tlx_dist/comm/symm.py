@@ -124,6 +124,7 @@ class RowsOverlap:
         # the receive rows of this rank's own tokens (their partial rows never cross a link)
         self.own_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
         self._h = handle_fields  # what the combine's first kernel reads (set by _rows_overlap)
+        self.offsets_e = (handle_fields or {}).get("offsets_e")
         # data_ptr of the part_RD whose peers' rows went home early (send_partials); not the tensor,
         # which carries the autograd graph (held here, it would keep the graph's AccumulateGrad nodes,
         # and their streams, alive into the next step: a CUDA-graph capture then fails)
@@ -138,6 +139,21 @@ class RowsOverlap:
         k._rows_wait_kernel[(1,)](self.rows_from_W, bufs.peers, bufs.rank, _rcnt_off(L, self.region),
                                   W=L.world_size, OFF_STATE=L.off_state, TIMEOUT_NS=bufs.timeout_ns,
                                   CLOCK=_clock(), num_warps=1)
+
+    def check_rows(self, src_N, dst_N, offsets_E, num_dst: int, num_local: int) -> None:
+        """What the overlapped forward assumes of the call it serves (checked before it launches
+        anything): the row form of this dispatch -- each row's destination its receive row
+        (``dst_N`` is ``src_N``), one output row per receive row, this dispatch's ``offsets_e``."""
+        L = self.buffers.layout
+        if dst_N is not src_N and (dst_N.data_ptr() != src_N.data_ptr() or dst_N.shape != src_N.shape):
+            raise ValueError("an overlapped dispatch's rows go back to their receive rows: dst_N must be src_N")
+        if num_dst != L.recv_rows:
+            raise ValueError(f"num_dst={num_dst}: an overlapped dispatch's output has one row per receive row "
+                             f"({L.recv_rows} = W*T_max)")
+        if offsets_E.data_ptr() != self.offsets_e.data_ptr():
+            raise ValueError("offsets_E must be this dispatch's handle.offsets_e (the overlap's runs cut them)")
+        if num_local * 3 != self.offsets_V.shape[0]:
+            raise ValueError(f"the weights hold {num_local} experts, the dispatch {self.offsets_V.shape[0] // 3}")
 
     def send_partials(self, part_RD: torch.Tensor) -> None:
         """The combine's first kernel (``_reduce_send``, row form) launched early: the peers'
@@ -677,7 +693,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         gate_TK=gate_TK, buffers=bufs,
         overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done,
                               dict(pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, rows_from_W=rows_from_W,
-                                   num_recv_rows=n)) if rows and ovl else None)
+                                   num_recv_rows=n, offsets_e=offsets_e)) if rows and ovl else None)
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
@@ -718,7 +734,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h, gated: bool, rows: bool 
     if programs is not None:
         grid = (max(1, min(grid[0], programs)),)
     if isinstance(h, dict):
-        h = _Fields(**h)
+        h = _Fields(**{k: v for k, v in h.items() if k != "offsets_e"})
     _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,

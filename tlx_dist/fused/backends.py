@@ -122,7 +122,7 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     ``gate_up_swiglu_phased`` (Hopper) run this rank's own rows while they do, the others wait
     for every row first (``overlap.wait()``)."""
     if overlap is not None and getattr(p, "PHASED", False):
-        return _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, num_dst, overlap)
+        return _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, overlap)
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     if overlap is not None:
         overlap.wait()
@@ -131,7 +131,7 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     return out.to(x_RD.dtype), h_N2F
 
 
-def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, num_dst, ov):
+def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov):
     """The EP overlap's forward (``ov``: a :class:`tlx_dist.comm.symm.RowsOverlap`): each local
     expert's rows as three runs -- sources before this rank | its own rows | sources after
     (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
@@ -146,28 +146,38 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, num_dst
     receive rows of source s, so after the peers' runs those receive rows are complete."""
     N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
     offs_V = ov.offsets_V
-    if offs_V.shape[0] != 3 * E:
-        raise ValueError(f"overlap.offsets_V has {offs_V.shape[0]} entries, expected 3 * E = {3 * E}")
+    ov.check_rows(src_N, dst_N, offsets_E, num_dst, E)  # before anything is launched
+    # Under activation checkpointing's recompute (inside a backward) the forward may stop right after
+    # these GEMMs (non-reentrant early stop: the combine that follows saves nothing), so it must not
+    # start the combine's op: join the rows' side stream and leave the combine whole.
+    recompute = torch._C._current_graph_task_id() != -1
     acc = torch.promote_types(x_RD.dtype, torch.float32)
     out = torch.zeros(num_dst, w2_EFD.shape[2], dtype=acc, device=x_RD.device)
     part = torch.empty(num_dst, w2_EFD.shape[2], dtype=x_RD.dtype, device=x_RD.device)
     lo, hi = ov.own_rows
     if not N:
         ov.wait()
-        h, a = x_RD.new_empty(0, F2), x_RD.new_empty(0, F2 // 2)
+        h = x_RD.new_empty(0, F2)
         part.copy_(out)
-        ov.send_partials(part)
+        if recompute:
+            ov.finish()
+        else:
+            ov.send_partials(part)
         return part, h
     tc0, tc1 = p.phase_tile_cums(offs_V, N, x_RD)
     cap = p.free_sms(x_RD.device, ov.side_sms)
     h, a = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc0, virt=3, grid_cap=cap)
     ov.wait()
+    if recompute:
+        ov.finish()
     p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc1, virt=3, out=(h, a))
     p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc1, virt=3, out=out)
     part[:lo].copy_(out[:lo])
     part[hi:].copy_(out[hi:])
-    ov.send_partials(part)
-    p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc0, virt=3, grid_cap=cap, out=out)
+    if not recompute:
+        ov.send_partials(part)
+    p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc0, virt=3,
+                   grid_cap=None if recompute else cap, out=out)
     part[lo:hi].copy_(out[lo:hi])
     return part, h
 
