@@ -100,6 +100,25 @@ def test_training_config_checks_ep_row_regions():
         load_config(recipe, ["parallel.ep_row_regions=2"])
 
 
+def test_training_config_checks_ep_overlap():
+    """``parallel.ep_overlap``: off in the recipe (slower over NVLink, session 12); on, it needs the
+    receive regions and a static capacity, each named when missing."""
+    import os
+
+    from train.config import load_config
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                          "h200_2gpu_ep2.toml")
+    assert not load_config(recipe).parallel.ep_overlap
+    cfg = load_config(recipe, ["parallel.ep_overlap=true", "parallel.capacity_factor=2.0"])
+    assert cfg.parallel.ep_overlap and cfg.parallel.capacity_factor == 2.0
+    with pytest.raises(ValueError, match="parallel.capacity_factor > 0"):
+        load_config(recipe, ["parallel.ep_overlap=true"])
+    with pytest.raises(ValueError, match="parallel.ep_row_regions = true"):
+        load_config(recipe, ["parallel.ep_overlap=true", "parallel.capacity_factor=2.0",
+                             "parallel.ep_row_regions=false"])
+
+
 def _claims(rank, world, n):
     import torch.distributed as dist
 
