@@ -204,3 +204,28 @@ def test_fused_blackwell_kernels_compile(form):
     # stack at entry and reloads it once per partition in the dW forms (8 B, seen in the SASS); a
     # register-pressure spill would be larger and would also show as local memory.
     assert local == 0 and stack <= 8, f"register spills: STACK:{stack} LOCAL:{local}"
+
+
+def test_fused_blackwell_virtual_experts_compile():
+    """The EP overlap's phased launches on sm_100 (VIRT=3: runs of each expert's rows as virtual
+    experts, weights of expert e // 3), gate/up and down forms: the same kernel (tcgen05, TMA
+    weights, the same shared memory and TMEM) with the weight coordinate divided."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    gpu = GPUTarget("cuda", 100, 64)
+    backend = make_backend(gpu)
+    for form in ("swiglu", "scatter"):
+        fn, args, kwargs = _blackwell_launches()[form]
+        assert kwargs["VIRT"] == 1  # the launcher always binds it (a c_launch kernel keeps no defaults)
+        k1 = _compiled(form)
+        kw = dict(kwargs, VIRT=3)
+        bound, spec, opts = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+        options, sig, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
+        k3 = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=gpu, options=options.__dict__)
+        assert "tcgen05.mma" in k3.asm["ptx"] and "cp.async.bulk.tensor" in k3.asm["ptx"]
+        assert k3.metadata.shared == k1.metadata.shared
+        assert k3.asm["ptx"] != k1.asm["ptx"], f"{form}: VIRT must reach the weight coordinate"

@@ -136,7 +136,7 @@ def _fused_mm_blackwell_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, EPI_BN: tl.constexpr,
-    LOAD_WARPS: tl.constexpr, LOAD_REGS: tl.constexpr,
+    LOAD_WARPS: tl.constexpr, LOAD_REGS: tl.constexpr, VIRT: tl.constexpr,
 ):
     NACC: tl.constexpr = 2 if EPILOGUE == SWIGLU else 1  # SwiGLU: gate and up accumulators
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -219,6 +219,7 @@ def _fused_mm_blackwell_kernel(
                                                  GROUP_M)
                 n_off = nt * BN
                 steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
+                ew = e // VIRT  # the weights' expert (VIRT > 1: runs of one expert's rows as virtual experts)
                 if A_GATHER:  # row pointers once per tile; rows past the expert load zeros
                     pa, ma = gather_ptrs(a_ptr, src_ptr, lo, mt * BM, cnt, stride_an, 0, BK, BM, BK)
                 for k in range(0, steps):
@@ -232,12 +233,12 @@ def _fused_mm_blackwell_kernel(
                     if not A_GATHER:
                         tlx.async_descriptor_load(a_desc, a_buf[s], [lo + mt * BM, k_off], full[s])
                     if EPILOGUE == SWIGLU:
-                        tlx.async_descriptor_load(b_desc, b_buf[s * 2], [e, k_off, n_off], full[s])
-                        tlx.async_descriptor_load(b_desc, b_buf[s * 2 + 1], [e, k_off, n_off + F_OFF], full[s])
+                        tlx.async_descriptor_load(b_desc, b_buf[s * 2], [ew, k_off, n_off], full[s])
+                        tlx.async_descriptor_load(b_desc, b_buf[s * 2 + 1], [ew, k_off, n_off + F_OFF], full[s])
                     elif B_KMAJOR:
-                        tlx.async_descriptor_load(b_desc, b_buf[s], [e, n_off, k_off], full[s])
+                        tlx.async_descriptor_load(b_desc, b_buf[s], [ew, n_off, k_off], full[s])
                     else:
-                        tlx.async_descriptor_load(b_desc, b_buf[s], [e, k_off, n_off], full[s])
+                        tlx.async_descriptor_load(b_desc, b_buf[s], [ew, k_off, n_off], full[s])
                     if A_GATHER:
                         signal_gathered(it, k, LAG, NUM_STAGES, afull)
                     it += 1

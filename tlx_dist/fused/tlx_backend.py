@@ -468,6 +468,7 @@ class _Blackwell(_TlxFused):
 
     ARCH = "sm_100"
     A_SPLIT = 1
+    PHASED = True
 
     @staticmethod
     def _mm_kernel():
