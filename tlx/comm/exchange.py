@@ -65,6 +65,15 @@ before the next, so no kernel waits on a signal raised by a later launch):
   the sending ones (``RECV_ROLE``), so it overlaps the transfer; the emulated world (whose ranks
   launch one after another) runs it in the expand kernel; the NVSHMEM route copies after the
   whole-op ARRIVE wait, as before.
+  Overlapped row form (``symm.RowsOverlap``; per-layer regions over peer pointers, static capacity):
+    dispatch:  _route | _send_tokens SPLIT=1 (META, gates, own rows; ARRIVE) | _expand (layout, ends
+               the op) -- and after SPLIT=1, on a side stream outside the op: _send_tokens SPLIT=2
+               (the peers' rows into their regions, then RCNT[region, RANK] adds); _phase_offsets
+               (the GEMMs' runs); _rows_wait (before the GEMMs that read the peers' rows: waits for
+               RCNT, then takes the rows off it, so it reads 0 before the region's next dispatch)
+    combine:   _reduce_send on the side stream as soon as the peers' partial rows are final (the
+               down GEMM's peers' runs) | _reduce_recv (after joining the side stream; ends the op)
+  RCNT [row_regions, W] int64 sits after the row regions; no op end touches it.
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
