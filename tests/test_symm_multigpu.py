@@ -3,9 +3,9 @@ GPUs, and MoELayer forward/backward with both. Launch with torchrun, one process
 
     torchrun --nproc-per-node=2 -m pytest -m multigpu tests/test_symm_multigpu.py -q
 
-First passed on two H200s on 2026-11-29 (session 4). The fused EP layer test
-(``test_moe_layer_fused_ep_vs_all_to_all``) was added after that run and has not run on GPUs yet. Groups
-spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
+First passed on two H200s on 2026-11-29 (session 4); every test here, the fused EP layers (with
+receive regions, and overlapped with a CUDA-graph replay) included, passed there in session 12 (14
+passed). Groups spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
 """
 
 from __future__ import annotations
