@@ -100,7 +100,12 @@ class MoELayer(nn.Module):
             as the separate pipeline over the same exchange on two H200s (OLMoE, 16384 tokens per
             rank: layer fwd+bwd 12.6-12.7 vs 12.3-12.9 ms in two runs; EP=2 training 103.6k vs
             105.0k tokens/s/GPU) and needs 30% less memory (47.8 vs 67.9 GiB peak): no [N, D]
-            expert-major copies, no [N, D] GEMM outputs kept.
+            expert-major copies, no [N, D] GEMM outputs kept. Pass a
+            ``SymmDispatcher(..., row_regions=n_layers)`` to have each layer's rows read where they
+            land, and ``overlap=True`` (with a static ``capacity``) for the arrival-driven overlap:
+            this rank's own rows computed while the peers' land, the peers' partial rows sent home
+            while its own are computed (:class:`~tlx_dist.comm.symm.RowsOverlap`; slower than
+            without over NVLink on two H200s, session 12).
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
