@@ -706,3 +706,37 @@ def test_overlapped_forward_in_a_recompute_leaves_the_combine_whole():
         assert outs[d].shape == (T, D)
     world.check()
     world.close()
+
+
+def test_an_abandoned_overlapped_dispatch_does_not_leak_into_the_next():
+    """An overlapped dispatch whose forward is abandoned before its GEMMs (no wait, no combine) leaves
+    its rows' counts in the region counters; the next dispatch into that region takes them off first
+    (``RowsOverlap.finish`` of the old plan), so its own wait counts only its own rows."""
+    W, E, K, D, T = 2, 4, 2, 8, 5
+    f32 = torch.float32
+    gen = torch.Generator().manual_seed(13)
+    world = EmulatedWorld(W, T, D, K, E, f32, device="cpu", row_regions=1, capacity="worst")
+
+    def op(seed):
+        xs = [torch.randn(T, D, generator=gen, dtype=f32) for _ in range(W)]
+        idxs = [_kind_routing(seed + d, T, K, E, W, "random") for d in range(W)]
+        gates = [torch.rand(T, K, generator=gen, dtype=f32) for _ in range(W)]
+        return world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
+
+    first = op(70)
+    assert all(not h.overlap.waited for *_, h in first)
+    second = op(80)  # the first forward was abandoned: no GEMMs, no combine
+    for d, (*_, h) in enumerate(first):
+        assert h.overlap.waited and h.overlap.joined, f"rank {d}: the abandoned plan was not finished"
+    for d, (recv, src, gate_N, h) in enumerate(second):
+        want = h.rows_from_W.clone()
+        want[d] = 0
+        assert torch.equal(world.buffers[d].region_counters()[0], want), f"rank {d}: stale counts"
+    parts = [torch.zeros_like(r) for r, *_ in second]
+    for p_, (*_, h) in zip(parts, second):
+        h.overlap.wait()
+    world.combine_rows(parts, [h for *_, h in second])
+    for b in world.buffers:
+        assert int(b.region_counters().abs().sum()) == 0
+    world.check()
+    world.close()

@@ -657,6 +657,15 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # the host before expand, so there the send waits for the counts and computes it.
     raw = n is not None
     ovl = bool(overlap) and rows and region is not None and raw and W > 1
+    if region is not None:
+        # An overlapped dispatch into this region whose rows were never waited for (its forward was
+        # abandoned before the GEMMs): take its rows off the region counters now, or this dispatch's
+        # wait would count them as its own. (The counters are additive and each wait subtracts
+        # exactly its dispatch's rows, so the order of the two waits does not matter.)
+        plans = bufs.__dict__.setdefault("_overlap_plans", {})
+        prev = plans.pop(region, None)
+        if prev is not None and not prev.joined:
+            prev.finish()
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
                  own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region,
                  split=1 if ovl else 0)
@@ -694,6 +703,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done,
                               dict(pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, rows_from_W=rows_from_W,
                                    num_recv_rows=n, offsets_e=offsets_e)) if rows and ovl else None)
+    if rows and handle.overlap is not None:
+        bufs._overlap_plans[region] = handle.overlap
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
