@@ -35,6 +35,7 @@ straight through; the emulated world (``emulated.py``) advances W ranks' generat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -114,17 +115,18 @@ class RowsOverlap:
     ``check()`` like every exchange wait) on the current stream; :meth:`finish` (the combine calls
     it) waits if nobody did and joins the side stream into the current one."""
 
-    def __init__(self, bufs: SymmBuffers, region: int, rows_from_W: torch.Tensor, offsets_V: torch.Tensor,
-                 side_sms: int, side_done: Optional[torch.cuda.Event], handle_fields: Optional[dict] = None):
-        self.buffers, self.region, self.rows_from_W = bufs, region, rows_from_W
+    def __init__(self, handle: "SymmHandle", region: int, offsets_V: torch.Tensor, side_sms: int,
+                 side_done: Optional[torch.cuda.Event]):
+        bufs = handle.buffers
+        self.buffers, self.region, self.rows_from_W = bufs, region, handle.rows_from_W
         self.offsets_V, self.side_sms, self.side_done = offsets_V, side_sms, side_done
+        self.offsets_e = handle.offsets_e
+        self._handle = handle  # what the combine's first kernel reads (send_partials)
         self.waited = False
         self.joined = False
         L = bufs.layout
         # the receive rows of this rank's own tokens (their partial rows never cross a link)
         self.own_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
-        self._h = handle_fields  # what the combine's first kernel reads (set by _rows_overlap)
-        self.offsets_e = (handle_fields or {}).get("offsets_e")
         # data_ptr of the part_RD whose peers' rows went home early (send_partials); not the tensor,
         # which carries the autograd graph (held here, it would keep the graph's AccumulateGrad nodes,
         # and their streams, alive into the next step: a CUDA-graph capture then fails)
@@ -165,18 +167,9 @@ class RowsOverlap:
             raise RuntimeError("send_partials: this dispatch's partial rows were already sent")
         self.wait()
         bufs = self.buffers
-        real = bufs.device.type == "cuda" and bufs.backend not in ("emulated", "local")
-        if not real:
-            _reduce_send(bufs, part_RD, self._h, gated=False, rows=True)
-        else:
-            cur = torch.cuda.current_stream(bufs.device)
-            side = bufs._side_stream
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                _reduce_send(bufs, part_RD, self._h, gated=False, rows=True, programs=self.side_sms)
-                done = torch.cuda.Event()
-                done.record(side)
-            part_RD.record_stream(side)
+        done = _on_side(bufs, lambda: _reduce_send(bufs, part_RD, self._handle, gated=False, rows=True,
+                                                   programs=self.side_sms), part_RD)
+        if done is not None:
             self.side_done = done
         self.partials_sent = part_RD.data_ptr()
 
@@ -190,6 +183,27 @@ class RowsOverlap:
 
 def _rcnt_off(L, region: int) -> int:
     return L.off_rcnt + region * L.world_size * 8
+
+
+def _on_side(bufs: SymmBuffers, launch, *keep: torch.Tensor) -> Optional[torch.cuda.Event]:
+    """Runs ``launch()`` after what the current stream has enqueued. Real ranks: on the buffers'
+    side stream (``keep``: the tensors it reads, kept for the caching allocator until it is done);
+    returns the event that :meth:`RowsOverlap.finish` joins. The emulated world and the
+    interpreter, whose ranks run one after another: in line, None."""
+    if bufs.device.type != "cuda" or bufs.backend in ("emulated", "local"):
+        launch()
+        return None
+    if bufs._side_stream is None:
+        bufs._side_stream = torch.cuda.Stream(device=bufs.device)
+    side = bufs._side_stream
+    side.wait_stream(torch.cuda.current_stream(bufs.device))
+    with torch.cuda.stream(side):
+        launch()
+        done = torch.cuda.Event()
+        done.record(side)
+    for t in keep:
+        t.record_stream(side)
+    return done
 
 
 def check_capacity(capacity: Capacity) -> Capacity:
@@ -436,7 +450,7 @@ def _blk_meta(bufs: SymmBuffers) -> dict:
 def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta: bool, offs=None,
                  offs_cap: Optional[int] = None, own_rows: Optional[torch.Tensor] = None, skip_own: bool = False,
                  raw_meta: bool = False, rows_from: Optional[torch.Tensor] = None, region: Optional[int] = None,
-                 split: int = 0):
+                 split: int = 0, programs: Optional[int] = None):
     """The op's phase 2: waits for every peer's signal (and with meta computes this rank's layout
     into ``lay`` / ``offs``, the latter capped at ``offs_cap`` expanded rows when given), then
     sends the token rows (gates cast to the activation dtype here). ``own_rows`` (the row form's
@@ -450,8 +464,9 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     ``[W]``, rows from each source) is then where they read how many to expect. ``region``: the
     rows go to every destination's per-layer receive region ``region`` (``own_rows`` must be this
     rank's view of it) and stay there: no receive-side copy in any mode. ``split=1`` (with
-    ``region``): the overlapped dispatch's first half -- META, gates and the own rows only; the
-    peers' rows follow from :func:`_send_rows_side`."""
+    ``region``): the overlapped dispatch's first half -- META, gates and the own rows only; ``split=2``
+    (with ``region``, no meta, ``programs`` programs): its second half, the peers' rows and their
+    region-counter adds, outside the op (no barrier; :func:`_send_rows_side`)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T, D = x_TD.shape
     if x_TD.stride(-1) != 1:
@@ -464,7 +479,10 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
     rows_meta = {}
     if own_rows is not None and region is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True, ROWS_REGION=True,
-                         ROWS_OFF=L.off_rows + region * L.rows_region_bytes, **({"SPLIT": 1} if split else {}))
+                         ROWS_OFF=L.off_rows + region * L.rows_region_bytes, **({"SPLIT": split} if split else {}))
+        if split == 2:
+            rows_meta["RCNT_OFF"] = _rcnt_off(L, region)
+            grid = (max(1, min(-(-T // bt), programs)),)
     elif own_rows is not None:
         rows_meta = dict(OWN_ADDR=own_rows.data_ptr(), LOCAL_ROWS=True)
         mode = _recv_mode(bufs)
@@ -488,43 +506,17 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
-        **_pipe("send"), **_await_meta(bufs))
+        **_pipe("send"), **({} if split == 2 else _await_meta(bufs)))
 
 
 def _send_rows_side(bufs: SymmBuffers, x_TD: torch.Tensor, send_row_TW: torch.Tensor, own_rows: torch.Tensor,
                     region: int, side_sms: int) -> Optional[torch.cuda.Event]:
-    """The overlapped dispatch's second half (``SPLIT=2``): every peer's token rows into its region
-    ``region``, each program adding its rows to the destination's region counter when done. Real
-    ranks: on the buffers' side stream, ``side_sms`` programs (one an SM), after what the current
-    stream has enqueued (the first half); returns the event the combine joins. The emulated world
-    and the interpreter: in line (their ranks run one after another), returns None."""
-    L, k = bufs.layout, _kernels(bufs.device)
-    T, D = x_TD.shape
-    bt, bd, warps, _grid_unused = _shape("send", D, T, bufs.device)
-    n_prog = max(1, min(-(-T // bt), side_sms))
-    args = (x_TD, x_TD.stride(0), T, send_row_TW, send_row_TW, send_row_TW, send_row_TW, send_row_TW, bufs.peers,
-            bufs.rank)
-    meta = dict(W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
-                E_LOCAL=L.num_experts // L.world_size, D=D, T_MAX=L.max_tokens, META_W=L.meta_words,
-                OFF_ARRIVE=L.off_arrive, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_RECV=L.off_recv,
-                WITH_META=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps, OWN_ADDR=own_rows.data_ptr(),
-                LOCAL_ROWS=True, ROWS_REGION=True, ROWS_OFF=L.off_rows + region * L.rows_region_bytes, SPLIT=2,
-                RCNT_OFF=_rcnt_off(L, region), **_pipe("send"))
-    if bufs.device.type != "cuda" or bufs.backend in ("emulated", "local"):
-        k._send_tokens_kernel[(n_prog,)](*args, **meta)
-        return None
-    cur = torch.cuda.current_stream(bufs.device)
-    side = getattr(bufs, "_side_stream", None)
-    if side is None:
-        side = bufs._side_stream = torch.cuda.Stream(device=bufs.device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        k._send_tokens_kernel[(n_prog,)](*args, **meta)
-        done = torch.cuda.Event()
-        done.record(side)
-    x_TD.record_stream(side)
-    send_row_TW.record_stream(side)
-    return done
+    """The overlapped dispatch's second half (``_send_tokens`` ``split=2``): every peer's token rows
+    into its region ``region``, each of ``side_sms`` programs (one an SM) adding its rows to the
+    destination's region counter when done; on the side stream (``_on_side``)."""
+    return _on_side(bufs, lambda: _send_tokens(bufs, x_TD, send_row_TW, None, None, None, None, with_meta=False,
+                                               own_rows=own_rows, region=region, split=2, programs=side_sms),
+                    x_TD, send_row_TW)
 
 
 def _expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, from_meta: bool, gate_grad: bool,
@@ -662,8 +654,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         # abandoned before the GEMMs): take its rows off the region counters now, or this dispatch's
         # wait would count them as its own. (The counters are additive and each wait subtracts
         # exactly its dispatch's rows, so the order of the two waits does not matter.)
-        plans = bufs.__dict__.setdefault("_overlap_plans", {})
-        prev = plans.pop(region, None)
+        prev = bufs._overlap_plans.pop(region, None)
         if prev is not None and not prev.joined:
             prev.finish()
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
@@ -699,53 +690,41 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         recv_counts_e=recv_counts_e, tokens_per_expert_E=counts_C[:E],
         order_S=None, inverse_S=None, send_row_TW=send_row_TW, rows_to_W=counts_C[E:],
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
-        gate_TK=gate_TK, buffers=bufs,
-        overlap=_rows_overlap(bufs, region, starts, lay, offsets_e, n, side_sms, side_done,
-                              dict(pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, rows_from_W=rows_from_W,
-                                   num_recv_rows=n, offsets_e=offsets_e)) if rows and ovl else None)
-    if rows and handle.overlap is not None:
+        gate_TK=gate_TK, buffers=bufs)
+    if rows and ovl:
+        handle = dataclasses.replace(handle, overlap=_rows_overlap(handle, region, starts, lay, n, side_sms,
+                                                                   side_done))
         bufs._overlap_plans[region] = handle.overlap
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
 
 
-@dataclass(frozen=True)
-class _Fields:
-    """The handle fields ``_reduce_send`` reads, before the handle exists."""
-    pos_RK: torch.Tensor
-    gate_RK: torch.Tensor
-    tok_R: torch.Tensor
-    rows_from_W: torch.Tensor
-    num_recv_rows: int
-
-
-def _rows_overlap(bufs: SymmBuffers, region: int, starts: torch.Tensor, lay: torch.Tensor, offsets_e: torch.Tensor,
-                  cap: int, side_sms: int, side_done, fields: dict) -> RowsOverlap:
+def _rows_overlap(h: SymmHandle, region: int, starts: torch.Tensor, lay: torch.Tensor, cap: int, side_sms: int,
+                  side_done) -> RowsOverlap:
     """The overlapped dispatch's :class:`RowsOverlap`: ``offsets_V`` from the layout the expand
     kernel computed (one launch of ``_phase_offsets_kernel``)."""
+    bufs = h.buffers
     L = bufs.layout
     E, W = L.num_experts, L.world_size
     e = E // W
     offsets_V = torch.empty(3 * e, dtype=torch.int32, device=bufs.device)
-    _kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], offsets_e, offsets_V, bufs.rank, cap,
+    _kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], h.offsets_e, offsets_V, bufs.rank, cap,
                                                       W=W, E_LOCAL=e, EP=_next_pow2(e), num_warps=1)
-    return RowsOverlap(bufs, region, lay[E + e:], offsets_V, side_sms, side_done, fields)
+    return RowsOverlap(h, region, offsets_V, side_sms, side_done)
 
 
-def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h, gated: bool, rows: bool = False,
+def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False,
                  programs: Optional[int] = None) -> torch.Tensor:
     """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows.
     Row form: rows of this rank's own tokens stay in ``y``, which is returned for ``_reduce_recv``
     to read them there (the caller keeps it alive until then). ``programs``: at most that many
-    (the overlapped combine's SM budget). ``h``: a :class:`SymmHandle` or a dict of its fields."""
+    (the overlapped combine's SM budget)."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd, warps, grid = _shape("reduce_send", L.hidden, L.recv_rows, bufs.device)
     if programs is not None:
         grid = (max(1, min(grid[0], programs)),)
-    if isinstance(h, dict):
-        h = _Fields(**{k: v for k, v in h.items() if k != "offsets_e"})
     _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,

@@ -291,6 +291,8 @@ class SymmBuffers:
         if self.use_nvshmem and not layout.staging:
             raise ValueError("peers without a pointer need the NVSHMEM staging regions (SymmLayout staging=True)")
         self._nvshmem_lib = None
+        self._side_stream = None  # the overlapped row form's side stream (symm._on_side), made on first use
+        self._overlap_plans = {}  # region -> the last overlapped dispatch's symm.RowsOverlap there
 
     def nvshmem_meta(self, kernel) -> dict:
         """Extra launch arguments of a kernel that sends to peers (``tlx/comm/exchange.py``): ``{}``

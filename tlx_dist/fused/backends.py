@@ -118,9 +118,9 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     scheduler tables already computed with the routing (int32: tile_cum ``[E + 1]`` for ``p``'s tile
     height, then from :func:`sched_order_offset` the dW expert order ``[E]``; the TLX primitives
     only), else the prep kernel runs. ``overlap`` (the EP overlap's receive plan,
-    :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; primitives with
-    ``gate_up_swiglu_phased`` (Hopper) run this rank's own rows while they do, the others wait
-    for every row first (``overlap.wait()``)."""
+    :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; ``PHASED``
+    primitives (the TLX and portable kernels, which take VIRT) run :func:`_forward_overlapped`, the
+    others wait for every row first (``overlap.wait()``)."""
     if overlap is not None and getattr(p, "PHASED", False):
         return _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, overlap)
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
@@ -129,6 +129,14 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
+
+
+def phase_tile_cums(offsets_V, n_rows: int, block_m: int):
+    """The two tile walks of ``_forward_overlapped``'s launches over ``3 * E`` virtual experts
+    (``tile_cum`` of phase 0 and of phase 1, tiles of ``block_m`` rows)."""
+    from ..grouped_gemm.host import prep_offsets
+
+    return prep_offsets(offsets_V, n_rows, block_m, phase=0)[1], prep_offsets(offsets_V, n_rows, block_m, phase=1)[1]
 
 
 def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov):
@@ -238,10 +246,7 @@ class _Portable:
 
     @staticmethod
     def phase_tile_cums(offsets_V, n_rows, x):
-        from ..grouped_gemm.host import prep_offsets
-
-        bm = _Portable._blocks(x)[0]
-        return prep_offsets(offsets_V, n_rows, bm, phase=0)[1], prep_offsets(offsets_V, n_rows, bm, phase=1)[1]
+        return phase_tile_cums(offsets_V, n_rows, _Portable._blocks(x)[0])
 
     @staticmethod
     def free_sms(device, side_sms):

@@ -34,7 +34,7 @@ import torch
 
 import tlx
 
-from .backends import SCHED_BM, FusedBackend, compose_backward, compose_forward, register_fused_backend
+from .backends import SCHED_BM, FusedBackend, compose_backward, compose_forward, phase_tile_cums, register_fused_backend
 
 __all__ = ["FusedTileConfig", "BlackwellFusedTileConfig", "FORMS", "BLACKWELL_FORMS", "fused_config",
            "kernel_signature", "ENV_FUSED_CONFIG"]
@@ -336,10 +336,7 @@ class _TlxFused:
 
     @staticmethod
     def phase_tile_cums(offsets_V, n_rows, x):
-        from ..grouped_gemm.host import prep_offsets
-
-        return (prep_offsets(offsets_V, n_rows, SCHED_BM, phase=0)[1],
-                prep_offsets(offsets_V, n_rows, SCHED_BM, phase=1)[1])
+        return phase_tile_cums(offsets_V, n_rows, SCHED_BM)
 
     @staticmethod
     def free_sms(device, side_sms):
