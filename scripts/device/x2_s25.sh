@@ -42,3 +42,8 @@ timeout 120 torchrun --standalone --nproc-per-node=2 -m train.pretrain --config 
 echo "== EP=2 training, ep_overlap + activation_checkpoint=moe rc=$? [$(( $(date +%s)-t0 ))s]"
 grep -E "^step|stopped" "$out/train_ep2_overlap_ckpt.log" | cut -c1-220 | tail -n 3
 dispatch_w2
+t0=$(date +%s)
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/fused_forms.py --shapes mixtral,deepseek-v2-lite,olmoe --tokens 16384 \
+  --rep 40 > "$out/fused_forms.log" 2>&1
+echo "== fused forms rc=$? [$(( $(date +%s)-t0 ))s]"
+grep -E "^\|" "$out/fused_forms.log" | head -n 24
