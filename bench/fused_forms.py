@@ -19,6 +19,12 @@ logits (seeded). Medians of triton.testing.do_bench (ms);
 TFLOP/s = 2 * rows * in * out / time; "x anchor" = anchor time / fused time (> 1: fused faster).
 
     python bench/fused_forms.py [--shapes olmoe,qwen3-30b-a3b] [--tokens 16384] [--json out.json]
+
+``--variant NAME=SPEC`` (repeatable) times the fused kernels under each tile config (SPEC in the
+``TLX_DIST_FUSED_CONFIG`` syntax, e.g. ``direct=swiglu:DIRECT=1;scatter:DIRECT=1``; an empty SPEC is
+the defaults) in one process, and checks each variant's outputs against the first variant's: the
+largest difference relative to the output's largest value (0 where a variant changes only how the
+same values are stored; the scatter forms' fp32 atomics add in a different order each run).
 """
 
 from __future__ import annotations
@@ -98,6 +104,23 @@ def check_wgrad(p, T, D, F, E, K, device) -> float:
     return worst
 
 
+ENV = "TLX_DIST_FUSED_CONFIG"
+
+
+def _use_config(spec: str) -> None:
+    """Make the fused launchers resolve their tile configs from ``spec`` from now on."""
+    from tlx_dist.fused import tlx_backend
+
+    os.environ[ENV] = spec
+    tlx_backend._CACHE.clear()
+
+
+def _outputs(res) -> list:
+    """The tensors a form's launcher returns, as a flat list."""
+    res = res if isinstance(res, (tuple, list)) else (res,)
+    return [t.detach().clone() for t in res if isinstance(t, torch.Tensor)]
+
+
 def main() -> int:
     import triton
 
@@ -109,34 +132,52 @@ def main() -> int:
     ap.add_argument("--forms", default="swiglu,scatter,dswiglu,scatter_dx,wgrad_a,wgrad_b")
     ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=SPEC: time the fused kernels under TLX_DIST_FUSED_CONFIG=SPEC (repeatable)")
     args = ap.parse_args()
+    variants = [v.partition("=")[::2] for v in args.variant] or [("", os.environ.get(ENV, ""))]
     if not torch.cuda.is_available():
         print("bench/fused_forms.py needs a CUDA GPU with TLX (Hopper)", file=sys.stderr)
         return 2
     p = _tlx_prims()  # the launchers of this GPU generation's TLX fused kernels
     rows = []
-    print("| shape | T | form | fused ms | fused TFLOP/s | anchor ms | anchor TFLOP/s | x anchor |")
-    print("|---|---|---|---|---|---|---|---|")
+    vcol = "variant | " if args.variant else ""
+    print(f"| shape | T | form | {vcol}fused ms | fused TFLOP/s | anchor ms | anchor TFLOP/s | x anchor |"
+          + (" rel diff |" if args.variant else ""))
+    print("|---" * (9 + 2 * bool(args.variant)) + "|")
     for name in args.shapes.split(","):
         D, F, E, K = SHAPES[name]
         for T in (int(t) for t in args.tokens.split(",")):
             fs = forms(p, T, D, F, E, K, "cuda")
             for form in args.forms.split(","):
                 fused, anchor, n, k_in, k_out = fs[form]
-                tf = triton.testing.do_bench(fused, rep=args.rep, return_mode="median")
                 ta = triton.testing.do_bench(anchor, rep=args.rep, return_mode="median")
                 fl = 2.0 * n * k_in * k_out
-                r = dict(shape=name, T=T, form=form, fused_ms=tf, anchor_ms=ta, fused_tflops=fl / tf / 1e9,
-                         anchor_tflops=fl / ta / 1e9, ratio=ta / tf)
-                rows.append(r)
-                print(f"| {name} | {T} | {form} | {tf:.3f} | {r['fused_tflops']:.0f} | {ta:.3f} | "
-                      f"{r['anchor_tflops']:.0f} | {r['ratio']:.2f} |", flush=True)
+                first = None
+                for vname, spec in variants:
+                    _use_config(spec)
+                    out = _outputs(fused())
+                    first = out if first is None else first
+                    diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                               for a, b in zip(out, first))
+                    tf = triton.testing.do_bench(fused, rep=args.rep, return_mode="median")
+                    r = dict(shape=name, T=T, form=form, variant=vname, spec=spec, fused_ms=tf, anchor_ms=ta,
+                             fused_tflops=fl / tf / 1e9, anchor_tflops=fl / ta / 1e9, ratio=ta / tf, rel_diff=diff)
+                    rows.append(r)
+                    vcell = f"{vname} | " if args.variant else ""
+                    print(f"| {name} | {T} | {form} | {vcell}{tf:.3f} | {r['fused_tflops']:.0f} | {ta:.3f} | "
+                          f"{r['anchor_tflops']:.0f} | {r['ratio']:.2f} |" + (f" {diff:.1e} |" if args.variant else ""),
+                          flush=True)
+                del first, out
             del fs
             torch.cuda.empty_cache()
+    _use_config(variants[0][1])
     err = check_wgrad(p, 4096, 2048, 1024, 64, 8, "cuda")
     print(f"\ngathered dW vs grouped_mm_wgrad on pre-gathered rows: max rel err {err:.2e}")
     for form in sorted({r["form"] for r in rows}):
-        print(f"median x anchor {form}: {statistics.median(r['ratio'] for r in rows if r['form'] == form):.2f}")
+        for vname, _ in variants:
+            sel = [r["ratio"] for r in rows if r["form"] == form and r["variant"] == vname]
+            print(f"median x anchor {form}{' ' + vname if vname else ''}: {statistics.median(sel):.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, wgrad_check_rel_err=err), f, indent=1)
