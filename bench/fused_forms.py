@@ -144,7 +144,7 @@ def main() -> int:
     vcol = "variant | " if args.variant else ""
     print(f"| shape | T | form | {vcol}fused ms | fused TFLOP/s | anchor ms | anchor TFLOP/s | x anchor |"
           + (" rel diff |" if args.variant else ""))
-    print("|---" * (9 + 2 * bool(args.variant)) + "|")
+    print("|---" * (8 + 2 * bool(args.variant)) + "|")
     for name in args.shapes.split(","):
         D, F, E, K = SHAPES[name]
         for T in (int(t) for t in args.tokens.split(",")):
