@@ -12,7 +12,7 @@ CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovid
 p1=$!
 [ "$g2" = 0 ] && wait $p1
 CUDA_VISIBLE_DEVICES=$g2 timeout 300 python3 bench/fused_forms.py --shapes olmoe,deepseek-v2-lite,mixtral \
-  --tokens 16384 --forms swiglu,scatter,dswiglu,scatter_dx --rep 40 --variant "conv=" --variant "direct=$D" \
+  --tokens 16384 --forms swiglu,scatter,dswiglu,scatter_dx --rep 40 --variant "conv=" --variant "direct=$D" --variant "direct_s6=$D;scatter:STAGES=6" \
   --json "$out/forms_direct.json" > "$out/forms_direct.log" 2>&1
 r2=$?
 wait $p1; r1=$?
