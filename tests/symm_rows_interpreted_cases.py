@@ -591,8 +591,17 @@ def test_overlapped_rows_autograd_and_fallbacks():
     xs = [torch.randn(T, D, generator=gen, dtype=dt) for _ in range(W)]
     idxs = [_kind_routing(7 + d, T, K, E, W, "random") for d in range(W)]
     gates = [torch.rand(T, K, generator=gen, dtype=dt) for _ in range(W)]
+    gates = [g.requires_grad_(True) * 1.0 for g in gates]  # a router's gates: with an autograd graph
     res = world.dispatch_rows(xs, idxs, gates, region=0, overlap=True)
     recv, src, gate_N, h = res[0]
+    # the plan (which the buffers keep until the next dispatch into its region) holds no tensor of an
+    # autograd graph: it would keep that step's graph alive into the next (and a CUDA-graph capture's
+    # backward fails on the old AccumulateGrad nodes' streams)
+    for plan in [r[3].overlap for r in res] + list(world.buffers[0]._overlap_plans.values()):
+        held = [v for v in list(vars(plan).values()) + list(vars(plan._handle).values())
+                if isinstance(v, torch.Tensor)]
+        assert held and not any(t.requires_grad or t.grad_fn is not None for t in held), "the plan holds a graph"
+        assert plan._handle.overlap is None
     w13 = torch.randn(E // W, D, 2 * Fe, generator=gen, dtype=dt, requires_grad=True)
     w2 = torch.randn(E // W, Fe, D, generator=gen, dtype=dt, requires_grad=True)
     g_N = gate_N.clone().requires_grad_(True)

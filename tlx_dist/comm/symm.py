@@ -121,7 +121,12 @@ class RowsOverlap:
         self.buffers, self.region, self.rows_from_W = bufs, region, handle.rows_from_W
         self.offsets_V, self.side_sms, self.side_done = offsets_V, side_sms, side_done
         self.offsets_e = handle.offsets_e
-        self._handle = handle  # what the combine's first kernel reads (send_partials)
+        # What the combine's first kernel reads (send_partials): the handle without the caller's
+        # gates (gate_TK carries the router's autograd graph: held here, and by the buffers until the
+        # next dispatch into this region, it would keep that step's AccumulateGrad nodes, made on
+        # another stream, alive into a later CUDA-graph capture, whose backward then fails) and
+        # without the plan itself.
+        self._handle = dataclasses.replace(handle, gate_TK=None, overlap=None)
         self.waited = False
         self.joined = False
         L = bufs.layout
