@@ -41,36 +41,12 @@ def _per_expert(offsets, fn):
         lo = hi
 
 
-def _use_config(monkeypatch, spec):
-    """Resolve the fused kernels' tile configs from ``spec`` (TLX_DIST_FUSED_CONFIG syntax) from now on."""
-    from tlx_dist.fused import tlx_backend
-
-    monkeypatch.setenv(tlx_backend.ENV_FUSED_CONFIG, spec)
-    tlx_backend._CACHE.clear()
-
-
-_DIRECT = "swiglu:DIRECT=1;scatter:DIRECT=1;dswiglu:DIRECT=1"
-
-
-@pytest.fixture
-def fused_config(monkeypatch):
-    from tlx_dist.fused import tlx_backend
-
-    yield lambda spec: _use_config(monkeypatch, spec)
-    tlx_backend._CACHE.clear()  # the next test resolves from its own environment
-
-
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
-@pytest.mark.parametrize("direct", [False, True], ids=["converted", "direct"])
-def test_tlx_primitives_vs_fp64(direct, fused_config):
+def test_tlx_primitives_vs_fp64():
     """Each TLX kernel (Hopper or Blackwell) against its fp64 definition, bounded by the portable kernel's error on the
     same inputs. Routing has an empty expert, an expert of one row, a 300-row expert (three M
-    tiles) and 40 padding rows whose indices are out of range (never read). ``direct``: the Hopper
-    epilogues' loads, stores and reductions straight from the accumulator layout (config DIRECT)."""
-    if direct and tlx.gpu_arch() != "sm_90":
-        pytest.skip("DIRECT is a Hopper epilogue option")
-    fused_config(_DIRECT if direct else "")
+    tiles) and 40 padding rows whose indices are out of range (never read)."""
     H, P = _prims()
     g = torch.Generator(DEV).manual_seed(0)
     T, D, F, counts = 256, 192, 128, [0, 1, 300, 99, 0, 112, 0, 0]
@@ -124,53 +100,6 @@ def test_tlx_primitives_vs_fp64(direct, fused_config):
     for k in ("h", "a", "dh", "ag", "dgate"):
         assert torch.all(t[k][live:] == 0), f"padding rows of {k} must be zero"
     assert torch.all(t["dw13"][torch.tensor(counts) == 0] == 0)
-
-
-@needs_tlx
-@pytest.mark.timeout(240, method="thread")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_direct_epilogues_match_the_converted_ones(dtype, fused_config):
-    """DIRECT (Hopper) changes how the epilogues move data, not what they compute: h, a, dh and ag
-    are bit-identical to the converted epilogues' (same fp32 values, same rounding); the scatter
-    outputs and the gate-gradient partials differ only by fp32 summation order. F=192 and D=320
-    leave half-masked column tiles (128-wide tiles); routing with empty experts, a one-row expert
-    and padding rows whose indices are out of range."""
-    if tlx.gpu_arch() != "sm_90":
-        pytest.skip("DIRECT is a Hopper epilogue option")
-    from tlx_dist.fused.tlx_backend import _tlx_prims
-
-    p = _tlx_prims()
-    g = torch.Generator(DEV).manual_seed(3)
-    T, D, F, counts = 300, 320, 192, [0, 1, 257, 0, 130, 64, 0, 77]
-    E, live = len(counts), sum(counts)
-    N = live + 24
-    x = torch.randn(T, D, device=DEV, generator=g).to(dtype)
-    w13 = (torch.randn(E, D, 2 * F, device=DEV, generator=g) / D ** 0.5).to(dtype)
-    w2 = (torch.randn(E, F, D, device=DEV, generator=g) / F ** 0.5).to(dtype)
-    src = torch.cat([torch.randint(0, T, (live,), device=DEV, generator=g), torch.full((24,), 1 << 30, device=DEV)])
-    src = src.to(torch.int32)
-    dst = torch.randint(0, T, (N,), device=DEV, generator=g).to(torch.int32)
-    gate = torch.rand(N, device=DEV, generator=g)
-    dout = torch.randn(T, D, device=DEV, generator=g).to(dtype)
-    offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
-    got = {}
-    for spec in ("", _DIRECT):
-        fused_config(spec)
-        tc = p.tile_cum(offs, N, x)
-        h, a = p.gate_up_swiglu(x, src, w13, offs, tc)
-        out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
-        dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
-        dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
-        got[spec] = dict(h=h, a=a, dh=dh, ag=ag, out=out, dx=dx, dgate=dgate)
-    conv, direct = got[""], got[_DIRECT]
-    for k in ("h", "a", "dh", "ag"):
-        assert direct[k].dtype == dtype
-        assert torch.equal(direct[k], conv[k]), f"DIRECT {k} differs from the converted epilogue's"
-    for k in ("out", "dx", "dgate"):
-        ref = conv[k].float()
-        err = float((direct[k].float() - ref).abs().max() / ref.abs().max())
-        assert err <= 1e-5, f"DIRECT {k}: relative difference {err:.2e} (fp32 summation order only allows ~1e-6)"
-    assert direct["out"].abs().sum() > 0 and direct["dx"].abs().sum() > 0
 
 
 def _separate(x, idx, gate, w13, w2):

@@ -53,8 +53,7 @@ from tlx import c_launch as _c_launch
 from tlx.common.gather import drain_gathered as _drain_gathered
 from tlx.common.gather import gather_ptrs
 from tlx.common.gather import signal_gathered as _signal_gathered
-from tlx.common.moe_epilogues import (load_pairs, red_add_pairs, split_halves, split_pairs, store_pairs, swiglu_bwd,
-                                      swiglu_fwd)
+from tlx.common.moe_epilogues import swiglu_bwd, swiglu_fwd
 from tlx.common.scheduler import mm_num_tiles, mm_tile, mm_tile_grouped, ragged_coords, wgrad_tile, wgrad_tile_lpt
 
 SWIGLU = tl.constexpr(1)
@@ -120,73 +119,17 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
 
 
 @triton.jit
-def _dswiglu_direct_half(g, hg_pre, hu_pre, gate, n_idx, row_ok, col0, NN, F_OFF, c_ptr, c2_ptr, h_ptr, stride_cn,
-                         stride_c2n, stride_hn, ROWS: tl.constexpr, COLS: tl.constexpr, PREFETCH_H: tl.constexpr):
-    """dSwiGLU epilogue of ``COLS`` columns from ``col0`` in the accumulator layout (DIRECT): returns
-    the rows' gate-gradient dot over these columns."""
-    ce = col0 + 2 * tl.arange(0, COLS // 2)
-    okp = row_ok[:, None] & (ce < NN)[None, :]
-    g_e, g_o = split_pairs(g, ROWS, COLS)
-    if PREFETCH_H:
-        hge, hgo = split_pairs(hg_pre, ROWS, COLS)
-        hue, huo = split_pairs(hu_pre, ROWS, COLS)
-    else:
-        hp = h_ptr + n_idx[:, None] * stride_hn + ce[None, :]
-        hge, hgo = load_pairs(hp, okp)
-        hue, huo = load_pairs(hp + F_OFF, okp)
-    a_e, dhge, dhue = swiglu_bwd(hge, hue, g_e, gate)
-    a_o, dhgo, dhuo = swiglu_bwd(hgo, huo, g_o, gate)
-    dp = c_ptr + n_idx[:, None] * stride_cn + ce[None, :]
-    store_pairs(dp, dhge, dhgo, okp)
-    store_pairs(dp + F_OFF, dhue, dhuo, okp)
-    store_pairs(c2_ptr + n_idx[:, None] * stride_c2n + ce[None, :], a_e * gate, a_o * gate, okp)
-    return tl.sum(a_e * g_e, axis=1) + tl.sum(a_o * g_o, axis=1)
-
-
-@triton.jit
 def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                  E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
                  EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 PREFETCH_H: tl.constexpr, DIRECT: tl.constexpr):
+                 PREFETCH_H: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     rows = mt * BM + CID * BMS + tl.arange(0, BMS)
     cols = nt * BN + tl.arange(0, BN)
     row_ok = rows < cnt
     ok = row_ok[:, None] & (cols < NN)[None, :]
     n_idx = (lo + rows).to(tl.int64)
-    if DIRECT:  # the accumulator layout's column pairs, one PTX access each (moe_epilogues.py)
-        ce = nt * BN + 2 * tl.arange(0, BN // 2)
-        okp = row_ok[:, None] & (ce < NN)[None, :]
-    if DIRECT and EPILOGUE == SWIGLU:
-        out_ty: tl.constexpr = c_ptr.dtype.element_ty
-        ge, go = split_pairs(acc, BMS, BN)
-        ue, uo = split_pairs(acc_u, BMS, BN)
-        ge = ge.to(out_ty).to(tl.float32)  # a from the rounded h that backward reads back
-        go = go.to(out_ty).to(tl.float32)
-        ue = ue.to(out_ty).to(tl.float32)
-        uo = uo.to(out_ty).to(tl.float32)
-        hp = c_ptr + n_idx[:, None] * stride_cn + ce[None, :]
-        store_pairs(hp, ge, go, okp)
-        store_pairs(hp + F_OFF, ue, uo, okp)
-        store_pairs(c2_ptr + n_idx[:, None] * stride_c2n + ce[None, :], swiglu_fwd(ge, ue), swiglu_fwd(go, uo), okp)
-    elif DIRECT and EPILOGUE == DSWIGLU:
-        # Left column half, then right: one half of h live at a time (all of it spilled ~1 KB).
-        gate = tl.load(scale_ptr + n_idx, mask=row_ok & (e < E), other=0.0).to(tl.float32)[:, None]
-        g_l, g_r = split_halves(acc, BMS, BN)
-        if PREFETCH_H:
-            hg_l, hg_r = split_halves(hg_pre, BMS, BN)
-            hu_l, hu_r = split_halves(hu_pre, BMS, BN)
-        else:
-            hg_l = g_l  # unused: the halves load their h themselves
-            hg_r = g_r
-            hu_l = g_l
-            hu_r = g_r
-        dot = _dswiglu_direct_half(g_l, hg_l, hu_l, gate, n_idx, row_ok, nt * BN, NN, F_OFF, c_ptr, c2_ptr, h_ptr,
-                                   stride_cn, stride_c2n, stride_hn, BMS, BN // 2, PREFETCH_H)
-        dot += _dswiglu_direct_half(g_r, hg_r, hu_r, gate, n_idx, row_ok, nt * BN + BN // 2, NN, F_OFF, c_ptr,
-                                    c2_ptr, h_ptr, stride_cn, stride_c2n, stride_hn, BMS, BN // 2, PREFETCH_H)
-        tl.store(part_ptr + n_idx * stride_pn + nt, dot, mask=row_ok)
-    elif EPILOGUE == SWIGLU:
+    if EPILOGUE == SWIGLU:
         out_ty: tl.constexpr = c_ptr.dtype.element_ty
         hg = acc.to(out_ty)
         hu = acc_u.to(out_ty)
@@ -201,10 +144,7 @@ def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, 
             val = acc
             if HAS_SCALE:
                 val = val * tl.load(scale_ptr + n_idx, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            if DIRECT:  # 8-byte reductions straight from the accumulator layout
-                red_add_pairs(c_ptr, d_row, stride_cn, nt * BN, NN, val, row_ok, BMS, BN)
-            else:
-                tl.atomic_add(c_ptr + d_row[:, None] * stride_cn + cols[None, :], val, mask=ok, sem="relaxed")
+            tl.atomic_add(c_ptr + d_row[:, None] * stride_cn + cols[None, :], val, mask=ok, sem="relaxed")
     else:
         out_ty: tl.constexpr = c_ptr.dtype.element_ty
         if PREFETCH_H:  # the producer brought this tile's h into shared memory during the main loop
@@ -230,7 +170,7 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
                 SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr,
-                EARLY_H: tl.constexpr, DIRECT: tl.constexpr):
+                EARLY_H: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
@@ -282,7 +222,7 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
         tlx.barrier_arrive(hempty[0])  # both groups have h in registers: the next tile's may land
     _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                  E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM, BN,
-                 PREFETCH_H, DIRECT)
+                 PREFETCH_H)
     return it
 
 
@@ -313,7 +253,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr, DIRECT: tl.constexpr,
+    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -364,7 +304,7 @@ def _fused_mm_hopper_kernel(
                                  offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN,
                                  F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
                                  HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H,
-                                 EARLY_H, DIRECT)
+                                 EARLY_H)
                 tc += 1
 
 

@@ -71,7 +71,6 @@ class FusedTileConfig:
     REGS: int = 232
     PREFETCH_H: int = 0
     EARLY_H: int = 0
-    DIRECT: int = 0
 
     def __post_init__(self):
         for f in ("BN", "BK"):
@@ -94,8 +93,6 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.EARLY_H={self.EARLY_H} must be 0 or 1")
         if self.EARLY_H and self.BN < 64:
             raise ValueError(f"FusedTileConfig.EARLY_H prefetches 128-byte lines: needs BN >= 64, got {self.BN}")
-        if self.DIRECT not in (0, 1):
-            raise ValueError(f"FusedTileConfig.DIRECT={self.DIRECT} must be 0 or 1")
         if self.EARLY_H and self.PREFETCH_H:
             raise ValueError("FusedTileConfig.EARLY_H and PREFETCH_H are two ways to bring h early: pick one")
 
@@ -332,12 +329,8 @@ class _TlxFused:
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES, NUM_SMS=grid, SEARCH_STEPS=search_steps(E),
-            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **cls._direct_args(epilogue, cfg, c, c2, h),
-            **virt_meta, num_warps=4, num_stages=1)
-
-    @staticmethod
-    def _direct_args(epilogue, cfg, *outs) -> dict:
-        return {}  # kernels without the direct-layout epilogue option
+            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **virt_meta, num_warps=4,
+            num_stages=1)
 
     PHASED = False  # kernels that take VIRT (backends.compose_forward's overlapped form): Hopper's
 
@@ -440,16 +433,6 @@ class _Hopper(_TlxFused):
     @staticmethod
     def _meta(cfg) -> dict:
         return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
-
-    @staticmethod
-    def _direct_args(epilogue, cfg, *outs) -> dict:
-        """DIRECT: the epilogue's global loads, stores and reductions straight from the wgmma
-        accumulator layout, two adjacent columns per PTX access (see tlx/common/moe_epilogues.py),
-        instead of Triton's shared-memory layout conversion to 16-byte accesses. Needs even row
-        strides and bases aligned to the pair (the columns are even: D and F are multiples of 64)."""
-        ok = bool(cfg.DIRECT) and all(
-            t.stride(0) % 2 == 0 and t.data_ptr() % (2 * t.element_size()) == 0 for t in outs if t is not None)
-        return dict(DIRECT=ok)
 
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
@@ -571,8 +554,6 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
             constexprs["EARLY_H"] = base == "dswiglu" and bool(getattr(cfg, "EARLY_H", 0))
         if "VIRT" in fn.arg_names:
             constexprs["VIRT"] = 1
-        if "DIRECT" in fn.arg_names:
-            constexprs["DIRECT"] = bool(getattr(cfg, "DIRECT", 0))
     else:
         fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
