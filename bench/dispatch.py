@@ -31,7 +31,9 @@ and the ratio of nccl's dispatch+combine time to the provider's. ``disp al.`` / 
 same per-op medians with the ranks aligned on the device first (a symmetric-memory barrier kernel after
 the host barrier), so the ranks' launch skew is not counted as the op's time. ``pair us``: the steady-state time of one
 dispatch+combine when ``--pair-reps`` pairs run back to back after one barrier (no per-op sync, so the
-ranks' launch skew is not counted), with its own ratio. ``--profile`` prints rank 0's per-kernel GPU
+ranks' launch skew is not counted), with its own ratio. ``disp ss`` / ``comb ss``: the same steady
+state for one op alone (``--pair-reps`` of it back to back): its latency once the GPU never waits for
+the host to launch the next replay (which the per-op medians, one event pair per op, count). ``--profile`` prints rank 0's per-kernel GPU
 time per pair for the symm providers (where the time goes: layout, barrier, send, expand, reduce).
 NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (``scripts/device/x2_exchange.sh``).
 """
@@ -89,6 +91,16 @@ def _pair_us(fd, fc, reps: int, sync) -> float:
         for _ in range(reps):
             fd()
             fc()
+    return _median_ms(run, 5, sync) * 1e3 / reps
+
+
+def _stream_us(fn, reps: int, sync) -> float:
+    """Steady-state time of one op: ``reps`` of it back to back after one sync (median of 5 such
+    runs, divided by ``reps``): the op's own latency once the GPU is never waiting for the host to
+    launch the next replay, which the per-op medians (one sync, one event pair per op) count."""
+    def run():
+        for _ in range(reps):
+            fn()
     return _median_ms(run, 5, sync) * 1e3 / reps
 
 
@@ -217,6 +229,8 @@ def main() -> int:
                     td = _median_ms(fd, args.iters, sync) / 1e3
                     tc = _median_ms(fc, args.iters, sync) / 1e3
                     tp = _pair_us(fd, fc, args.pair_reps, sync)
+                    ss = dict(dispatch_stream_us=_stream_us(fd, args.pair_reps, sync),
+                              combine_stream_us=_stream_us(fc, args.pair_reps, sync))
                     al = {}
                     if aligned is not None:
                         try:
@@ -230,7 +244,7 @@ def main() -> int:
                         if r == 0:
                             print(f"\n{name} E={E} D={D} T={T} W={W}: per-kernel GPU time\n{prof}", flush=True)
                     res[name] = dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
-                                     pair_us=tp, **al,
+                                     pair_us=tp, **al, **ss,
                                      link_rows=link_rows,
                                      dispatch_link_GBps=link_rows * row_bytes / td / 1e9,
                                      combine_link_GBps=(token_rows if name != ("nccl" if W > 1 else "local") else slot_rows)
@@ -289,13 +303,15 @@ def emulated(args) -> int:
 def _print(rows, title):
     print(f"\n{title}: medians; link GB/s = bytes sent to other ranks per second; x anchor = anchor time / time")
     print(f"{'provider':13} {'E':>4} {'D':>5} {'T':>6} {'disp us':>9} {'comb us':>9} {'disp GB/s':>10} "
-          f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8} {'disp al.':>9} {'comb al.':>9}")
+          f"{'comb GB/s':>10} {'x anchor':>8} {'pair us':>9} {'x anchor':>8} {'disp al.':>9} {'comb al.':>9}"
+          f" {'disp ss':>9} {'comb ss':>9}")
     nan = float("nan")
     for v in rows:
         print(f"{v['provider']:13} {v['E']:4d} {v['D']:5d} {v['T']:6d} {v['dispatch_us']:9.1f} {v['combine_us']:9.1f} "
               f"{v['dispatch_link_GBps']:10.1f} {v['combine_link_GBps']:10.1f} {v['ratio_vs_anchor']:8.2f}"
               f" {v.get('pair_us', nan):9.1f} {v.get('pair_ratio_vs_anchor', nan):8.2f}"
-              f" {v.get('dispatch_aligned_us', nan):9.1f} {v.get('combine_aligned_us', nan):9.1f}")
+              f" {v.get('dispatch_aligned_us', nan):9.1f} {v.get('combine_aligned_us', nan):9.1f}"
+              f" {v.get('dispatch_stream_us', nan):9.1f} {v.get('combine_stream_us', nan):9.1f}")
 
 
 if __name__ == "__main__":
