@@ -133,6 +133,35 @@ def test_fused_hopper_dswiglu_early_h_compiles():
     assert count(early, vec) == count(base, vec) > 0, "the epilogue still loads h (now from L2)"
 
 
+@pytest.mark.parametrize("form,fields", [
+    ("dswiglu", dict(EPI_WG=1, REGS=136, EPI_REGS=184, STAGES=4, LAG=2, EPI_COLS=32)),
+    ("scatter", dict(EPI_WG=1, REGS=152, EPI_REGS=152, EPI_COLS=32)),
+    ("scatter_t", dict(EPI_WG=1, REGS=152, EPI_REGS=152)),
+])
+def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
+    """EPI_WG: a fourth warp group (16 warps) runs the epilogue from the consumers' fp32
+    accumulators in shared memory; the whole kernel, ring + accumulator tiles + scratch, fits in
+    227 KB, and the form's epilogue (atomics or dSwiGLU's stores) is still there."""
+    import dataclasses
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+
+    cfg = dataclasses.replace(FORMS["scatter" if form == "scatter_t" else form], **fields)
+    fn, sig, constexprs, attrs, opts = kernel_signature(form, cfg=cfg)
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 128),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    assert k.metadata.num_warps == 16, "producer + two consumers + the epilogue warp group"
+    assert k.metadata.shared <= _SMEM_LIMIT, f"{k.metadata.shared} bytes of shared memory > {_SMEM_LIMIT}"
+    assert "wgmma.mma_async" in ptx
+    f32_atomics = re.findall(r"(?:^|\s)(?:atom|red)\.global\.\S*f32", ptx, re.M)
+    assert bool(f32_atomics) == form.startswith("scatter")
+
+
 # --- portable stock-Triton fused kernels ---------------------------------------------------------
 
 # form -> the launch flags that identify it, in the order one forward + backward launches them.

@@ -266,6 +266,21 @@ def test_tile_config_errors_name_the_field():
     assert (over["wgrad_a"].REGS, over["wgrad_a"].GROUP_M, over["wgrad_b"].REGS, over["wgrad_b"].GROUP_M) == (232, 8, 232, 1)
     over = _env_overrides("wgrad_b:STAGES=4,LAG=2")
     assert set(over) == {"wgrad_b"} and over["wgrad_b"].STAGES == 4
+    # EPI_WG (Hopper): the scatter and dSwiGLU forms only, a register split that leaves the producer
+    # its share, chunks of BN/2 or BN/4, the consumers' fp32 accumulators counted in shared memory
+    with pytest.raises(ValueError, match=r"EPI_WG is an option of the scatter and dswiglu forms, not swiglu"):
+        _env_overrides("swiglu:EPI_WG=1,REGS=152")
+    with pytest.raises(ValueError, match=r"2 \* REGS \+ EPI_REGS = 624 leaves the producer"):
+        FusedTileConfig(EPI_WG=1, REGS=232, EPI_REGS=160)
+    with pytest.raises(ValueError, match=r"EPI_COLS=16 must be BN/2 or BN/4"):
+        FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, EPI_COLS=16)
+    with pytest.raises(ValueError, match=r"REGS=120 must be a multiple of 8 in \[152, 240\]"):
+        FusedTileConfig(REGS=120)  # 104 only when the epilogue is handed off
+    with pytest.raises(ValueError, match=r"not with PREFETCH_H"):
+        FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, PREFETCH_H=1, EARLY_H=0)
+    epi = _env_overrides("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32")["dswiglu"]
+    assert epi.smem_bytes("dswiglu") == 4 * 32768 + 128 * 128 * 4 and epi.epi_cols == 32
+    assert FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152).epi_cols == 64
     # dW13 gathers A (x[src]) and dW2 gathers B (dout[dst]); each launch reads its own config.
     from tlx_dist.fused.tlx_backend import FORMS
     assert FORMS["wgrad_a"].BK == 64 and FORMS["wgrad_b"].BK == 32

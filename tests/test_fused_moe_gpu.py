@@ -41,12 +41,37 @@ def _per_expert(offsets, fn):
         lo = hi
 
 
+# The epilogue warp group (Hopper config EPI_WG) for both forms that take it, with the register split
+# and chunk width of the defaults it is measured against.
+EPI_WG = ("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32;"
+          "scatter:EPI_WG=1,REGS=152,EPI_REGS=152,EPI_COLS=32")
+
+
+@pytest.fixture
+def fused_config(monkeypatch):
+    """``fused_config(spec)``: the fused kernels resolve their tile configs from ``spec``
+    (TLX_DIST_FUSED_CONFIG syntax) from now on, until the test ends."""
+    from tlx_dist.fused import tlx_backend
+
+    def use(spec):
+        monkeypatch.setenv(tlx_backend.ENV_FUSED_CONFIG, spec)
+        tlx_backend._CACHE.clear()
+
+    yield use
+    tlx_backend._CACHE.clear()  # the next test resolves from its own environment
+
+
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
-def test_tlx_primitives_vs_fp64():
+@pytest.mark.parametrize("spec", ["", EPI_WG], ids=["default", "epi_wg"])
+def test_tlx_primitives_vs_fp64(spec, fused_config):
     """Each TLX kernel (Hopper or Blackwell) against its fp64 definition, bounded by the portable kernel's error on the
     same inputs. Routing has an empty expert, an expert of one row, a 300-row expert (three M
-    tiles) and 40 padding rows whose indices are out of range (never read)."""
+    tiles) and 40 padding rows whose indices are out of range (never read). ``epi_wg``: the Hopper
+    scatter and dSwiGLU forms with their epilogue in its own warp group (config EPI_WG)."""
+    if spec and tlx.gpu_arch() != "sm_90":
+        pytest.skip("EPI_WG is a Hopper option")
+    fused_config(spec)
     H, P = _prims()
     g = torch.Generator(DEV).manual_seed(0)
     T, D, F, counts = 256, 192, 128, [0, 1, 300, 99, 0, 112, 0, 0]
@@ -100,6 +125,62 @@ def test_tlx_primitives_vs_fp64():
     for k in ("h", "a", "dh", "ag", "dgate"):
         assert torch.all(t[k][live:] == 0), f"padding rows of {k} must be zero"
     assert torch.all(t["dw13"][torch.tensor(counts) == 0] == 0)
+
+
+@needs_tlx
+@pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, fused_config):
+    """EPI_WG moves the scatter and dSwiGLU epilogues into their own warp group, which reads each
+    consumer's fp32 accumulator from shared memory in column chunks while the consumers run the
+    next tile: the same fp32 values go through the same math, so dh and ag match the inline
+    epilogue's to the rounding of one element (and almost always exactly), the scatter outputs and
+    the gate-gradient partials up to fp32 summation order. F=192 and D=320 leave half-masked column
+    tiles and chunks; routing with empty experts, a one-row expert, several M tiles per expert and
+    padding rows whose indices are out of range; more tiles than SMs, so every consumer hands
+    several tiles over (the barriers' phases turn)."""
+    if tlx.gpu_arch() != "sm_90":
+        pytest.skip("EPI_WG is a Hopper option")
+    from tlx_dist.fused.tlx_backend import _tlx_prims
+
+    p = _tlx_prims()
+    g = torch.Generator(DEV).manual_seed(3)
+    T, D, F = 3000, 320, 192
+    counts = [0, 1, 2570, 0, 1300, 640, 0, 4000, 3, 129, 2000, 0]
+    E, live = len(counts), sum(counts)
+    N = live + 24
+    x = torch.randn(T, D, device=DEV, generator=g).to(dtype)
+    w13 = (torch.randn(E, D, 2 * F, device=DEV, generator=g) / D ** 0.5).to(dtype)
+    w2 = (torch.randn(E, F, D, device=DEV, generator=g) / F ** 0.5).to(dtype)
+    src = torch.cat([torch.randint(0, T, (live,), device=DEV, generator=g), torch.full((24,), 1 << 30, device=DEV)])
+    src = src.to(torch.int32)
+    dst = torch.randint(0, T, (N,), device=DEV, generator=g).to(torch.int32)
+    gate = torch.rand(N, device=DEV, generator=g)
+    dout = torch.randn(T, D, device=DEV, generator=g).to(dtype)
+    offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
+    got = {}
+    for spec in ("", EPI_WG):
+        fused_config(spec)
+        tc = p.tile_cum(offs, N, x)
+        h, a = p.gate_up_swiglu(x, src, w13, offs, tc)
+        out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
+        dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
+        dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
+        torch.cuda.synchronize()
+        got[spec] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate)
+    inline, epi = got[""], got[EPI_WG]
+    for k in ("dh", "ag"):
+        assert epi[k].dtype == dtype
+        a_, b_ = epi[k].float(), inline[k].float()
+        ulp = b_.abs() * 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+        assert bool(((a_ - b_).abs() <= ulp).all()), f"EPI_WG {k}: more than one rounding from the inline epilogue"
+        assert float((a_ != b_).float().mean()) < 1e-3, f"EPI_WG {k}: many elements differ from the inline epilogue"
+        assert torch.all(epi[k][live:] == 0), f"EPI_WG {k}: padding rows must be zero"
+    for k in ("out", "dx", "dgate"):
+        ref = inline[k].float()
+        err = float((epi[k].float() - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-5, f"EPI_WG {k}: relative difference {err:.2e} (fp32 summation order allows ~1e-6)"
+    assert inline["out"].abs().sum() > 0 and inline["dgate"].abs().sum() > 0
 
 
 def _separate(x, idx, gate, w13, w2):

@@ -35,3 +35,10 @@ def swiglu_bwd(hg, hu, g, gate_row):
     dhg = da * hu * sig * (1.0 + hg * (1.0 - sig))
     dhu = da * silu
     return silu * hu, dhg, dhu
+
+
+@triton.jit
+def split_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(left, right) column halves of a ``[ROWS, COLS]`` register tile. In a wgmma accumulator each
+    thread holds columns of both halves, so this moves no data."""
+    return tl.split(tl.permute(tl.reshape(x, [ROWS, 2, COLS // 2]), [0, 2, 1]))

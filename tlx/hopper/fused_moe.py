@@ -53,7 +53,7 @@ from tlx import c_launch as _c_launch
 from tlx.common.gather import drain_gathered as _drain_gathered
 from tlx.common.gather import gather_ptrs
 from tlx.common.gather import signal_gathered as _signal_gathered
-from tlx.common.moe_epilogues import swiglu_bwd, swiglu_fwd
+from tlx.common.moe_epilogues import split_halves, swiglu_bwd, swiglu_fwd
 from tlx.common.scheduler import mm_num_tiles, mm_tile, mm_tile_grouped, ragged_coords, wgrad_tile, wgrad_tile_lpt
 
 SWIGLU = tl.constexpr(1)
@@ -170,7 +170,7 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
                 SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr,
-                EARLY_H: tl.constexpr):
+                EARLY_H: tl.constexpr, accb, epi_full, epi_empty, EPI_WG: tl.constexpr, NCH: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
@@ -220,10 +220,68 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
         hg_pre = tlx.local_load(h_buf[CID * 2]).to(tl.float32)
         hu_pre = tlx.local_load(h_buf[CID * 2 + 1]).to(tl.float32)
         tlx.barrier_arrive(hempty[0])  # both groups have h in registers: the next tile's may land
-    _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
-                 E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM, BN,
-                 PREFETCH_H)
+    if EPI_WG:  # hand the accumulator to the epilogue warp group and go on to the next tile
+        tlx.barrier_wait(epi_empty[CID], (tc & 1) ^ 1)
+        _stash_chunks(acc, accb, CID * NCH, BMS, BN, NCH)
+        tlx.barrier_arrive(epi_full[CID])
+    else:
+        _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr,
+                     part_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM,
+                     BN, PREFETCH_H)
     return it
+
+
+@triton.jit
+def _stash_chunks(acc, accb, base, ROWS: tl.constexpr, COLS: tl.constexpr, NCH: tl.constexpr):
+    """``acc`` [ROWS, COLS] into ``accb[base + j]`` as NCH column chunks (2 or 4; no data moves
+    between threads to cut them)."""
+    left, right = split_halves(acc, ROWS, COLS)
+    if NCH == 2:
+        tlx.local_store(accb[base], left)
+        tlx.local_store(accb[base + 1], right)
+    else:
+        q0, q1 = split_halves(left, ROWS, COLS // 2)
+        q2, q3 = split_halves(right, ROWS, COLS // 2)
+        tlx.local_store(accb[base], q0)
+        tlx.local_store(accb[base + 1], q1)
+        tlx.local_store(accb[base + 2], q2)
+        tlx.local_store(accb[base + 3], q3)
+
+
+@triton.jit
+def _epi_chunk(g, e, lo, cnt, mt, c0, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, E, NN, F_OFF, stride_cn, stride_c2n,
+               stride_hn, CID, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
+               COLS: tl.constexpr):
+    """The epilogue warp group's work on one ``[BM / 2, COLS]`` accumulator chunk of consumer ``CID``
+    (columns from ``c0``): the scatter form's atomics, or dSwiGLU's stores; returns the rows'
+    gate-gradient partial dot over these columns (dSwiGLU; zeros otherwise)."""
+    BMS: tl.constexpr = BM // 2
+    rows = mt * BM + CID * BMS + tl.arange(0, BMS)
+    cols = c0 + tl.arange(0, COLS)
+    row_ok = rows < cnt
+    ok = row_ok[:, None] & (cols < NN)[None, :]
+    n_idx = (lo + rows).to(tl.int64)
+    dot = tl.zeros([BMS], tl.float32)
+    if EPILOGUE == SCATTER:
+        if e < E:
+            d_row = tl.load(dst_ptr + n_idx, mask=row_ok, other=0).to(tl.int64)
+            val = g
+            if HAS_SCALE:
+                val = val * tl.load(scale_ptr + n_idx, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.atomic_add(c_ptr + d_row[:, None] * stride_cn + cols[None, :], val, mask=ok, sem="relaxed")
+    else:
+        out_ty: tl.constexpr = c_ptr.dtype.element_ty
+        h_ptrs = h_ptr + n_idx[:, None] * stride_hn + cols[None, :]
+        hg = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        hu = tl.load(h_ptrs + F_OFF, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.load(scale_ptr + n_idx, mask=row_ok & (e < E), other=0.0).to(tl.float32)
+        a_val, dhg, dhu = swiglu_bwd(hg, hu, g, gate[:, None])
+        dot = tl.sum(a_val * g, axis=1)
+        dh_ptrs = c_ptr + n_idx[:, None] * stride_cn + cols[None, :]
+        tl.store(dh_ptrs, dhg.to(out_ty), mask=ok)
+        tl.store(dh_ptrs + F_OFF, dhu.to(out_ty), mask=ok)
+        tl.store(c2_ptr + n_idx[:, None] * stride_c2n + cols[None, :], (a_val * gate[:, None]).to(out_ty), mask=ok)
+    return dot
 
 
 @triton.jit
@@ -253,7 +311,8 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr,
+    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr, EPI_WG: tl.constexpr,
+    EPI_REGS: tl.constexpr, EPI_COLS: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -278,6 +337,15 @@ def _fused_mm_hopper_kernel(
         h_buf = a_buf  # never used
         hfull = full
         hempty = empty
+    NCH: tl.constexpr = BN // EPI_COLS
+    if EPI_WG:  # each consumer's accumulator, in NCH column chunks, for the epilogue warp group
+        accb = tlx.local_alloc((BMS, EPI_COLS), tl.float32, 2 * NCH)
+        epi_full = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
+        epi_empty = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
+    else:
+        accb = a_buf  # never used
+        epi_full = full
+        epi_empty = empty
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: cp.async row gathers and TMA loads
@@ -304,8 +372,30 @@ def _fused_mm_hopper_kernel(
                                  offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN,
                                  F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
                                  HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H,
-                                 EARLY_H)
+                                 EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
                 tc += 1
+        if EPI_WG:
+            with tlx.async_task(num_warps=4, registers=EPI_REGS):  # epilogue of both consumers' tiles
+                tiles_n = tl.cdiv(NN, BN)
+                total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
+                tc = 0
+                for t in range(tl.program_id(0), total, NUM_SMS):
+                    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS,
+                                                     GROUP_M)
+                    for c in tl.static_range(2):
+                        tlx.barrier_wait(epi_full[c], tc & 1)
+                        dot = tl.zeros([BMS], tl.float32)
+                        for j in tl.static_range(NCH):
+                            g = tlx.local_load(accb[c * NCH + j])
+                            if j == NCH - 1:  # the consumer may stash its next tile now
+                                tlx.barrier_arrive(epi_empty[c])
+                            dot += _epi_chunk(g, e, lo, cnt, mt, nt * BN + j * EPI_COLS, c_ptr, c2_ptr, dst_ptr,
+                                              scale_ptr, h_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, c,
+                                              EPILOGUE, HAS_SCALE, BM, EPI_COLS)
+                        if EPILOGUE == DSWIGLU:
+                            rows = mt * BM + c * BMS + tl.arange(0, BMS)
+                            tl.store(part_ptr + (lo + rows).to(tl.int64) * stride_pn + nt, dot, mask=rows < cnt)
+                    tc += 1
 
 
 # --- ragged-K weight gradient ----------------------------------------------------------------------

@@ -71,6 +71,9 @@ class FusedTileConfig:
     REGS: int = 232
     PREFETCH_H: int = 0
     EARLY_H: int = 0
+    EPI_WG: int = 0
+    EPI_REGS: int = 152
+    EPI_COLS: int = 0  # 0: BN / 2
 
     def __post_init__(self):
         for f in ("BN", "BK"):
@@ -85,22 +88,41 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.LAG={self.LAG} must be in [0, STAGES - 2 = {self.STAGES - 2}]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"FusedTileConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
-        if self.REGS % 8 or not 152 <= self.REGS <= 240:
-            raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [152, 240]")
+        lo_regs = 104 if self.EPI_WG else 152  # consumers that hand the epilogue off hold only the accumulator
+        if self.REGS % 8 or not lo_regs <= self.REGS <= 240:
+            raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [{lo_regs}, 240]")
         if self.PREFETCH_H not in (0, 1):
             raise ValueError(f"FusedTileConfig.PREFETCH_H={self.PREFETCH_H} must be 0 or 1")
         if self.EARLY_H not in (0, 1):
             raise ValueError(f"FusedTileConfig.EARLY_H={self.EARLY_H} must be 0 or 1")
         if self.EARLY_H and self.BN < 64:
             raise ValueError(f"FusedTileConfig.EARLY_H prefetches 128-byte lines: needs BN >= 64, got {self.BN}")
+        if self.EPI_WG not in (0, 1):
+            raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0 or 1")
+        if self.EPI_WG:
+            if self.PREFETCH_H:
+                raise ValueError("FusedTileConfig.EPI_WG hands the epilogue to its own warp group: not with PREFETCH_H")
+            if self.epi_cols not in (self.BN // 2, self.BN // 4) or self.epi_cols < 16:
+                raise ValueError(f"FusedTileConfig.EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (>= 16) "
+                                 f"(0 = BN/2), BN={self.BN}")
+            if self.EPI_REGS % 8 or not 80 <= self.EPI_REGS <= 240:
+                raise ValueError(f"FusedTileConfig.EPI_REGS={self.EPI_REGS} must be a multiple of 8 in [80, 240]")
+            if 2 * self.REGS + self.EPI_REGS > 512 - 56:
+                raise ValueError(f"FusedTileConfig: 2 * REGS + EPI_REGS = {2 * self.REGS + self.EPI_REGS} leaves the "
+                                 "producer fewer than 56 of the 512 registers per lane of four warp groups")
         if self.EARLY_H and self.PREFETCH_H:
             raise ValueError("FusedTileConfig.EARLY_H and PREFETCH_H are two ways to bring h early: pick one")
+
+    @property
+    def epi_cols(self) -> int:
+        return self.EPI_COLS or self.BN // 2
 
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
         ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
         h_tile = 2 * self.BM * self.BN * 2 if form == "dswiglu" and self.PREFETCH_H else 0  # gate + up
-        return ring + h_tile + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
+        acc_tiles = self.BM * self.BN * 4 if self.EPI_WG else 0  # both consumers' fp32 accumulators
+        return ring + h_tile + acc_tiles + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
 
 
 FORMS = {
@@ -217,6 +239,9 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
             kw["EARLY_H"] = 0  # the dSwiGLU default's early h loads exclude these: asking for them turns it off
         for form in _ALIASES.get(name, (name,)):
             cfg = dataclasses.replace(out.get(form, forms[form]), **kw)  # later parts refine earlier ones
+            if getattr(cfg, "EPI_WG", 0) and form not in ("scatter", "dswiglu"):
+                raise ValueError(f"{ENV_FUSED_CONFIG}: EPI_WG is an option of the scatter and dswiglu forms, "
+                                 f"not {form}")
             if cfg.smem_bytes(form) > _SMEM_LIMIT:
                 raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
                                  "shared memory")
@@ -432,7 +457,8 @@ class _Hopper(_TlxFused):
 
     @staticmethod
     def _meta(cfg) -> dict:
-        return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS)
+        return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS, EPI_WG=bool(cfg.EPI_WG), EPI_REGS=cfg.EPI_REGS,
+                    EPI_COLS=cfg.epi_cols)
 
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
