@@ -286,6 +286,26 @@ def test_tile_config_errors_name_the_field():
     assert FORMS["wgrad_a"].BK == 64 and FORMS["wgrad_b"].BK == 32
 
 
+def test_group_m_rule_by_output_width(monkeypatch):
+    """GROUP_M 8 where the output is wide: the ragged-M forms from 16 column tiles, the Hopper dW
+    forms from WGRAD_GROUP_TILES (Mixtral's dW13: 2F = 28672 columns, 112 tiles of 256); an explicit
+    override of the form keeps its own GROUP_M."""
+    from tlx_dist.fused import tlx_backend as tb
+
+    monkeypatch.delenv(tb.ENV_FUSED_CONFIG, raising=False)
+    monkeypatch.setattr(tb, "_CACHE", {})
+    assert tb.fused_config("wgrad_a", 2 * 14336).GROUP_M == 8  # Mixtral dW13
+    assert tb.fused_config("wgrad_b", 4096).GROUP_M == 1  # Mixtral dW2: 16 tiles
+    assert tb.fused_config("wgrad_a", 2 * 1024).GROUP_M == 1  # OLMoE dW13: 8 tiles
+    assert tb.fused_config("wgrad_a", 256 * tb.WGRAD_GROUP_TILES).GROUP_M == 8
+    assert tb.fused_config("wgrad_a", 256 * tb.WGRAD_GROUP_TILES - 256).GROUP_M == 1
+    assert tb.fused_config("wgrad_a", 2 * 14336, "sm_100").GROUP_M == 1  # measured on Hopper only
+    assert tb.fused_config("swiglu", 14336).GROUP_M == 8 and tb.fused_config("swiglu", 1024).GROUP_M == 1
+    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "wgrad_a:STAGES=3")
+    monkeypatch.setattr(tb, "_CACHE", {})
+    assert tb.fused_config("wgrad_a", 2 * 14336).GROUP_M == 1
+
+
 def test_custom_ops_opcheck():
     from tlx_dist.fused.api import _bwd_op, _fwd_op
 
