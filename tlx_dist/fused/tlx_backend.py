@@ -60,7 +60,13 @@ class FusedTileConfig:
     registers there instead spilled ~1.8 KB a thread). On by default for dswiglu since session 11: on
     an H200 (``bench/fused_forms.py --forms dswiglu``, T=16384) the form ran 1.478 / 1.156 / 1.563 ms
     against 1.546 / 1.247 / 1.643 without (OLMoE / Qwen3-30B-A3B / DeepSeek-V2-Lite, 4-7% faster).
-    An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off."""
+    An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off.
+    EPI_WG (scatter and dswiglu; not with PREFETCH_H): a fourth warp group (EPI_REGS registers) runs
+    the epilogue; each consumer stashes its fp32 accumulator in shared memory as column chunks of
+    EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as 104; 2 * REGS +
+    EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
+    measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
+    one warp group serialises both consumers' epilogues), so off there."""
 
     BM: int = 128
     BN: int = 128
@@ -129,8 +135,13 @@ FORMS = {
     # gathered A + two B tiles per stage; 192 KB ring; fewer consumer registers leave the producer
     # room for its row pointers.
     "swiglu": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=216),
-    # A by TMA; 128 KB ring + 64 KB of layout-conversion scratch for the v4 fp32 atomics.
-    "scatter": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=0, REGS=232),
+    # A by TMA; the epilogue (scale + fp32 atomics) in its own warp group, fed 32-column chunks of each
+    # consumer's accumulator through 64 KB of shared memory while the consumers run the next tile:
+    # 160 KB ring + 64 KB. On an H200 (x2_s28, T=16384, same process) the forward / dX scatter went
+    # 1.223 / 1.960 -> 1.152 / 1.944 ms (OLMoE), 1.146 / 1.706 -> 0.976 / 1.614 (Qwen3-30B-A3B),
+    # 7.637 / 13.73 -> 6.853 / 12.77 (DeepSeek-V3 per rank), Mixtral 6.05 / 12.26 -> 6.21 / 11.85;
+    # before: 4 stages, REGS 232 and the epilogue inline (EPI_WG=0).
+    "scatter": FusedTileConfig(BN=128, BK=64, STAGES=5, LAG=0, REGS=152, EPI_WG=1, EPI_REGS=152, EPI_COLS=32),
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
     "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
