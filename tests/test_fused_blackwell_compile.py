@@ -229,3 +229,22 @@ def test_fused_blackwell_virtual_experts_compile():
         assert "tcgen05.mma" in k3.asm["ptx"] and "cp.async.bulk.tensor" in k3.asm["ptx"]
         assert k3.metadata.shared == k1.metadata.shared
         assert k3.asm["ptx"] != k1.asm["ptx"], f"{form}: VIRT must reach the weight coordinate"
+
+
+def test_dswiglu_copy_compiles():
+    """TLX_DIST_FUSED_DOUT=copy: dSwiGLU reads its A operand (the expert-major copy of dout) in place
+    by TMA -- no row gathers -- within the shared-memory limit."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import kernel_signature
+
+    fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu_copy", arch="sm_100")
+    assert constexprs["A_GATHER"] is False
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 100, 128),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    assert "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "cp.async.cg.shared.global" not in ptx, "no gathered operand"
+    assert k.metadata.shared <= _SMEM_LIMIT

@@ -36,6 +36,7 @@ FORMS = {
     "scatter": (False, True),    # GEMM 2: out[dst] += gate * (a @ w2)
     "scatter_t": (False, True),  # dX of GEMM 1: dx[src] += dh @ w13^T (K-major weight)
     "dswiglu": (True, False),    # dX of GEMM 2: dout[dst] @ w2^T, dSwiGLU + gate-gradient epilogue
+    "dswiglu_copy": (False, False),  # the same from an expert-major copy of dout (TLX_DIST_FUSED_DOUT=copy)
     "wgrad_a": (True, False),    # dW13 = x[src]^T @ dh
     "wgrad_b": (True, False),    # dW2 = ag^T @ dout[dst]
 }

@@ -158,6 +158,14 @@ def _child_main() -> None:
     check_rows_form("triton", torch.float32, torch.int32)
     check_rows_form("triton", torch.bfloat16, torch.int64)
     print("ok rows-form", flush=True)
+    # the backward's dout rows copied expert-major first (TLX_DIST_FUSED_DOUT=copy): dSwiGLU reads
+    # them in place, dW2 is the plain grouped dW; padding rows' out-of-range indices never read
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT
+    os.environ[ENV_FUSED_DOUT] = "copy"
+    check_case(CASES[0], "triton", torch.bfloat16)
+    check_rows_form("triton", torch.float32, torch.int32)
+    del os.environ[ENV_FUSED_DOUT]
+    print("ok dout-copy", flush=True)
 
 
 def test_portable_kernels_interpreted():
@@ -169,7 +177,7 @@ def test_portable_kernels_interpreted():
     r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                        timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 3 + len(CASES) + 1, r.stdout
+    assert r.stdout.count("ok ") == 3 + len(CASES) + 2, r.stdout
 
 
 # --- errors, backend choice, custom ops, the layer ------------------------------------------------------
@@ -284,6 +292,24 @@ def test_tile_config_errors_name_the_field():
     # dW13 gathers A (x[src]) and dW2 gathers B (dout[dst]); each launch reads its own config.
     from tlx_dist.fused.tlx_backend import FORMS
     assert FORMS["wgrad_a"].BK == 64 and FORMS["wgrad_b"].BK == 32
+
+
+def test_dout_mode_names_the_variable(monkeypatch):
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT, _dout_rows, dout_mode
+
+    monkeypatch.delenv(ENV_FUSED_DOUT, raising=False)
+    assert dout_mode() == "gather"
+    d, idx = torch.randn(5, 3), torch.tensor([4, 0, 2, 7, -9], dtype=torch.int32)  # last two: padding rows
+    rows, i = _dout_rows(d, idx)
+    assert rows is d and i is idx
+    monkeypatch.setenv(ENV_FUSED_DOUT, "copy")
+    rows, i = _dout_rows(d, idx)
+    assert i is None and torch.equal(rows[:3], d[[4, 0, 2]]) and rows.shape == (5, 3)
+    rows, i = _dout_rows(d[:0], idx[:0])
+    assert rows.shape == (0, 3) and i is None
+    monkeypatch.setenv(ENV_FUSED_DOUT, "copied")
+    with pytest.raises(ValueError, match=r"TLX_DIST_FUSED_DOUT='copied' must be one of"):
+        dout_mode()
 
 
 def test_group_m_rule_by_output_width(monkeypatch):

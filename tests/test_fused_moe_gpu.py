@@ -225,8 +225,14 @@ def _grads(fn, x, idx, gate, w13, w2, dout, dtype):
 
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("dout", ["gather", "copy"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_vs_separate_vs_fp64(case):
+def test_fused_vs_separate_vs_fp64(case, dout, monkeypatch):
+    """``dout``: how the backward reads the upstream gradient's rows (TLX_DIST_FUSED_DOUT): by index
+    in dSwiGLU and dW2, or from one expert-major copy that both read in place."""
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT
+
+    monkeypatch.setenv(ENV_FUSED_DOUT, dout)
     _, T, D, F, E, K, kind, _ = case
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, D, generator=g, dtype=torch.float64).to(DEV)

@@ -37,6 +37,31 @@ __all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "selec
            "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "SCHED_BM", "sched_order_offset"]
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
+# How the backward reads the upstream gradient's rows (dSwiGLU's A operand, dW2's B operand):
+# "gather" (default) by index from dout_TD in both kernels; "copy": one index_select into an
+# expert-major [N, D] copy first, which both kernels then read in place by TMA (dW2 is then the plain
+# grouped dW kernel).
+ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
+DOUT_MODES = ("gather", "copy")
+
+
+def dout_mode() -> str:
+    """``TLX_DIST_FUSED_DOUT`` (``gather`` when unset); anything else is a ValueError naming it."""
+    mode = os.environ.get(ENV_FUSED_DOUT, "gather")
+    if mode not in DOUT_MODES:
+        raise ValueError(f"{ENV_FUSED_DOUT}={mode!r} must be one of {DOUT_MODES}")
+    return mode
+
+
+def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor):
+    """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, in
+    copy mode, ``(dout_TD[dst_N], None)``. Padding rows past the last expert carry indices that are
+    never read; they are clamped into range for the copy (a device op, no host sync)."""
+    if dout_mode() == "gather":
+        return dout_TD, dst_N
+    if dout_TD.shape[0] == 0 or dst_N.shape[0] == 0:
+        return dout_TD.new_zeros(dst_N.shape[0], dout_TD.shape[1]), None
+    return dout_TD.index_select(0, dst_N.clamp(0, dout_TD.shape[0] - 1)), None
 # Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
 # height the routing kernel's precomputed tile_cum must use for them (``compose_forward(sched=)``).
 SCHED_BM = 128
@@ -197,11 +222,12 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
         tile_cum, order = p.tile_cum(offsets_E, src_N.shape[0], x_RD), None
     else:
         tile_cum, order = _sched_parts(sched, offsets_E)
-    dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_TD, dst_N, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
+    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N)  # (dout_TD, dst_N), or the copy mode's dout_TD[dst_N]
+    dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
     dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E, order)
-    dw2 = p.wgrad_gather(ag_NF, None, dout_TD, dst_N, offsets_E, order)
+    dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
 
 

@@ -434,6 +434,10 @@ class _TlxFused:
 
         E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]
         N = (ia_N if ia_N is not None else a).shape[0]
+        if ia_N is None and ib_N is None and N:  # both operands expert-major already: the plain dW kernel
+            from ..grouped_gemm.backends import get_backend
+
+            return get_backend("tlx").wgrad(a, b.contiguous(), offsets_E)
         dw = a.new_empty(E, D, F)
         if N == 0:
             return dw.zero_()
@@ -561,20 +565,21 @@ def _tlx_prims() -> type:
 def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch: str = "sm_90"):
     """(kernel, signature, constexprs, attrs, options) for ``triton.compile`` of one form on ``arch``
     without a GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1,
-    w13^T K-major), ``dswiglu``, ``wgrad_a`` (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
+    w13^T K-major), ``dswiglu`` (``dswiglu_copy``: its A read in place, TLX_DIST_FUSED_DOUT=copy), ``wgrad_a``
+    (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
     and pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64);
     every constexpr is given explicitly (``ASTSource`` applies no defaults)."""
     from ..grouped_gemm.host import search_steps
 
     p = _PRIMS[arch]
-    base = "scatter" if form == "scatter_t" else form
+    base = {"scatter_t": "scatter", "dswiglu_copy": "dswiglu"}.get(form, form)
     cfg = cfg or _ARCH_FORMS[arch][1][base]
     a_rows = cfg.BM // p.A_SPLIT
     none = "constexpr"
     if not base.startswith("wgrad"):
         fn = p._mm_kernel()
         gather = form in ("swiglu", "dswiglu")
-        kmajor = form in ("scatter_t", "dswiglu")
+        kmajor = form in ("scatter_t", "dswiglu", "dswiglu_copy")
         b_block = f"[1,{cfg.BN},{cfg.BK}]" if kmajor else f"[1,{cfg.BK},{cfg.BN}]"
         sig = {"a_desc": none if gather else f"tensordesc<{dtype}[{a_rows},{cfg.BK}]>",
                "a_ptr": f"*{dtype}" if gather else none, "src_ptr": "*i32" if gather else none,
@@ -582,12 +587,12 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
                "c_ptr": "*fp32" if base == "scatter" else f"*{dtype}",
                "c2_ptr": none if base == "scatter" else f"*{dtype}",
                "dst_ptr": "*i32" if base == "scatter" else none,
-               "scale_ptr": "*fp32" if form in ("scatter", "dswiglu") else none,
+               "scale_ptr": "*fp32" if form in ("scatter", "dswiglu", "dswiglu_copy") else none,
                "h_ptr": f"*{dtype}" if base == "dswiglu" else none,
                "part_ptr": "*fp32" if base == "dswiglu" else none}
         ints = ["N_ROWS", "E", "K_DIM", "NN", "F_OFF", "stride_an", "stride_cn", "stride_c2n", "stride_hn", "stride_pn"]
         epi = {"swiglu": SWIGLU, "scatter": SCATTER, "dswiglu": DSWIGLU}[base]
-        constexprs = {"EPILOGUE": epi, "A_GATHER": gather, "HAS_SCALE": form in ("scatter", "dswiglu"),
+        constexprs = {"EPILOGUE": epi, "A_GATHER": gather, "HAS_SCALE": form in ("scatter", "dswiglu", "dswiglu_copy"),
                       "B_KMAJOR": kmajor, "SEARCH_STEPS": search_steps(E)}
         constexprs.update(p._meta(cfg))
         if "PREFETCH_H" in fn.arg_names:
