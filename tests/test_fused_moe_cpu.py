@@ -295,17 +295,22 @@ def test_tile_config_errors_name_the_field():
 
 
 def test_dout_mode_names_the_variable(monkeypatch):
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT, _dout_rows, dout_mode
+    from tlx_dist.fused.backends import DOUT_COPY_MIN_F, ENV_FUSED_DOUT, _dout_rows, dout_mode
 
     monkeypatch.delenv(ENV_FUSED_DOUT, raising=False)
-    assert dout_mode() == "gather"
+    assert dout_mode() == "auto"
     d, idx = torch.randn(5, 3), torch.tensor([4, 0, 2, 7, -9], dtype=torch.int32)  # last two: padding rows
-    rows, i = _dout_rows(d, idx)
+    rows, i = _dout_rows(d, idx, DOUT_COPY_MIN_F - 1)  # auto, narrow F: by index
+    assert rows is d and i is idx
+    rows, i = _dout_rows(d, idx, DOUT_COPY_MIN_F)  # auto, wide F: the copy
+    assert i is None and torch.equal(rows[:3], d[[4, 0, 2]]) and rows.shape == (5, 3)
+    monkeypatch.setenv(ENV_FUSED_DOUT, "gather")
+    rows, i = _dout_rows(d, idx, 10 ** 6)
     assert rows is d and i is idx
     monkeypatch.setenv(ENV_FUSED_DOUT, "copy")
-    rows, i = _dout_rows(d, idx)
+    rows, i = _dout_rows(d, idx, 8)
     assert i is None and torch.equal(rows[:3], d[[4, 0, 2]]) and rows.shape == (5, 3)
-    rows, i = _dout_rows(d[:0], idx[:0])
+    rows, i = _dout_rows(d[:0], idx[:0], 8)
     assert rows.shape == (0, 3) and i is None
     monkeypatch.setenv(ENV_FUSED_DOUT, "copied")
     with pytest.raises(ValueError, match=r"TLX_DIST_FUSED_DOUT='copied' must be one of"):

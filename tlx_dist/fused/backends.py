@@ -38,26 +38,32 @@ __all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "selec
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # How the backward reads the upstream gradient's rows (dSwiGLU's A operand, dW2's B operand):
-# "gather" (default) by index from dout_TD in both kernels; "copy": one index_select into an
-# expert-major [N, D] copy first, which both kernels then read in place by TMA (dW2 is then the plain
-# grouped dW kernel).
+# "gather" by index from dout_TD in both kernels; "copy": one index_select into an expert-major
+# [N, D] copy first (a transient N x D tensor), which both kernels then read in place by TMA (dW2 is
+# then the plain grouped dW kernel); "auto" (the default): copy where the expert intermediate F is at
+# least DOUT_COPY_MIN_F. A gathered dout row is read again for every F-tile of dSwiGLU, so the wider
+# F, the more the copy saves. On two H200s (x2_s30, T=16384, fused TFLOP/s gather -> copy): Mixtral
+# (F 14336) 541 -> 585, DeepSeek-V2-Lite (1408) 461 -> 481, OLMoE (1024) 472 -> 467, Qwen3-30B-A3B
+# (768) 431 -> 429.
 ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
-DOUT_MODES = ("gather", "copy")
+DOUT_MODES = ("auto", "gather", "copy")
+DOUT_COPY_MIN_F = 1280
 
 
 def dout_mode() -> str:
-    """``TLX_DIST_FUSED_DOUT`` (``gather`` when unset); anything else is a ValueError naming it."""
-    mode = os.environ.get(ENV_FUSED_DOUT, "gather")
+    """``TLX_DIST_FUSED_DOUT`` (``auto`` when unset); anything else is a ValueError naming it."""
+    mode = os.environ.get(ENV_FUSED_DOUT, "auto")
     if mode not in DOUT_MODES:
         raise ValueError(f"{ENV_FUSED_DOUT}={mode!r} must be one of {DOUT_MODES}")
     return mode
 
 
-def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor):
+def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int):
     """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, in
     copy mode, ``(dout_TD[dst_N], None)``. Padding rows past the last expert carry indices that are
     never read; they are clamped into range for the copy (a device op, no host sync)."""
-    if dout_mode() == "gather":
+    mode = dout_mode()
+    if mode == "gather" or (mode == "auto" and F < DOUT_COPY_MIN_F):
         return dout_TD, dst_N
     if dout_TD.shape[0] == 0 or dst_N.shape[0] == 0:
         return dout_TD.new_zeros(dst_N.shape[0], dout_TD.shape[1]), None
@@ -222,7 +228,7 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
         tile_cum, order = p.tile_cum(offsets_E, src_N.shape[0], x_RD), None
     else:
         tile_cum, order = _sched_parts(sched, offsets_E)
-    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N)  # (dout_TD, dst_N), or the copy mode's dout_TD[dst_N]
+    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N, w2_EFD.shape[1])  # by index, or dout_TD[dst_N]
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
