@@ -278,12 +278,15 @@ def test_tile_config_errors_name_the_field():
     # its share, chunks of BN/2 or BN/4, the consumers' fp32 accumulators counted in shared memory
     with pytest.raises(ValueError, match=r"EPI_WG is an option of the scatter and dswiglu forms, not swiglu"):
         _env_overrides("swiglu:EPI_WG=1,REGS=152")
-    with pytest.raises(ValueError, match=r"2 \* REGS \+ EPI_REGS = 624 leaves the producer"):
+    with pytest.raises(ValueError, match=r"2 \* REGS \+ 1 \* EPI_REGS = 624 leaves the producer"):
         FusedTileConfig(EPI_WG=1, REGS=232, EPI_REGS=160)
-    with pytest.raises(ValueError, match=r"EPI_COLS=16 must be BN/2 or BN/4"):
-        FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, EPI_COLS=16)
+    with pytest.raises(ValueError, match=r"2 \* REGS \+ 2 \* EPI_REGS = 512 leaves the producer"):
+        FusedTileConfig(EPI_WG=2, REGS=152, EPI_REGS=104)  # one epilogue warp group per consumer
+    assert FusedTileConfig(EPI_WG=2, REGS=104, EPI_REGS=120, EPI_COLS=16).epi_cols == 16
+    with pytest.raises(ValueError, match=r"EPI_COLS=8 must be BN/2, BN/4 or BN/8"):
+        FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, EPI_COLS=8)
     with pytest.raises(ValueError, match=r"REGS=120 must be a multiple of 8 in \[152, 240\]"):
-        FusedTileConfig(REGS=120)  # 104 only when the epilogue is handed off
+        FusedTileConfig(REGS=120)  # 96 only when the epilogue is handed off
     with pytest.raises(ValueError, match=r"not with PREFETCH_H"):
         FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, PREFETCH_H=1, EARLY_H=0)
     epi = _env_overrides("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32")["dswiglu"]

@@ -46,6 +46,9 @@ def _per_expert(offsets, fn):
 EPI_WG = ("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32;"
           "scatter:EPI_WG=1,REGS=152,EPI_REGS=152,EPI_COLS=32")
 INLINE = "scatter:EPI_WG=0,REGS=232,STAGES=4"
+# one epilogue warp group per consumer (EPI_WG=2; written in session 13 after its last device call)
+EPI_WG2 = ("dswiglu:EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16;"
+           "scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32")
 
 
 @pytest.fixture
@@ -130,8 +133,9 @@ def test_tlx_primitives_vs_fp64(spec, fused_config):
 
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("spec", [EPI_WG, EPI_WG2], ids=["one_wg", "wg_per_consumer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, fused_config):
+def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec, fused_config):
     """EPI_WG moves the scatter and dSwiGLU epilogues into their own warp group, which reads each
     consumer's fp32 accumulator from shared memory in column chunks while the consumers run the
     next tile: the same fp32 values go through the same math, so dh and ag match the inline
@@ -160,16 +164,16 @@ def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, fused_config):
     dout = torch.randn(T, D, device=DEV, generator=g).to(dtype)
     offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
     got = {}
-    for spec in (INLINE, EPI_WG):
-        fused_config(spec)
+    for cfg in (INLINE, spec):
+        fused_config(cfg)
         tc = p.tile_cum(offs, N, x)
         h, a = p.gate_up_swiglu(x, src, w13, offs, tc)
         out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
         dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
         dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
         torch.cuda.synchronize()
-        got[spec] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate)
-    inline, epi = got[INLINE], got[EPI_WG]
+        got[cfg] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate)
+    inline, epi = got[INLINE], got[spec]
     for k in ("dh", "ag"):
         assert epi[k].dtype == dtype
         a_, b_ = epi[k].float(), inline[k].float()

@@ -233,19 +233,53 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
 
 @triton.jit
 def _stash_chunks(acc, accb, base, ROWS: tl.constexpr, COLS: tl.constexpr, NCH: tl.constexpr):
-    """``acc`` [ROWS, COLS] into ``accb[base + j]`` as NCH column chunks (2 or 4; no data moves
+    """``acc`` [ROWS, COLS] into ``accb[base + j]`` as NCH column chunks (2, 4 or 8; no data moves
     between threads to cut them)."""
     left, right = split_halves(acc, ROWS, COLS)
     if NCH == 2:
         tlx.local_store(accb[base], left)
         tlx.local_store(accb[base + 1], right)
+    elif NCH == 4:
+        _stash_halves(left, accb, base, ROWS, COLS // 2)
+        _stash_halves(right, accb, base + 2, ROWS, COLS // 2)
     else:
         q0, q1 = split_halves(left, ROWS, COLS // 2)
         q2, q3 = split_halves(right, ROWS, COLS // 2)
-        tlx.local_store(accb[base], q0)
-        tlx.local_store(accb[base + 1], q1)
-        tlx.local_store(accb[base + 2], q2)
-        tlx.local_store(accb[base + 3], q3)
+        _stash_halves(q0, accb, base, ROWS, COLS // 4)
+        _stash_halves(q1, accb, base + 2, ROWS, COLS // 4)
+        _stash_halves(q2, accb, base + 4, ROWS, COLS // 4)
+        _stash_halves(q3, accb, base + 6, ROWS, COLS // 4)
+
+
+@triton.jit
+def _stash_halves(x, accb, base, ROWS: tl.constexpr, COLS: tl.constexpr):
+    left, right = split_halves(x, ROWS, COLS)
+    tlx.local_store(accb[base], left)
+    tlx.local_store(accb[base + 1], right)
+
+
+@triton.jit
+def _epi_tile(t, tc, c: tl.constexpr, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr, dst_ptr,
+              scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn,
+              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, EPI_COLS: tl.constexpr):
+    """An epilogue warp group's work on consumer ``c``'s half of tile ``t`` (its ``tc``-th): wait for
+    the stashed accumulator, read it chunk by chunk (handing the buffer back after the last read),
+    apply the form's epilogue; dSwiGLU then stores the rows' gate-gradient partials."""
+    BMS: tl.constexpr = BM // 2
+    NCH: tl.constexpr = BN // EPI_COLS
+    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
+    tlx.barrier_wait(epi_full[c], tc & 1)
+    dot = tl.zeros([BMS], tl.float32)
+    for j in tl.static_range(NCH):
+        g = tlx.local_load(accb[c * NCH + j])
+        if j == NCH - 1:  # the consumer may stash its next tile now
+            tlx.barrier_arrive(epi_empty[c])
+        dot += _epi_chunk(g, e, lo, cnt, mt, nt * BN + j * EPI_COLS, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, E, NN,
+                          F_OFF, stride_cn, stride_c2n, stride_hn, c, EPILOGUE, HAS_SCALE, BM, EPI_COLS)
+    if EPILOGUE == DSWIGLU:
+        rows = mt * BM + c * BMS + tl.arange(0, BMS)
+        tl.store(part_ptr + (lo + rows).to(tl.int64) * stride_pn + nt, dot, mask=rows < cnt)
 
 
 @triton.jit
@@ -374,27 +408,29 @@ def _fused_mm_hopper_kernel(
                                  HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H,
                                  EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
                 tc += 1
-        if EPI_WG:
+        if EPI_WG == 1:
             with tlx.async_task(num_warps=4, registers=EPI_REGS):  # epilogue of both consumers' tiles
                 tiles_n = tl.cdiv(NN, BN)
                 total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
                 tc = 0
                 for t in range(tl.program_id(0), total, NUM_SMS):
-                    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS,
-                                                     GROUP_M)
                     for c in tl.static_range(2):
-                        tlx.barrier_wait(epi_full[c], tc & 1)
-                        dot = tl.zeros([BMS], tl.float32)
-                        for j in tl.static_range(NCH):
-                            g = tlx.local_load(accb[c * NCH + j])
-                            if j == NCH - 1:  # the consumer may stash its next tile now
-                                tlx.barrier_arrive(epi_empty[c])
-                            dot += _epi_chunk(g, e, lo, cnt, mt, nt * BN + j * EPI_COLS, c_ptr, c2_ptr, dst_ptr,
-                                              scale_ptr, h_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, c,
-                                              EPILOGUE, HAS_SCALE, BM, EPI_COLS)
-                        if EPILOGUE == DSWIGLU:
-                            rows = mt * BM + c * BMS + tl.arange(0, BMS)
-                            tl.store(part_ptr + (lo + rows).to(tl.int64) * stride_pn + nt, dot, mask=rows < cnt)
+                        _epi_tile(t, tc, c, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr,
+                                  dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn,
+                                  stride_c2n, stride_hn, stride_pn, EPILOGUE, HAS_SCALE, BM, BN, SEARCH_STEPS,
+                                  GROUP_M, EPI_COLS)
+                    tc += 1
+        if EPI_WG == 2:
+            with tlx.async_task(num_warps=4, replicate=2, registers=EPI_REGS):  # one per consumer
+                ce: tl.constexpr = tlx.async_task_replica_id()
+                tiles_n = tl.cdiv(NN, BN)
+                total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
+                tc = 0
+                for t in range(tl.program_id(0), total, NUM_SMS):
+                    _epi_tile(t, tc, ce, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr,
+                              dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn,
+                              stride_c2n, stride_hn, stride_pn, EPILOGUE, HAS_SCALE, BM, BN, SEARCH_STEPS,
+                              GROUP_M, EPI_COLS)
                     tc += 1
 
 

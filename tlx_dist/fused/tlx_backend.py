@@ -61,8 +61,8 @@ class FusedTileConfig:
     an H200 (``bench/fused_forms.py --forms dswiglu``, T=16384) the form ran 1.478 / 1.156 / 1.563 ms
     against 1.546 / 1.247 / 1.643 without (OLMoE / Qwen3-30B-A3B / DeepSeek-V2-Lite, 4-7% faster).
     An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off.
-    EPI_WG (scatter and dswiglu; not with PREFETCH_H): a fourth warp group (EPI_REGS registers) runs
-    the epilogue; each consumer stashes its fp32 accumulator in shared memory as column chunks of
+    EPI_WG (scatter and dswiglu; not with PREFETCH_H): 1 = a fourth warp group (EPI_REGS registers)
+    runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp groups); each consumer stashes its fp32 accumulator in shared memory as column chunks of
     EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as 104; 2 * REGS +
     EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
     measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
@@ -94,7 +94,7 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.LAG={self.LAG} must be in [0, STAGES - 2 = {self.STAGES - 2}]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"FusedTileConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
-        lo_regs = 104 if self.EPI_WG else 152  # consumers that hand the epilogue off hold only the accumulator
+        lo_regs = 96 if self.EPI_WG else 152  # consumers that hand the epilogue off hold only the accumulator
         if self.REGS % 8 or not lo_regs <= self.REGS <= 240:
             raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [{lo_regs}, 240]")
         if self.PREFETCH_H not in (0, 1):
@@ -103,19 +103,21 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.EARLY_H={self.EARLY_H} must be 0 or 1")
         if self.EARLY_H and self.BN < 64:
             raise ValueError(f"FusedTileConfig.EARLY_H prefetches 128-byte lines: needs BN >= 64, got {self.BN}")
-        if self.EPI_WG not in (0, 1):
-            raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0 or 1")
+        if self.EPI_WG not in (0, 1, 2):
+            raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0, 1 or 2")
         if self.EPI_WG:
             if self.PREFETCH_H:
                 raise ValueError("FusedTileConfig.EPI_WG hands the epilogue to its own warp group: not with PREFETCH_H")
-            if self.epi_cols not in (self.BN // 2, self.BN // 4) or self.epi_cols < 16:
-                raise ValueError(f"FusedTileConfig.EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (>= 16) "
+            if self.epi_cols not in (self.BN // 2, self.BN // 4, self.BN // 8) or self.epi_cols < 16:
+                raise ValueError(f"FusedTileConfig.EPI_COLS={self.EPI_COLS} must be BN/2, BN/4 or BN/8 (>= 16) "
                                  f"(0 = BN/2), BN={self.BN}")
             if self.EPI_REGS % 8 or not 80 <= self.EPI_REGS <= 240:
                 raise ValueError(f"FusedTileConfig.EPI_REGS={self.EPI_REGS} must be a multiple of 8 in [80, 240]")
-            if 2 * self.REGS + self.EPI_REGS > 512 - 56:
-                raise ValueError(f"FusedTileConfig: 2 * REGS + EPI_REGS = {2 * self.REGS + self.EPI_REGS} leaves the "
-                                 "producer fewer than 56 of the 512 registers per lane of four warp groups")
+            n_epi = self.EPI_WG  # epilogue warp groups: one for both consumers, or one each
+            if 2 * self.REGS + n_epi * self.EPI_REGS > 512 - 56:
+                raise ValueError(f"FusedTileConfig: 2 * REGS + {n_epi} * EPI_REGS = "
+                                 f"{2 * self.REGS + n_epi * self.EPI_REGS} leaves the producer fewer than 56 of the "
+                                 "512 registers per lane of the warp groups")
         if self.EARLY_H and self.PREFETCH_H:
             raise ValueError("FusedTileConfig.EARLY_H and PREFETCH_H are two ways to bring h early: pick one")
 
@@ -479,7 +481,7 @@ class _Hopper(_TlxFused):
 
     @staticmethod
     def _meta(cfg) -> dict:
-        return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS, EPI_WG=bool(cfg.EPI_WG), EPI_REGS=cfg.EPI_REGS,
+        return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS, EPI_WG=cfg.EPI_WG, EPI_REGS=cfg.EPI_REGS,
                     EPI_COLS=cfg.epi_cols)
 
     @staticmethod

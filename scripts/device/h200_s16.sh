@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Written at the end of session 13 (not yet run), one GPU (< 5 min):
+#   source .carry/setup.sh && bash scripts/device/h200_s16.sh
+# One epilogue warp group per consumer (EPI_WG=2, five warp groups), written after session 13's last
+# device call: its GPU tests (against the inline epilogue, bf16 / fp16, adversarial routing) and the
+# scatter / dSwiGLU forms against the defaults (scatter: EPI_WG=1; dSwiGLU: inline) in one process.
+set -u
+out=${OUT:-/tmp/h200}; mkdir -p "$out"
+W2="dswiglu:EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16;scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32"
+W2B="dswiglu:EPI_WG=2,REGS=96,EPI_REGS=128,STAGES=4,LAG=2,EPI_COLS=16;scatter:EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=5,EPI_COLS=32"
+t0=$(date +%s)
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 tests/test_fused_moe_gpu.py \
+  -k "epilogue_warp_group" > "$out/gpu_epi2.log" 2>&1
+echo "== GPU EPI_WG 1 / 2 vs inline rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_epi2.log")"
+grep -E "^(FAILED|ERROR)|Timeout" "$out/gpu_epi2.log" | cut -c1-300 | head -n 8
+timeout 200 python3 bench/fused_forms.py --shapes olmoe,deepseek-v2-lite,mixtral --tokens 16384 \
+  --forms scatter,dswiglu,scatter_dx --rep 40 --variant "base=" --variant "w2=$W2" --variant "w2b=$W2B" \
+  --json "$out/forms_epi2.json" > "$out/forms_epi2.log" 2>&1
+echo "== forms, defaults vs one epilogue warp group per consumer rc=$?"
+grep -hE "^\| [a-z]|^median|Error" "$out/forms_epi2.log"
+exit 0
