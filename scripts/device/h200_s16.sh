@@ -3,7 +3,9 @@
 #   source .carry/setup.sh && bash scripts/device/h200_s16.sh
 # One epilogue warp group per consumer (EPI_WG=2, five warp groups), written after session 13's last
 # device call: its GPU tests (against the inline epilogue, bf16 / fp16, adversarial routing) and the
-# scatter / dSwiGLU forms against the defaults (scatter: EPI_WG=1; dSwiGLU: inline) in one process.
+# scatter / dSwiGLU forms against the defaults (scatter: EPI_WG=1; dSwiGLU: inline) in one process;
+# memcheck of the fused kernels with the scatter default (EPI_WG=1, landed in session 13 after its last
+# memcheck run), the dout copy forced, and with EPI_WG=2 (issue 9 item 6: new kernels once under memcheck).
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 W2="dswiglu:EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16;scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32"
@@ -21,4 +23,10 @@ timeout 120 python3 bench/fused_forms.py --shapes mixtral --tokens 16384 --forms
   --variant "base=" --variant "w2=$(g8 "$W2")" --json "$out/forms_epi2_mixtral.json" > "$out/forms_epi2_mixtral.log" 2>&1
 echo "== forms, defaults vs one epilogue warp group per consumer"
 grep -hE "^\| [a-z]|^median|Error" "$out/forms_epi2.log" "$out/forms_epi2_mixtral.log"
+t0=$(date +%s)
+for cfg in "" "$W2"; do
+  TLX_DIST_FUSED_CONFIG="$cfg" TLX_DIST_FUSED_DOUT=copy PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 \
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/memcheck_fused.py > "$out/memcheck_fused.log" 2>&1
+  echo "== memcheck fused (config '${cfg:-defaults}', dout copy) rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'ERROR SUMMARY|all ok|FAILED' "$out/memcheck_fused.log" | tr '\n' ' ')"
+done
 exit 0
