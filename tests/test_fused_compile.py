@@ -165,6 +165,24 @@ def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
     assert bool(f32_atomics) == form.startswith("scatter")
 
 
+def test_fused_hopper_epilogue_warp_group_refuses_swiglu():
+    """The handed-off epilogue has the one-accumulator forms only: a SwiGLU config built in code
+    with EPI_WG (the env parser refuses it by name) fails to compile instead of computing garbage."""
+    import dataclasses
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+
+    cfg = dataclasses.replace(FORMS["swiglu"], EPI_WG=1, REGS=152, EPI_REGS=152)
+    fn, sig, constexprs, attrs, opts = kernel_signature("swiglu", cfg=cfg)
+    with pytest.raises(Exception, match="static_assert|Assertion"):
+        triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 128),
+                       options=opts)
+
+
 # --- portable stock-Triton fused kernels ---------------------------------------------------------
 
 # form -> the launch flags that identify it, in the order one forward + backward launches them.

@@ -372,6 +372,8 @@ def _fused_mm_hopper_kernel(
         hfull = full
         hempty = empty
     NCH: tl.constexpr = BN // EPI_COLS
+    # the handed-off epilogue has the scatter and dSwiGLU forms only (one accumulator, h from global)
+    tl.static_assert(EPI_WG == 0 or (EPILOGUE != SWIGLU and not PREFETCH_H))
     if EPI_WG:  # each consumer's accumulator, in NCH column chunks, for the epilogue warp group
         accb = tlx.local_alloc((BMS, EPI_COLS), tl.float32, 2 * NCH)
         epi_full = tlx.alloc_barriers(num_barriers=2, arrive_count=1)

@@ -63,8 +63,8 @@ class FusedTileConfig:
     An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off.
     EPI_WG (scatter and dswiglu; not with PREFETCH_H): 1 = a fourth warp group (EPI_REGS registers)
     runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp groups); each consumer stashes its fp32 accumulator in shared memory as column chunks of
-    EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as 104; 2 * REGS +
-    EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
+    EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32);
+    2 * REGS + EPI_WG * EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
     measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
     one warp group serialises both consumers' epilogues), so off there."""
 
@@ -94,7 +94,8 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.LAG={self.LAG} must be in [0, STAGES - 2 = {self.STAGES - 2}]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"FusedTileConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
-        lo_regs = 96 if self.EPI_WG else 152  # consumers that hand the epilogue off hold only the accumulator
+        # consumers that hand the epilogue off hold only the accumulator (BN/2 fp32 registers) and the loop
+        lo_regs = max(96, self.BN // 2 + 32) if self.EPI_WG else 152
         if self.REGS % 8 or not lo_regs <= self.REGS <= 240:
             raise ValueError(f"FusedTileConfig.REGS={self.REGS} must be a multiple of 8 in [{lo_regs}, 240]")
         if self.PREFETCH_H not in (0, 1):
@@ -436,7 +437,9 @@ class _TlxFused:
 
         E, D, F = offsets_E.shape[0], a.shape[1], b.shape[1]
         N = (ia_N if ia_N is not None else a).shape[0]
-        if ia_N is None and ib_N is None and N:  # both operands expert-major already: the plain dW kernel
+        if ia_N is None and ib_N is None and N:
+            # both operands expert-major already (the dout copy): the landed grouped dW kernel, with its
+            # own longest-expert-first order and config (TLX_DIST_GROUPED_MM_* apply)
             from ..grouped_gemm.backends import get_backend
 
             return get_backend("tlx").wgrad(a, b.contiguous(), offsets_E)
