@@ -9,6 +9,7 @@ are already gathered -- the same FLOPs without the gather, the epilogue or the a
     swiglu      h, a = SwiGLU(x[src] @ w13)                   x_perm @ w13
     scatter     out[dst] += gate * (a @ w2)   (fp32 atomics)  a @ w2
     dswiglu     dh, ag, dgate from dout[dst] @ w2^T           dout_perm @ w2^T
+    dswiglu_copy  the same, dout_perm read in place             dout_perm @ w2^T
     scatter_dx  dx[src] += dh @ w13^T         (fp32 atomics)  dh @ w13^T
     wgrad_a     dW13 = x[src]^T @ dh          (gathered A)    x_perm^T @ dh
     wgrad_b     dW2 = ag^T @ dout[dst]        (gathered B)    ag^T @ dout_perm
@@ -77,6 +78,9 @@ def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
                     lambda: grouped_mm(a, w2, offsets_E, **tlx), N, F, D),
         "dswiglu": (lambda: p.down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum),
                     lambda: grouped_mm(dout_perm, w2_t, offsets_E, **tlx), N, D, F),
+        # the same from the expert-major copy of dout (TLX_DIST_FUSED_DOUT=copy; the copy not timed)
+        "dswiglu_copy": (lambda: p.down_dswiglu(dout_perm, None, w2, offsets_E, h, gate_N, tile_cum),
+                         lambda: grouped_mm(dout_perm, w2_t, offsets_E, **tlx), N, D, F),
         "scatter_dx": (lambda: p.down_scatter(dh, w13_t, offsets_E, tok_N, None, T, tile_cum),
                        lambda: grouped_mm(dh, w13_t, offsets_E, **tlx), N, 2 * F, D),
         "wgrad_a": (lambda: p.wgrad_gather(x, tok_N, dh, None, offsets_E, order),

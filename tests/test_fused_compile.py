@@ -165,6 +165,32 @@ def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
     assert bool(f32_atomics) == form.startswith("scatter")
 
 
+@pytest.mark.parametrize("fields", [dict(PINGPONG=1, REGS=232, EPI_COLS=32), dict(PINGPONG=1, REGS=240)])
+def test_fused_hopper_dswiglu_pingpong_compiles(fields):
+    """PINGPONG (dSwiGLU from the dout copy): the consumers take whole tiles in turns -- one more
+    mbarrier wait each (the turn) besides the stage waits; the ring as without it."""
+    import dataclasses
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+
+    def compile_(cfg):
+        fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu_copy", cfg=cfg)
+        assert constexprs["PINGPONG"] == bool(cfg.PINGPONG) and constexprs["A_GATHER"] is False
+        return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 128),
+                              options=opts)
+
+    pp = compile_(dataclasses.replace(FORMS["dswiglu"], **fields))
+    base = compile_(FORMS["dswiglu"])
+    assert pp.metadata.shared <= _SMEM_LIMIT and pp.metadata.num_warps == 12
+    waits = [len(re.findall(r"mbarrier\.try_wait", k.asm["ptx"])) for k in (pp, base)]
+    assert waits[0] > waits[1], waits
+    assert "wgmma.mma_async" in pp.asm["ptx"] and "cp.async.cg.shared.global" not in pp.asm["ptx"]
+
+
 def test_fused_hopper_epilogue_warp_group_refuses_swiglu():
     """The handed-off epilogue has the one-accumulator forms only: a SwiGLU config built in code
     with EPI_WG (the env parser refuses it by name) fails to compile instead of computing garbage."""

@@ -289,6 +289,11 @@ def test_tile_config_errors_name_the_field():
         FusedTileConfig(REGS=120)  # 96 only when the epilogue is handed off
     with pytest.raises(ValueError, match=r"not with PREFETCH_H"):
         FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152, PREFETCH_H=1, EARLY_H=0)
+    with pytest.raises(ValueError, match=r"PINGPONG runs the epilogue in the consumers: not with EPI_WG"):
+        FusedTileConfig(PINGPONG=1, EPI_WG=1, REGS=152, EPI_REGS=152)
+    with pytest.raises(ValueError, match=r"PINGPONG=2 must be 0 or 1"):
+        FusedTileConfig(PINGPONG=2)
+    assert _env_overrides("dswiglu:PINGPONG=1,REGS=232,EPI_COLS=32")["dswiglu"].PINGPONG == 1
     epi = _env_overrides("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32")["dswiglu"]
     assert epi.smem_bytes("dswiglu") == 4 * 32768 + 128 * 128 * 4 and epi.epi_cols == 32
     assert FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152).epi_cols == 64

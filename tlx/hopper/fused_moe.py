@@ -232,6 +232,88 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
 
 
 @triton.jit
+def _mm_consume_pingpong(t, it, tc, a_buf, b_buf, full, empty, mma_bar, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr,
+                         scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN, F_OFF, tiles_n, stride_cn, stride_c2n,
+                         stride_hn, stride_pn, CID: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr,
+                         EARLY_H: tl.constexpr, EPI_COLS: tl.constexpr):
+    """PINGPONG consumer ``CID`` at tile ``t``, this program's ``tc``-th: every consumer walks every
+    tile (``it`` counts all the stages the producer fills); consumer ``tc % 2`` computes the whole
+    BM x BN tile (both 64-row halves of each stage, two accumulators) and releases its stages. The
+    consumers alternate on ``mma_bar`` (constant parity per consumer: strict turns) so that one
+    issues its main loop while the other runs its epilogue; the token passes on as soon as the last
+    k-step is issued. Then the dSwiGLU epilogue, half by half, in EPI_COLS-column chunks."""
+    BMS: tl.constexpr = BM // 2
+    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
+    steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
+    if tc % 2 == CID:
+        if EARLY_H:  # L2 prefetch of the tile's h lines (gate and up, all BM rows) before the main loop
+            LINES: tl.constexpr = BN // 64
+            rows = mt * BM + tl.arange(0, BM)
+            cols = nt * BN + tl.arange(0, LINES) * 64
+            h_line = h_ptr + (lo + rows).to(tl.int64)[:, None] * stride_hn + cols[None, :]
+            h_ok = (rows < cnt)[:, None] & (cols < NN)[None, :]
+            tlx.prefetch(h_line, level="L2", mask=h_ok)
+            tlx.prefetch(h_line + F_OFF, level="L2", mask=h_ok)
+        tlx.barrier_wait(mma_bar[0], 1 - CID)  # consumer 0 goes first
+        acc0 = tl.zeros((BMS, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BMS, BN), dtype=tl.float32)
+        prev = 0
+        for k in range(0, steps):
+            j = it + k
+            s = j % NUM_STAGES
+            tlx.barrier_wait(full[s], (j // NUM_STAGES) & 1)
+            b = tlx.local_trans(tlx.local_reshape(b_buf[s], [BN, BK]))  # w2^T, K-major
+            acc0 = tlx.async_dot(a_buf[s * 2], b, acc0)
+            acc1 = tlx.async_dot(a_buf[s * 2 + 1], b, acc1)
+            acc0 = tlx.async_dot_wait(2, acc0)  # this step's two in flight, the previous step's done
+            acc1 = tlx.async_dot_wait(2, acc1)
+            if k > 0:
+                tlx.barrier_arrive(empty[prev])
+            prev = s
+        tlx.barrier_arrive(mma_bar[0])  # the other consumer may issue its main loop now
+        acc0 = tlx.async_dot_wait(0, acc0)
+        acc1 = tlx.async_dot_wait(0, acc1)
+        if steps > 0:
+            tlx.barrier_arrive(empty[prev])
+        _pingpong_epilogue(acc0, 0, e, lo, cnt, mt, nt, c_ptr, c2_ptr, scale_ptr, h_ptr, part_ptr, E, NN, F_OFF,
+                           stride_cn, stride_c2n, stride_hn, stride_pn, BM, BN, EPI_COLS)
+        _pingpong_epilogue(acc1, 1, e, lo, cnt, mt, nt, c_ptr, c2_ptr, scale_ptr, h_ptr, part_ptr, E, NN, F_OFF,
+                           stride_cn, stride_c2n, stride_hn, stride_pn, BM, BN, EPI_COLS)
+    return it + steps
+
+
+@triton.jit
+def _pingpong_epilogue(acc, half: tl.constexpr, e, lo, cnt, mt, nt, c_ptr, c2_ptr, scale_ptr, h_ptr, part_ptr, E, NN,
+                       F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, BM: tl.constexpr, BN: tl.constexpr,
+                       EPI_COLS: tl.constexpr):
+    """dSwiGLU epilogue of one 64-row half of a PINGPONG tile, in column chunks cut from the
+    accumulator in registers (``split_halves``, no data moves): one chunk's h live at a time."""
+    BMS: tl.constexpr = BM // 2
+    NCH: tl.constexpr = BN // EPI_COLS
+    left, right = split_halves(acc, BMS, BN)
+    if NCH == 2:
+        dot = _epi_chunk(left, e, lo, cnt, mt, nt * BN, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN, F_OFF,
+                         stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+        dot += _epi_chunk(right, e, lo, cnt, mt, nt * BN + EPI_COLS, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN,
+                          F_OFF, stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+    else:
+        tl.static_assert(NCH == 4)
+        q0, q1 = split_halves(left, BMS, BN // 2)
+        q2, q3 = split_halves(right, BMS, BN // 2)
+        dot = _epi_chunk(q0, e, lo, cnt, mt, nt * BN, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN, F_OFF,
+                         stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+        dot += _epi_chunk(q1, e, lo, cnt, mt, nt * BN + EPI_COLS, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN,
+                          F_OFF, stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+        dot += _epi_chunk(q2, e, lo, cnt, mt, nt * BN + 2 * EPI_COLS, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN,
+                          F_OFF, stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+        dot += _epi_chunk(q3, e, lo, cnt, mt, nt * BN + 3 * EPI_COLS, c_ptr, c2_ptr, c_ptr, scale_ptr, h_ptr, E, NN,
+                          F_OFF, stride_cn, stride_c2n, stride_hn, half, DSWIGLU, True, BM, EPI_COLS)
+    rows = mt * BM + half * BMS + tl.arange(0, BMS)
+    tl.store(part_ptr + (lo + rows).to(tl.int64) * stride_pn + nt, dot, mask=rows < cnt)
+
+
+@triton.jit
 def _stash_chunks(acc, accb, base, ROWS: tl.constexpr, COLS: tl.constexpr, NCH: tl.constexpr):
     """``acc`` [ROWS, COLS] into ``accb[base + j]`` as NCH column chunks (2, 4 or 8; no data moves
     between threads to cut them)."""
@@ -346,7 +428,7 @@ def _fused_mm_hopper_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
     h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr, EPI_WG: tl.constexpr,
-    EPI_REGS: tl.constexpr, EPI_COLS: tl.constexpr,
+    EPI_REGS: tl.constexpr, EPI_COLS: tl.constexpr, PINGPONG: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     dtype: tl.constexpr = tlx.dtype_of(b_desc)
@@ -358,7 +440,12 @@ def _fused_mm_hopper_kernel(
     else:
         b_buf = tlx.local_alloc((1, BK, BN), dtype, NUM_STAGES)
     full = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-    empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=2)
+    # PINGPONG: one consumer reads (and releases) each stage; else both read their half of it
+    empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1 if PINGPONG else 2)
+    # PINGPONG (dSwiGLU reading its A in place): each consumer takes every other tile whole, and the
+    # two take turns issuing their main loops (mma_bar), so one's epilogue runs beside the other's MMAs
+    tl.static_assert(PINGPONG == 0 or (EPILOGUE == DSWIGLU and not A_GATHER and not PREFETCH_H and EPI_WG == 0))
+    mma_bar = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
     if A_GATHER:
         afull = tlx.alloc_warp_barrier(num_barriers=NUM_STAGES, num_warps=4)
     else:
@@ -404,11 +491,17 @@ def _fused_mm_hopper_kernel(
             it = 0
             tc = 0
             for t in range(tl.program_id(0), total, NUM_SMS):
-                it = _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr,
-                                 offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN,
-                                 F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE, A_GATHER,
-                                 HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, PREFETCH_H,
-                                 EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
+                if PINGPONG:
+                    it = _mm_consume_pingpong(t, it, tc, a_buf, b_buf, full, empty, mma_bar, tile_cum_ptr, offsets_ptr,
+                                              c_ptr, c2_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM, NN, F_OFF,
+                                              tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, BM, BN, BK,
+                                              NUM_STAGES, SEARCH_STEPS, GROUP_M, EARLY_H, EPI_COLS)
+                else:
+                    it = _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr,
+                                     offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM,
+                                     NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE,
+                                     A_GATHER, HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M,
+                                     PREFETCH_H, EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
                 tc += 1
         if EPI_WG == 1:
             with tlx.async_task(num_warps=4, registers=EPI_REGS):  # epilogue of both consumers' tiles

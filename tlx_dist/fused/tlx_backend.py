@@ -66,7 +66,12 @@ class FusedTileConfig:
     EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32);
     2 * REGS + EPI_WG * EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
     measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
-    one warp group serialises both consumers' epilogues), so off there."""
+    one warp group serialises both consumers' epilogues), so off there.
+    PINGPONG (dswiglu reading its A in place, i.e. TLX_DIST_FUSED_DOUT copy; ignored when dout is
+    gathered): each consumer computes every other tile whole (two 64-row fp32 accumulators, BN
+    registers a thread) and the two take turns issuing their main loops, so one's epilogue (in
+    EPI_COLS-column chunks) runs beside the other's MMAs. Written in session 13 after its last device
+    call: compile-checked, not yet run (scripts/device/h200_s16.sh)."""
 
     BM: int = 128
     BN: int = 128
@@ -80,6 +85,7 @@ class FusedTileConfig:
     EPI_WG: int = 0
     EPI_REGS: int = 152
     EPI_COLS: int = 0  # 0: BN / 2
+    PINGPONG: int = 0
 
     def __post_init__(self):
         for f in ("BN", "BK"):
@@ -104,6 +110,12 @@ class FusedTileConfig:
             raise ValueError(f"FusedTileConfig.EARLY_H={self.EARLY_H} must be 0 or 1")
         if self.EARLY_H and self.BN < 64:
             raise ValueError(f"FusedTileConfig.EARLY_H prefetches 128-byte lines: needs BN >= 64, got {self.BN}")
+        if self.PINGPONG not in (0, 1):
+            raise ValueError(f"FusedTileConfig.PINGPONG={self.PINGPONG} must be 0 or 1")
+        if self.PINGPONG and (self.EPI_WG or self.PREFETCH_H):
+            raise ValueError("FusedTileConfig.PINGPONG runs the epilogue in the consumers: not with EPI_WG or PREFETCH_H")
+        if self.PINGPONG and self.epi_cols not in (self.BN // 2, self.BN // 4):
+            raise ValueError(f"FusedTileConfig.PINGPONG: EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (0 = BN/2)")
         if self.EPI_WG not in (0, 1, 2):
             raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0, 1 or 2")
         if self.EPI_WG:
@@ -375,8 +387,12 @@ class _TlxFused:
             part.stride(0) if part is not None else 0,
             EPILOGUE=epilogue, A_GATHER=src is not None, HAS_SCALE=scale is not None, B_KMAJOR=b_kmajor,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, NUM_STAGES=cfg.STAGES, NUM_SMS=grid, SEARCH_STEPS=search_steps(E),
-            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **virt_meta, num_warps=4,
-            num_stages=1)
+            GROUP_M=cfg.GROUP_M, **cls._meta(cfg), **cls._h_args(epilogue, h, cfg), **cls._pp_args(epilogue, src, cfg),
+            **virt_meta, num_warps=4, num_stages=1)
+
+    @staticmethod
+    def _pp_args(epilogue, src, cfg) -> dict:
+        return {}  # kernels without the ping-pong consumers
 
     PHASED = False  # kernels that take VIRT (backends.compose_forward's overlapped form): Hopper's
 
@@ -486,6 +502,11 @@ class _Hopper(_TlxFused):
     def _meta(cfg) -> dict:
         return dict(LAG=cfg.LAG, CONSUMER_REGS=cfg.REGS, EPI_WG=cfg.EPI_WG, EPI_REGS=cfg.EPI_REGS,
                     EPI_COLS=cfg.epi_cols)
+
+    @staticmethod
+    def _pp_args(epilogue, src, cfg) -> dict:
+        """PINGPONG: dSwiGLU with its A operand read in place (src None: the dout copy) only."""
+        return dict(PINGPONG=bool(cfg.PINGPONG) and epilogue == DSWIGLU and src is None)
 
     @staticmethod
     def _h_args(epilogue, h, cfg) -> dict:
@@ -608,6 +629,8 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
             constexprs["EARLY_H"] = base == "dswiglu" and bool(getattr(cfg, "EARLY_H", 0))
         if "VIRT" in fn.arg_names:
             constexprs["VIRT"] = 1
+        if "PINGPONG" in fn.arg_names:
+            constexprs["PINGPONG"] = form == "dswiglu_copy" and bool(getattr(cfg, "PINGPONG", 0))
     else:
         fn = p._wgrad_kernel()
         ga, gb = form == "wgrad_a", form == "wgrad_b"
