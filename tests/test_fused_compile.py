@@ -165,7 +165,7 @@ def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
     assert bool(f32_atomics) == form.startswith("scatter")
 
 
-@pytest.mark.parametrize("fields", [dict(PINGPONG=1, REGS=232, EPI_COLS=32), dict(PINGPONG=1, REGS=240)])
+@pytest.mark.parametrize("fields", [dict(PINGPONG=1, REGS=232, EPI_COLS=32), dict(PINGPONG=1, REGS=240)])  # BN/4
 def test_fused_hopper_dswiglu_pingpong_compiles(fields):
     """PINGPONG (dSwiGLU from the dout copy): the consumers take whole tiles in turns -- one more
     mbarrier wait each (the turn) besides the stage waits; the ring as without it."""

@@ -288,7 +288,9 @@ def _pingpong_epilogue(acc, half: tl.constexpr, e, lo, cnt, mt, nt, c_ptr, c2_pt
                        F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, BM: tl.constexpr, BN: tl.constexpr,
                        EPI_COLS: tl.constexpr):
     """dSwiGLU epilogue of one 64-row half of a PINGPONG tile, in column chunks cut from the
-    accumulator in registers (``split_halves``, no data moves): one chunk's h live at a time."""
+    accumulator in registers (``split_halves``: the cut itself moves no data; each chunk is then
+    converted, as in the inline epilogue, to the layout of the 16-byte h loads and stores): one
+    chunk's h live at a time."""
     BMS: tl.constexpr = BM // 2
     NCH: tl.constexpr = BN // EPI_COLS
     left, right = split_halves(acc, BMS, BN)
@@ -444,7 +446,8 @@ def _fused_mm_hopper_kernel(
     empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1 if PINGPONG else 2)
     # PINGPONG (dSwiGLU reading its A in place): each consumer takes every other tile whole, and the
     # two take turns issuing their main loops (mma_bar), so one's epilogue runs beside the other's MMAs
-    tl.static_assert(PINGPONG == 0 or (EPILOGUE == DSWIGLU and not A_GATHER and not PREFETCH_H and EPI_WG == 0))
+    tl.static_assert(PINGPONG == 0 or (EPILOGUE == DSWIGLU and not A_GATHER and not PREFETCH_H and EPI_WG == 0
+                                       and B_KMAJOR and HAS_SCALE))
     mma_bar = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
     if A_GATHER:
         afull = tlx.alloc_warp_barrier(num_barriers=NUM_STAGES, num_warps=4)

@@ -115,7 +115,11 @@ class FusedTileConfig:
         if self.PINGPONG and (self.EPI_WG or self.PREFETCH_H):
             raise ValueError("FusedTileConfig.PINGPONG runs the epilogue in the consumers: not with EPI_WG or PREFETCH_H")
         if self.PINGPONG and self.epi_cols not in (self.BN // 2, self.BN // 4):
-            raise ValueError(f"FusedTileConfig.PINGPONG: EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (0 = BN/2)")
+            raise ValueError(f"FusedTileConfig.PINGPONG: EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (0 = BN/4)")
+        if self.PINGPONG and (self.BN > 128 or self.REGS < 232):
+            # a consumer holds the whole tile (BN fp32 registers a thread) plus one chunk's epilogue:
+            # below that, or at BN 256, ptxas spills 0.8-13 KB a thread
+            raise ValueError(f"FusedTileConfig.PINGPONG needs BN <= 128 and REGS >= 232 (BN={self.BN}, REGS={self.REGS})")
         if self.EPI_WG not in (0, 1, 2):
             raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0, 1 or 2")
         if self.EPI_WG:
@@ -136,7 +140,7 @@ class FusedTileConfig:
 
     @property
     def epi_cols(self) -> int:
-        return self.EPI_COLS or self.BN // 2
+        return self.EPI_COLS or (self.BN // 4 if self.PINGPONG else self.BN // 2)
 
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
