@@ -164,6 +164,19 @@ def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, 
 
 
 @triton.jit
+def _prefetch_h_lines(h_ptr, lo, mt, cnt, nt, NN, F_OFF, stride_hn, R0: tl.constexpr, ROWS: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    """dSwiGLU's EARLY_H: ``prefetch.global.L2`` of the h lines (gate and up columns of column tile
+    ``nt``) of rows ``R0 .. R0 + ROWS`` of tile row ``mt`` of the expert at ``lo``, one per 128-byte line."""
+    LINES: tl.constexpr = BN // 64  # 128-byte lines of 16-bit elements per row and half
+    rows = mt * BM + R0 + tl.arange(0, ROWS)
+    h_line = h_ptr + (lo + rows).to(tl.int64)[:, None] * stride_hn + (nt * BN + tl.arange(0, LINES) * 64)[None, :]
+    h_ok = (rows < cnt)[:, None] & ((nt * BN + tl.arange(0, LINES) * 64) < NN)[None, :]
+    tlx.prefetch(h_line, level="L2", mask=h_ok)
+    tlx.prefetch(h_line + F_OFF, level="L2", mask=h_ok)
+
+
+@triton.jit
 def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr, offsets_ptr,
                 c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                 E, N_ROWS, K_DIM, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
@@ -179,12 +192,7 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
     hg_pre = acc  # placeholders unless PREFETCH_H
     hu_pre = acc
     if EARLY_H:  # dSwiGLU: L2 prefetch of this half's h lines (gate and up) before the main loop
-        LINES: tl.constexpr = BN // 64  # 128-byte lines of 16-bit elements per row and half
-        rows = mt * BM + CID * BMS + tl.arange(0, BMS)
-        h_line = h_ptr + (lo + rows).to(tl.int64)[:, None] * stride_hn + (nt * BN + tl.arange(0, LINES) * 64)[None, :]
-        h_ok = (rows < cnt)[:, None] & ((nt * BN + tl.arange(0, LINES) * 64) < NN)[None, :]
-        tlx.prefetch(h_line, level="L2", mask=h_ok)
-        tlx.prefetch(h_line + F_OFF, level="L2", mask=h_ok)
+        _prefetch_h_lines(h_ptr, lo, mt, cnt, nt, NN, F_OFF, stride_hn, CID * BMS, BMS, BM, BN)
     prev = 0
     for k in range(0, steps):
         s = it % NUM_STAGES
@@ -248,13 +256,7 @@ def _mm_consume_pingpong(t, it, tc, a_buf, b_buf, full, empty, mma_bar, tile_cum
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
     if tc % 2 == CID:
         if EARLY_H:  # L2 prefetch of the tile's h lines (gate and up, all BM rows) before the main loop
-            LINES: tl.constexpr = BN // 64
-            rows = mt * BM + tl.arange(0, BM)
-            cols = nt * BN + tl.arange(0, LINES) * 64
-            h_line = h_ptr + (lo + rows).to(tl.int64)[:, None] * stride_hn + cols[None, :]
-            h_ok = (rows < cnt)[:, None] & (cols < NN)[None, :]
-            tlx.prefetch(h_line, level="L2", mask=h_ok)
-            tlx.prefetch(h_line + F_OFF, level="L2", mask=h_ok)
+            _prefetch_h_lines(h_ptr, lo, mt, cnt, nt, NN, F_OFF, stride_hn, 0, BM, BM, BN)
         tlx.barrier_wait(mma_bar[0], 1 - CID)  # consumer 0 goes first
         acc0 = tl.zeros((BMS, BN), dtype=tl.float32)
         acc1 = tl.zeros((BMS, BN), dtype=tl.float32)
