@@ -83,25 +83,21 @@ def _aligned_sync(sync, symm_disp):
     return run
 
 
-def _pair_us(fd, fc, reps: int, sync) -> float:
-    """Steady-state time of one dispatch+combine pair: ``reps`` pairs back to back after one sync,
-    median over 5 such runs, divided by ``reps``. Unlike the per-op medians (one sync per op, so the
-    ranks' launch skew after the barrier is counted as waiting), this is what a training step sees."""
-    def run():
-        for _ in range(reps):
-            fd()
-            fc()
-    return _median_ms(run, 5, sync) * 1e3 / reps
-
-
 def _stream_us(fn, reps: int, sync) -> float:
-    """Steady-state time of one op: ``reps`` of it back to back after one sync (median of 5 such
-    runs, divided by ``reps``): the op's own latency once the GPU is never waiting for the host to
-    launch the next replay, which the per-op medians (one sync, one event pair per op) count."""
+    """Steady-state time of ``fn``: ``reps`` calls back to back after one sync (median of 5 such
+    runs, divided by ``reps``): its own latency once the GPU is never waiting for the host to launch
+    the next replay, which the per-op medians (one sync, one event pair per op) count."""
     def run():
         for _ in range(reps):
             fn()
     return _median_ms(run, 5, sync) * 1e3 / reps
+
+
+def _pair_us(fd, fc, reps: int, sync) -> float:
+    """Steady-state time of one dispatch+combine pair (``_stream_us`` of the pair). Unlike the
+    per-op medians (one sync per op, so the ranks' launch skew after the barrier is counted as
+    waiting), this is what a training step sees."""
+    return _stream_us(lambda: (fd(), fc()), reps, sync)
 
 
 def rows_check(disp, x, idx, gate, ra, n_ranks_T, region=None):

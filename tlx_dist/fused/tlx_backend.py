@@ -62,10 +62,11 @@ class FusedTileConfig:
     against 1.546 / 1.247 / 1.643 without (OLMoE / Qwen3-30B-A3B / DeepSeek-V2-Lite, 4-7% faster).
     An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off.
     EPI_WG (scatter and dswiglu; not with PREFETCH_H): 1 = a fourth warp group (EPI_REGS registers)
-    runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp groups); each consumer stashes its fp32 accumulator in shared memory as column chunks of
-    EPI_COLS (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32);
-    2 * REGS + EPI_WG * EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for dSwiGLU it
-    measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
+    runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp groups). Each
+    consumer stashes its fp32 accumulator in shared memory as column chunks of EPI_COLS (0 = BN/2)
+    and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32); 2 * REGS +
+    EPI_WG * EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for
+    dSwiGLU it measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
     one warp group serialises both consumers' epilogues), so off there.
     PINGPONG (dswiglu reading its A in place, i.e. TLX_DIST_FUSED_DOUT copy; ignored when dout is
     gathered): each consumer computes every other tile whole (two 64-row fp32 accumulators, BN
@@ -113,13 +114,15 @@ class FusedTileConfig:
         if self.PINGPONG not in (0, 1):
             raise ValueError(f"FusedTileConfig.PINGPONG={self.PINGPONG} must be 0 or 1")
         if self.PINGPONG and (self.EPI_WG or self.PREFETCH_H):
-            raise ValueError("FusedTileConfig.PINGPONG runs the epilogue in the consumers: not with EPI_WG or PREFETCH_H")
+            raise ValueError("FusedTileConfig.PINGPONG runs the epilogue in the consumers: "
+                             "not with EPI_WG or PREFETCH_H")
         if self.PINGPONG and self.epi_cols not in (self.BN // 2, self.BN // 4):
             raise ValueError(f"FusedTileConfig.PINGPONG: EPI_COLS={self.EPI_COLS} must be BN/2 or BN/4 (0 = BN/4)")
         if self.PINGPONG and (self.BN > 128 or self.REGS < 232):
             # a consumer holds the whole tile (BN fp32 registers a thread) plus one chunk's epilogue:
             # below that, or at BN 256, ptxas spills 0.8-13 KB a thread
-            raise ValueError(f"FusedTileConfig.PINGPONG needs BN <= 128 and REGS >= 232 (BN={self.BN}, REGS={self.REGS})")
+            raise ValueError(f"FusedTileConfig.PINGPONG needs BN <= 128 and REGS >= 232 "
+                             f"(BN={self.BN}, REGS={self.REGS})")
         if self.EPI_WG not in (0, 1, 2):
             raise ValueError(f"FusedTileConfig.EPI_WG={self.EPI_WG} must be 0, 1 or 2")
         if self.EPI_WG:
