@@ -345,16 +345,15 @@ def _stash_halves(x, accb, base, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _epi_tile(t, tc, c: tl.constexpr, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr, dst_ptr,
-              scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn,
-              EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, EPI_COLS: tl.constexpr):
-    """An epilogue warp group's work on consumer ``c``'s half of tile ``t`` (its ``tc``-th): wait for
-    the stashed accumulator, read it chunk by chunk (handing the buffer back after the last read),
-    apply the form's epilogue; dSwiGLU then stores the rows' gate-gradient partials."""
+def _epi_tile(e, lo, cnt, mt, nt, tc, c: tl.constexpr, accb, epi_full, epi_empty, c_ptr, c2_ptr, dst_ptr, scale_ptr,
+              h_ptr, part_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, EPILOGUE: tl.constexpr,
+              HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EPI_COLS: tl.constexpr):
+    """An epilogue warp group's work on consumer ``c``'s half of its ``tc``-th tile (``e, lo, cnt,
+    mt, nt`` from ``_mm_tile_at``): wait for the stashed accumulator, read it chunk by chunk (handing
+    the buffer back after the last read), apply the form's epilogue; dSwiGLU then stores the rows'
+    gate-gradient partials."""
     BMS: tl.constexpr = BM // 2
     NCH: tl.constexpr = BN // EPI_COLS
-    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     tlx.barrier_wait(epi_full[c], tc & 1)
     dot = tl.zeros([BMS], tl.float32)
     for j in tl.static_range(NCH):
@@ -514,11 +513,12 @@ def _fused_mm_hopper_kernel(
                 total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
                 tc = 0
                 for t in range(tl.program_id(0), total, NUM_SMS):
-                    for c in tl.static_range(2):
-                        _epi_tile(t, tc, c, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr,
-                                  dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn,
-                                  stride_c2n, stride_hn, stride_pn, EPILOGUE, HAS_SCALE, BM, BN, SEARCH_STEPS,
-                                  GROUP_M, EPI_COLS)
+                    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS,
+                                                     GROUP_M)
+                    for c in tl.static_range(2):  # the tile found once for both consumers' halves
+                        _epi_tile(e, lo, cnt, mt, nt, tc, c, accb, epi_full, epi_empty, c_ptr, c2_ptr, dst_ptr,
+                                  scale_ptr, h_ptr, part_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn,
+                                  stride_pn, EPILOGUE, HAS_SCALE, BM, BN, EPI_COLS)
                     tc += 1
         if EPI_WG == 2:
             with tlx.async_task(num_warps=4, replicate=2, registers=EPI_REGS):  # one per consumer
@@ -527,10 +527,11 @@ def _fused_mm_hopper_kernel(
                 total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
                 tc = 0
                 for t in range(tl.program_id(0), total, NUM_SMS):
-                    _epi_tile(t, tc, ce, accb, epi_full, epi_empty, tile_cum_ptr, offsets_ptr, c_ptr, c2_ptr,
-                              dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, NN, F_OFF, tiles_n, stride_cn,
-                              stride_c2n, stride_hn, stride_pn, EPILOGUE, HAS_SCALE, BM, BN, SEARCH_STEPS,
-                              GROUP_M, EPI_COLS)
+                    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS,
+                                                     GROUP_M)
+                    _epi_tile(e, lo, cnt, mt, nt, tc, ce, accb, epi_full, epi_empty, c_ptr, c2_ptr, dst_ptr,
+                              scale_ptr, h_ptr, part_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn,
+                              EPILOGUE, HAS_SCALE, BM, BN, EPI_COLS)
                     tc += 1
 
 
