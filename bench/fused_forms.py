@@ -7,11 +7,14 @@ are already gathered -- the same FLOPs without the gather, the epilogue or the a
 
     form        fused kernel                                  anchor (pre-gathered operands)
     swiglu      h, a = SwiGLU(x[src] @ w13)                   x_perm @ w13
+    swiglu_copy   the same from x_perm = x[src] read in place     x_perm @ w13
+                  (TLX_DIST_FUSED_X=copy; the index_select timed with it)
     scatter     out[dst] += gate * (a @ w2)   (fp32 atomics)  a @ w2
     dswiglu     dh, ag, dgate from dout[dst] @ w2^T           dout_perm @ w2^T
     dswiglu_copy  the same, dout_perm read in place             dout_perm @ w2^T
     scatter_dx  dx[src] += dh @ w13^T         (fp32 atomics)  dh @ w13^T
     wgrad_a     dW13 = x[src]^T @ dh          (gathered A)    x_perm^T @ dh
+    wgrad_a_copy  the same from x_perm = x[src] (index_select timed) x_perm^T @ dh
     wgrad_b     dW2 = ag^T @ dout[dst]        (gathered B)    ag^T @ dout_perm
 
 The fused times include what each launch allocates and fills (the scatter forms' fp32 zeros, the
@@ -74,6 +77,9 @@ def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
     return {
         "swiglu": (lambda: p.gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum),
                    lambda: grouped_mm(x_perm, w13, offsets_E, **tlx), N, D, 2 * F),
+        # TLX_DIST_FUSED_X=copy: one index_select of x's rows, then A by TMA (the copy timed with it)
+        "swiglu_copy": (lambda: p.gate_up_swiglu(x.index_select(0, tok_N), None, w13, offsets_E, tile_cum),
+                        lambda: grouped_mm(x_perm, w13, offsets_E, **tlx), N, D, 2 * F),
         "scatter": (lambda: p.down_scatter(a, w2, offsets_E, tok_N, gate_N, T, tile_cum),
                     lambda: grouped_mm(a, w2, offsets_E, **tlx), N, F, D),
         "dswiglu": (lambda: p.down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum),
@@ -85,6 +91,8 @@ def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
                        lambda: grouped_mm(dh, w13_t, offsets_E, **tlx), N, 2 * F, D),
         "wgrad_a": (lambda: p.wgrad_gather(x, tok_N, dh, None, offsets_E, order),
                     lambda: grouped_mm_wgrad(x_perm, dh, offsets_E, **tlx), N, D, 2 * F),
+        "wgrad_a_copy": (lambda: p.wgrad_gather(x.index_select(0, tok_N), None, dh, None, offsets_E, order),
+                         lambda: grouped_mm_wgrad(x_perm, dh, offsets_E, **tlx), N, D, 2 * F),
         "wgrad_b": (lambda: p.wgrad_gather(ag, None, dout, tok_N, offsets_E, order),
                     lambda: grouped_mm_wgrad(ag, dout_perm, offsets_E, **tlx), N, F, D),
     }

@@ -231,16 +231,17 @@ def test_fused_blackwell_virtual_experts_compile():
         assert k3.asm["ptx"] != k1.asm["ptx"], f"{form}: VIRT must reach the weight coordinate"
 
 
-def test_dswiglu_copy_compiles():
-    """TLX_DIST_FUSED_DOUT=copy: dSwiGLU reads its A operand (the expert-major copy of dout) in place
-    by TMA -- no row gathers -- within the shared-memory limit."""
+@pytest.mark.parametrize("form", ["dswiglu_copy", "swiglu_copy"])
+def test_copy_forms_compile(form):
+    """TLX_DIST_FUSED_DOUT=copy / TLX_DIST_FUSED_X=copy: dSwiGLU / SwiGLU read their A operand (the
+    expert-major copy of dout / x) in place by TMA -- no row gathers -- within the shared-memory limit."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tlx_dist.fused.tlx_backend import kernel_signature
 
-    fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu_copy", arch="sm_100")
+    fn, sig, constexprs, attrs, opts = kernel_signature(form, arch="sm_100")
     assert constexprs["A_GATHER"] is False
     k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 100, 128),
                        options=opts)

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not tlx.tlx_available(), reason="TLX (fbtriton) 
 # form -> (operand gathered by cp.async?, scatter epilogue?)
 FORMS = {
     "swiglu": (True, False),     # GEMM 1: x[src] @ w13, SwiGLU epilogue
+    "swiglu_copy": (False, False),  # the same from an expert-major copy of x (TLX_DIST_FUSED_X=copy)
     "scatter": (False, True),    # GEMM 2: out[dst] += gate * (a @ w2)
     "scatter_t": (False, True),  # dX of GEMM 1: dx[src] += dh @ w13^T (K-major weight)
     "dswiglu": (True, False),    # dX of GEMM 2: dout[dst] @ w2^T, dSwiGLU + gate-gradient epilogue

@@ -160,12 +160,19 @@ def _child_main() -> None:
     print("ok rows-form", flush=True)
     # the backward's dout rows copied expert-major first (TLX_DIST_FUSED_DOUT=copy): dSwiGLU reads
     # them in place, dW2 is the plain grouped dW; padding rows' out-of-range indices never read
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X
     os.environ[ENV_FUSED_DOUT] = "copy"
     check_case(CASES[0], "triton", torch.bfloat16)
     check_rows_form("triton", torch.float32, torch.int32)
     del os.environ[ENV_FUSED_DOUT]
     print("ok dout-copy", flush=True)
+    # x's rows copied expert-major too (TLX_DIST_FUSED_X=copy): SwiGLU reads them in place, dW13 is
+    # the plain grouped dW (its copy made again in the backward)
+    os.environ[ENV_FUSED_X] = "copy"
+    check_case(CASES[0], "triton", torch.bfloat16)
+    check_rows_form("triton", torch.float32, torch.int32)
+    del os.environ[ENV_FUSED_X]
+    print("ok x-copy", flush=True)
 
 
 def test_portable_kernels_interpreted():
@@ -177,7 +184,7 @@ def test_portable_kernels_interpreted():
     r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                        timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 3 + len(CASES) + 2, r.stdout
+    assert r.stdout.count("ok ") == 3 + len(CASES) + 3, r.stdout
 
 
 # --- errors, backend choice, custom ops, the layer ------------------------------------------------------
@@ -307,27 +314,33 @@ def test_tile_config_errors_name_the_field():
     assert FORMS["wgrad_a"].BK == 64 and FORMS["wgrad_b"].BK == 32
 
 
-def test_dout_mode_names_the_variable(monkeypatch):
-    from tlx_dist.fused.backends import DOUT_COPY_MIN_F, ENV_FUSED_DOUT, _dout_rows, dout_mode
+@pytest.mark.parametrize("which", ["dout", "x"])
+def test_row_copy_modes_name_the_variable(monkeypatch, which):
+    """TLX_DIST_FUSED_DOUT / TLX_DIST_FUSED_X: the backward's dout rows / the forward's x rows read by
+    index or from one expert-major copy; auto copies from the mode's F threshold."""
+    from tlx_dist.fused import backends as b
 
-    monkeypatch.delenv(ENV_FUSED_DOUT, raising=False)
-    assert dout_mode() == "auto"
+    env, min_f, rows_of, mode = {
+        "dout": (b.ENV_FUSED_DOUT, b.DOUT_COPY_MIN_F, b._dout_rows, b.dout_mode),
+        "x": (b.ENV_FUSED_X, b.X_COPY_MIN_F, b._x_rows, b.x_mode)}[which]
+    monkeypatch.delenv(env, raising=False)
+    assert mode() == "auto"
     d, idx = torch.randn(5, 3), torch.tensor([4, 0, 2, 7, -9], dtype=torch.int32)  # last two: padding rows
-    rows, i = _dout_rows(d, idx, DOUT_COPY_MIN_F - 1)  # auto, narrow F: by index
+    rows, i = rows_of(d, idx, min_f - 1)  # auto, narrow F: by index
     assert rows is d and i is idx
-    rows, i = _dout_rows(d, idx, DOUT_COPY_MIN_F)  # auto, wide F: the copy
+    rows, i = rows_of(d, idx, min_f)  # auto, wide F: the copy
     assert i is None and torch.equal(rows[:3], d[[4, 0, 2]]) and rows.shape == (5, 3)
-    monkeypatch.setenv(ENV_FUSED_DOUT, "gather")
-    rows, i = _dout_rows(d, idx, 10 ** 6)
+    monkeypatch.setenv(env, "gather")
+    rows, i = rows_of(d, idx, 10 ** 6)
     assert rows is d and i is idx
-    monkeypatch.setenv(ENV_FUSED_DOUT, "copy")
-    rows, i = _dout_rows(d, idx, 8)
+    monkeypatch.setenv(env, "copy")
+    rows, i = rows_of(d, idx, 8)
     assert i is None and torch.equal(rows[:3], d[[4, 0, 2]]) and rows.shape == (5, 3)
-    rows, i = _dout_rows(d[:0], idx[:0], 8)
+    rows, i = rows_of(d[:0], idx[:0], 8)
     assert rows.shape == (0, 3) and i is None
-    monkeypatch.setenv(ENV_FUSED_DOUT, "copied")
-    with pytest.raises(ValueError, match=r"TLX_DIST_FUSED_DOUT='copied' must be one of"):
-        dout_mode()
+    monkeypatch.setenv(env, "copied")
+    with pytest.raises(ValueError, match=rf"{env}='copied' must be one of"):
+        mode()
 
 
 def test_group_m_rule_by_output_width(monkeypatch):

@@ -229,20 +229,22 @@ def _grads(fn, x, idx, gate, w13, w2, dout, dtype):
 
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
-@pytest.mark.parametrize("dout", ["gather", "copy", "copy_pingpong"])
+@pytest.mark.parametrize("dout", ["gather", "copy", "copy_pingpong", "xcopy"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_vs_separate_vs_fp64(case, dout, monkeypatch, fused_config):
     """``dout``: how the backward reads the upstream gradient's rows (TLX_DIST_FUSED_DOUT): by index
     in dSwiGLU and dW2, or from one expert-major copy that both read in place; ``copy_pingpong``: the
     copy with dSwiGLU's ping-pong consumers (Hopper config PINGPONG; written after session 13's last
-    device call)."""
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT
+    device call); ``xcopy``: both dout's and x's rows copied (TLX_DIST_FUSED_X=copy: SwiGLU reads x's
+    copy in place, dW13 is the plain grouped dW)."""
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X
 
     if dout == "copy_pingpong":
         if tlx.gpu_arch() != "sm_90":
             pytest.skip("PINGPONG is a Hopper option")
         fused_config("dswiglu:PINGPONG=1,REGS=232,EPI_COLS=32")
-    monkeypatch.setenv(ENV_FUSED_DOUT, dout.split("_")[0])
+    monkeypatch.setenv(ENV_FUSED_DOUT, "copy" if dout == "xcopy" else dout.split("_")[0])
+    monkeypatch.setenv(ENV_FUSED_X, "copy" if dout == "xcopy" else "gather")
     _, T, D, F, E, K, kind, _ = case
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, D, generator=g, dtype=torch.float64).to(DEV)

@@ -34,7 +34,7 @@ from tlx import triton_available
 from .reference import fused_backward_ref, fused_forward_ref
 
 __all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
-           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "SCHED_BM", "sched_order_offset"]
+           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "ENV_FUSED_DOUT", "ENV_FUSED_X", "SCHED_BM", "sched_order_offset"]
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # How the backward reads the upstream gradient's rows (dSwiGLU's A operand, dW2's B operand):
@@ -48,26 +48,60 @@ ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
 DOUT_MODES = ("auto", "gather", "copy")
 DOUT_COPY_MIN_F = 1280
+# The same choice for the forward's input rows (SwiGLU's A operand, dW13's A operand; the Hopper and
+# Blackwell kernels gather them with cp.async, TMA reads a copy): "copy" makes one index_select of
+# x's rows into an expert-major [N, D] copy before the gate/up GEMM, and again in the backward before
+# dW13 (recomputed there, not saved: activation memory is that of "gather"); "auto" copies where F is
+# at least X_COPY_MIN_F. A gathered x row is read again for every one of the 2F / BN column tiles.
+# The EP overlap's phased forward always gathers (its rows are still landing). Not yet measured on a
+# GPU: until it is, auto gathers at every F.
+ENV_FUSED_X = "TLX_DIST_FUSED_X"
+X_MODES = DOUT_MODES
+X_COPY_MIN_F = 1 << 40
+
+
+def _row_mode(env: str) -> str:
+    mode = os.environ.get(env, "auto")
+    if mode not in DOUT_MODES:
+        raise ValueError(f"{env}={mode!r} must be one of {DOUT_MODES}")
+    return mode
 
 
 def dout_mode() -> str:
     """``TLX_DIST_FUSED_DOUT`` (``auto`` when unset); anything else is a ValueError naming it."""
-    mode = os.environ.get(ENV_FUSED_DOUT, "auto")
-    if mode not in DOUT_MODES:
-        raise ValueError(f"{ENV_FUSED_DOUT}={mode!r} must be one of {DOUT_MODES}")
-    return mode
+    return _row_mode(ENV_FUSED_DOUT)
+
+
+def x_mode() -> str:
+    """``TLX_DIST_FUSED_X`` (``auto`` when unset); anything else is a ValueError naming it."""
+    return _row_mode(ENV_FUSED_X)
+
+
+def _rows_by_mode(rows_TD: torch.Tensor, idx_N: torch.Tensor, copy: bool):
+    """``(rows_TD, idx_N)`` (read by index) or ``(rows_TD[idx_N], None)`` (the expert-major copy).
+    Padding rows past the last expert carry indices that are never read; they are clamped into range
+    for the copy (a device op, no host sync)."""
+    if not copy:
+        return rows_TD, idx_N
+    if rows_TD.shape[0] == 0 or idx_N.shape[0] == 0:
+        return rows_TD.new_zeros(idx_N.shape[0], rows_TD.shape[1]), None
+    return rows_TD.index_select(0, idx_N.clamp(0, rows_TD.shape[0] - 1)), None
 
 
 def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int):
     """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, in
-    copy mode, ``(dout_TD[dst_N], None)``. Padding rows past the last expert carry indices that are
-    never read; they are clamped into range for the copy (a device op, no host sync)."""
+    copy mode, ``(dout_TD[dst_N], None)``."""
     mode = dout_mode()
-    if mode == "gather" or (mode == "auto" and F < DOUT_COPY_MIN_F):
-        return dout_TD, dst_N
-    if dout_TD.shape[0] == 0 or dst_N.shape[0] == 0:
-        return dout_TD.new_zeros(dst_N.shape[0], dout_TD.shape[1]), None
-    return dout_TD.index_select(0, dst_N.clamp(0, dout_TD.shape[0] - 1)), None
+    return _rows_by_mode(dout_TD, dst_N, mode == "copy" or (mode == "auto" and F >= DOUT_COPY_MIN_F))
+
+
+def _x_rows(x_RD: torch.Tensor, src_N: torch.Tensor, F: int):
+    """``(rows, index)`` the gate/up GEMM and dW13 read: ``(x_RD, src_N)`` (by index) or, in copy
+    mode (``TLX_DIST_FUSED_X``), ``(x_RD[src_N], None)``."""
+    mode = x_mode()
+    return _rows_by_mode(x_RD, src_N, mode == "copy" or (mode == "auto" and F >= X_COPY_MIN_F))
+
+
 # Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
 # height the routing kernel's precomputed tile_cum must use for them (``compose_forward(sched=)``).
 SCHED_BM = 128
@@ -157,7 +191,9 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     if overlap is not None:
         overlap.wait()
-    h_N2F, a_NF = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum)
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1])  # by index, or x_RD[src_N]
+    h_N2F, a_NF = p.gate_up_swiglu(x_rows, x_idx, w13_EDF2, offsets_E, tile_cum)
+    del x_rows
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
     return out.to(x_RD.dtype), h_N2F
 
@@ -183,7 +219,7 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets
     Same tiles' arithmetic as the one-launch forms (h and a bit for bit; the partial rows' fp32
     atomic sums in another order). The expert-major rows of source s's tokens only ever add into
     receive rows of source s, so after the peers' runs those receive rows are complete."""
-    N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+    N, (E, D, F2) = (src_N if src_N is not None else x_RD).shape[0], w13_EDF2.shape
     offs_V = ov.offsets_V
     ov.check_rows(src_N, dst_N, offsets_E, num_dst, E)  # before anything is launched
     # Under activation checkpointing's recompute (inside a backward) the forward may stop right after
@@ -232,7 +268,9 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
-    dw13 = p.wgrad_gather(x_RD, src_N, dh_N2F, None, offsets_E, order)
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1])  # recomputed: the forward keeps no copy
+    dw13 = p.wgrad_gather(x_rows, x_idx, dh_N2F, None, offsets_E, order)
+    del x_rows
     dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
 
@@ -306,7 +344,7 @@ class _Portable:
 
     @staticmethod
     def gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, virt=1, grid_cap=None, out=None):
-        N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+        N, (E, D, F2) = (src_N if src_N is not None else x_RD).shape[0], w13_EDF2.shape
         h, a = out if out is not None else (x_RD.new_empty(N, F2), x_RD.new_empty(N, F2 // 2))
         if N:
             _Portable._mm(x_RD, src_N, w13_EDF2, offsets_E, tile_cum, F2 // 2, F2 // 2, 1, h, c2=a, virt=virt)

@@ -414,7 +414,7 @@ class _TlxFused:
 
     @classmethod
     def gate_up_swiglu(cls, x_RD, src_N, w13_EDF2, offsets_E, tile_cum, virt=1, grid_cap=None, out=None):
-        N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
+        N, (E, D, F2) = (src_N if src_N is not None else x_RD).shape[0], w13_EDF2.shape
         h, a = out if out is not None else (x_RD.new_empty(N, F2), x_RD.new_empty(N, F2 // 2))
         if N:
             w = (w13_EDF2, [E, D, F2], [w13_EDF2.stride(0), w13_EDF2.stride(1), 1])
@@ -598,14 +598,15 @@ def _tlx_prims() -> type:
 def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch: str = "sm_90"):
     """(kernel, signature, constexprs, attrs, options) for ``triton.compile`` of one form on ``arch``
     without a GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1,
-    w13^T K-major), ``dswiglu`` (``dswiglu_copy``: its A read in place, TLX_DIST_FUSED_DOUT=copy), ``wgrad_a``
+    w13^T K-major), ``dswiglu`` (``dswiglu_copy``: its A read in place, TLX_DIST_FUSED_DOUT=copy; ``swiglu_copy`` likewise,
+    TLX_DIST_FUSED_X=copy), ``wgrad_a``
     (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
     and pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64);
     every constexpr is given explicitly (``ASTSource`` applies no defaults)."""
     from ..grouped_gemm.host import search_steps
 
     p = _PRIMS[arch]
-    base = {"scatter_t": "scatter", "dswiglu_copy": "dswiglu"}.get(form, form)
+    base = {"scatter_t": "scatter", "dswiglu_copy": "dswiglu", "swiglu_copy": "swiglu"}.get(form, form)
     cfg = cfg or _ARCH_FORMS[arch][1][base]
     a_rows = cfg.BM // p.A_SPLIT
     none = "constexpr"
