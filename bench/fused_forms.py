@@ -24,7 +24,8 @@ TFLOP/s = 2 * rows * in * out / time; "x anchor" = anchor time / fused time (> 1
 
     python bench/fused_forms.py [--shapes olmoe,qwen3-30b-a3b] [--tokens 16384] [--json out.json]
 
-``--variant NAME=SPEC`` (repeatable) times the fused kernels under each tile config (SPEC in the
+``--rounds R`` times each form's variants R times, interleaved, and reports each variant's median
+(the GPU's clock drifts by up to ~10% between back-to-back timings). ``--variant NAME=SPEC`` (repeatable) times the fused kernels under each tile config (SPEC in the
 ``TLX_DIST_FUSED_CONFIG`` syntax, e.g. ``direct=swiglu:DIRECT=1;scatter:DIRECT=1``; an empty SPEC is
 the defaults) in one process, and checks each variant's outputs against the first variant's: the
 largest difference relative to the output's largest value (0 where a variant changes only how the
@@ -143,6 +144,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="16384")
     ap.add_argument("--forms", default="swiglu,scatter,dswiglu,scatter_dx,wgrad_a,wgrad_b")
     ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the variants of a form this many times, interleaved; report each one's median")
     ap.add_argument("--json", default="")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SPEC: time the fused kernels under TLX_DIST_FUSED_CONFIG=SPEC (repeatable)")
@@ -163,24 +166,34 @@ def main() -> int:
             fs = forms(p, T, D, F, E, K, "cuda")
             for form in args.forms.split(","):
                 fused, anchor, n, k_in, k_out = fs[form]
-                ta = triton.testing.do_bench(anchor, rep=args.rep, return_mode="median")
                 fl = 2.0 * n * k_in * k_out
-                first = None
-                for vname, spec in variants:
+                ta_rounds = []
+                first, outs, times = None, {}, {v: [] for v, _ in variants}
+                for vname, spec in variants:  # outputs first, each against the first variant's
                     _use_config(spec)
                     out = _outputs(fused())
                     first = out if first is None else first
-                    diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-                               for a, b in zip(out, first))
-                    tf = triton.testing.do_bench(fused, rep=args.rep, return_mode="median")
+                    outs[vname] = max(float((a.float() - b.float()).abs().max()
+                                            / b.float().abs().max().clamp_min(1e-30)) for a, b in zip(out, first))
+                    del out
+                for _ in range(max(1, args.rounds)):  # interleaved rounds: the GPU's drift hits every variant
+                    ta_rounds.append(triton.testing.do_bench(anchor, rep=args.rep, return_mode="median"))
+                    for vname, spec in variants:
+                        _use_config(spec)
+                        times[vname].append(triton.testing.do_bench(fused, rep=args.rep, return_mode="median"))
+                ta = statistics.median(ta_rounds)
+                for vname, spec in variants:
+                    diff = outs[vname]
+                    tf = statistics.median(times[vname])
                     r = dict(shape=name, T=T, form=form, variant=vname, spec=spec, fused_ms=tf, anchor_ms=ta,
-                             fused_tflops=fl / tf / 1e9, anchor_tflops=fl / ta / 1e9, ratio=ta / tf, rel_diff=diff)
+                             fused_tflops=fl / tf / 1e9, anchor_tflops=fl / ta / 1e9, ratio=ta / tf, rel_diff=diff,
+                             rounds_ms=times[vname])
                     rows.append(r)
                     vcell = f"{vname} | " if args.variant else ""
                     print(f"| {name} | {T} | {form} | {vcell}{tf:.3f} | {r['fused_tflops']:.0f} | {ta:.3f} | "
                           f"{r['anchor_tflops']:.0f} | {r['ratio']:.2f} |" + (f" {diff:.1e} |" if args.variant else ""),
                           flush=True)
-                del first, out
+                del first
             del fs
             torch.cuda.empty_cache()
     _use_config(variants[0][1])

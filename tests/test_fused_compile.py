@@ -141,6 +141,9 @@ def test_fused_hopper_dswiglu_early_h_compiles():
     ("scatter_t", dict(EPI_WG=1, REGS=152, EPI_REGS=152)),
     ("dswiglu", dict(EPI_WG=2, REGS=104, EPI_REGS=120, STAGES=4, LAG=2, EPI_COLS=16)),
     ("scatter", dict(EPI_WG=2, REGS=104, EPI_REGS=120, EPI_COLS=32)),
+    ("dswiglu_copy", dict(EPI_WG=2, REGS=104, EPI_REGS=120, STAGES=4, LAG=2, EPI_COLS=16)),
+    ("dswiglu_copy", dict(EPI_WG=2, REGS=96, EPI_REGS=128, STAGES=4, LAG=2, EPI_COLS=16)),
+    ("dswiglu_copy", dict(EPI_WG=1, REGS=136, EPI_REGS=184, STAGES=4, LAG=2, EPI_COLS=32)),
 ])
 def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
     """EPI_WG: a fourth warp group (16 warps; EPI_WG=2: one per consumer, 20 warps) runs the epilogue

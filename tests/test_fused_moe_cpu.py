@@ -301,11 +301,13 @@ def test_tile_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"PINGPONG=2 must be 0 or 1"):
         FusedTileConfig(PINGPONG=2)
     with pytest.raises(ValueError, match=r"PINGPONG needs BN <= 128 and REGS >= 232"):
-        _env_overrides("dswiglu:PINGPONG=1")  # the dSwiGLU form's 216 registers: it would spill
+        _env_overrides("dswiglu_copy:PINGPONG=1,EPI_WG=0,REGS=216")  # 216 registers: it would spill
     with pytest.raises(ValueError, match=r"PINGPONG needs BN <= 128 and REGS >= 232"):
         FusedTileConfig(PINGPONG=1, BN=256, REGS=240, STAGES=4, LAG=2)
     assert FusedTileConfig(PINGPONG=1, REGS=232).epi_cols == 32
-    assert _env_overrides("dswiglu:PINGPONG=1,REGS=232,EPI_COLS=32")["dswiglu"].PINGPONG == 1
+    assert _env_overrides("dswiglu_copy:PINGPONG=1,EPI_WG=0,REGS=232,EPI_COLS=32")["dswiglu_copy"].PINGPONG == 1
+    with pytest.raises(ValueError, match=r"PINGPONG is an option of the dswiglu_copy form .*, not dswiglu"):
+        _env_overrides("dswiglu:PINGPONG=1,REGS=232")  # gathered dout rows: the ping-pong kernel reads A by TMA
     epi = _env_overrides("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32")["dswiglu"]
     assert epi.smem_bytes("dswiglu") == 4 * 32768 + 128 * 128 * 4 and epi.epi_cols == 32
     assert FusedTileConfig(EPI_WG=1, REGS=152, EPI_REGS=152).epi_cols == 64

@@ -41,14 +41,15 @@ def _per_expert(offsets, fn):
         lo = hi
 
 
-# The epilogue warp group (Hopper config EPI_WG; the scatter default since session 13) for both forms
-# that take it, and both forms with the epilogue inline (the consumers run it after their main loop).
-EPI_WG = ("dswiglu:EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32;"
-          "scatter:EPI_WG=1,REGS=152,EPI_REGS=152,EPI_COLS=32")
-INLINE = "scatter:EPI_WG=0,REGS=232,STAGES=4"
-# one epilogue warp group per consumer (EPI_WG=2; written in session 13 after its last device call)
-EPI_WG2 = ("dswiglu:EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16;"
-           "scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32")
+# The epilogue warp group (Hopper config EPI_WG; the scatter default since session 13) for the forms
+# that take it (dSwiGLU from gathered dout rows and from dout's expert-major copy, the scatters), and
+# the same forms with the epilogue inline (the consumers run it after their main loop).
+_W1 = "EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32"
+EPI_WG = f"dswiglu:{_W1};dswiglu_copy:{_W1};scatter:EPI_WG=1,REGS=152,EPI_REGS=152,EPI_COLS=32"
+INLINE = "scatter:EPI_WG=0,REGS=232,STAGES=4;dswiglu_copy:EPI_WG=0,PINGPONG=0,REGS=216,STAGES=6,LAG=4"
+# one epilogue warp group per consumer (EPI_WG=2, five warp groups)
+_W2 = "EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16"
+EPI_WG2 = f"dswiglu:{_W2};dswiglu_copy:{_W2};scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32"
 
 
 @pytest.fixture
@@ -171,17 +172,19 @@ def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec, fused_conf
         out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
         dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
         dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
+        # dSwiGLU from dout's expert-major copy (TLX_DIST_FUSED_DOUT=copy: A by TMA, its own config)
+        dhc, agc, dgatec = p.down_dswiglu(dout.index_select(0, dst.clamp(0, T - 1)), None, w2, offs, h, gate, tc)
         torch.cuda.synchronize()
-        got[cfg] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate)
+        got[cfg] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate, dhc=dhc, agc=agc, dgatec=dgatec)
     inline, epi = got[INLINE], got[spec]
-    for k in ("dh", "ag"):
+    for k in ("dh", "ag", "dhc", "agc"):
         assert epi[k].dtype == dtype
         a_, b_ = epi[k].float(), inline[k].float()
         ulp = b_.abs() * 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
         assert bool(((a_ - b_).abs() <= ulp).all()), f"EPI_WG {k}: more than one rounding from the inline epilogue"
         assert float((a_ != b_).float().mean()) < 1e-3, f"EPI_WG {k}: many elements differ from the inline epilogue"
         assert torch.all(epi[k][live:] == 0), f"EPI_WG {k}: padding rows must be zero"
-    for k in ("out", "dx", "dgate"):
+    for k in ("out", "dx", "dgate", "dgatec"):
         ref = inline[k].float()
         err = float((epi[k].float() - ref).abs().max() / ref.abs().max())
         assert err <= 1e-5, f"EPI_WG {k}: relative difference {err:.2e} (fp32 summation order allows ~1e-6)"
@@ -242,7 +245,7 @@ def test_fused_vs_separate_vs_fp64(case, dout, monkeypatch, fused_config):
     if dout == "copy_pingpong":
         if tlx.gpu_arch() != "sm_90":
             pytest.skip("PINGPONG is a Hopper option")
-        fused_config("dswiglu:PINGPONG=1,REGS=232,EPI_COLS=32")
+        fused_config("dswiglu_copy:PINGPONG=1,REGS=232,EPI_COLS=32")
     monkeypatch.setenv(ENV_FUSED_DOUT, "copy" if dout == "xcopy" else dout.split("_")[0])
     monkeypatch.setenv(ENV_FUSED_X, "copy" if dout == "xcopy" else "gather")
     _, T, D, F, E, K, kind, _ = case

@@ -148,7 +148,7 @@ class FusedTileConfig:
     def smem_bytes(self, form: str) -> int:
         n_b = 2 if form == "swiglu" else 1
         ring = self.STAGES * (self.BM * self.BK + n_b * self.BK * self.BN) * 2
-        h_tile = 2 * self.BM * self.BN * 2 if form == "dswiglu" and self.PREFETCH_H else 0  # gate + up
+        h_tile = 2 * self.BM * self.BN * 2 if form.startswith("dswiglu") and self.PREFETCH_H else 0  # gate + up
         acc_tiles = self.BM * self.BN * 4 if self.EPI_WG else 0  # both consumers' fp32 accumulators
         return ring + h_tile + acc_tiles + (self.BM * self.BN * 2 if form.startswith("wgrad") else 0)
 
@@ -167,6 +167,8 @@ FORMS = {
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
     "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
+    # the same with dout's rows read in place by TMA (TLX_DIST_FUSED_DOUT copy): its own config
+    "dswiglu_copy": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
     # dW13 = x[src]^T @ dh, A gathered (BK rows x 128 columns a stage, 16 KB by cp.async): BK 64
     # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55-1.79 ms
     # (three runs) vs 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
@@ -237,6 +239,7 @@ BLACKWELL_FORMS = {
     "scatter": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=5, LAG=0, EPI_BN=64, LOAD_WARPS=1, LOAD_REGS=48),
     # gathered dout + K-major w2: 192 KB ring; the epilogue holds g, hg, hu: 32-column slices.
     "dswiglu": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, EPI_BN=32),
+    "dswiglu_copy": BlackwellFusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, EPI_BN=32),
     # one gathered operand: 144 KB ring + 32 KB TMA-store tiles; 2 x 256 TMEM columns (dW13, dW2 alike
     # until a B200 run says otherwise).
     "wgrad_a": BlackwellFusedTileConfig(BN=256, BK=32, STAGES=6, LAG=4, EPI_BN=64),
@@ -272,9 +275,12 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
             kw["EARLY_H"] = 0  # the dSwiGLU default's early h loads exclude these: asking for them turns it off
         for form in _ALIASES.get(name, (name,)):
             cfg = dataclasses.replace(out.get(form, forms[form]), **kw)  # later parts refine earlier ones
-            if getattr(cfg, "EPI_WG", 0) and form not in ("scatter", "dswiglu"):
+            if getattr(cfg, "EPI_WG", 0) and form not in ("scatter", "dswiglu", "dswiglu_copy"):
                 raise ValueError(f"{ENV_FUSED_CONFIG}: EPI_WG is an option of the scatter and dswiglu forms, "
                                  f"not {form}")
+            if getattr(cfg, "PINGPONG", 0) and form != "dswiglu_copy":
+                raise ValueError(f"{ENV_FUSED_CONFIG}: PINGPONG is an option of the dswiglu_copy form (dSwiGLU "
+                                 f"reading dout's expert-major copy, TLX_DIST_FUSED_DOUT=copy), not {form}")
             if cfg.smem_bytes(form) > _SMEM_LIMIT:
                 raise ValueError(f"{ENV_FUSED_CONFIG}: {form} config {cfg} needs {cfg.smem_bytes(form)} bytes of "
                                  "shared memory")
@@ -444,11 +450,12 @@ class _TlxFused:
         N, (E, F, D) = h_N2F.shape[0], w2_EFD.shape
         dh = h_N2F.new_empty(N, 2 * F)
         ag = h_N2F.new_empty(N, F)
-        cfg = fused_config("dswiglu", F, cls.ARCH)
+        form = "dswiglu" if dst_N is not None else "dswiglu_copy"  # gathered rows, or the copy read by TMA
+        cfg = fused_config(form, F, cls.ARCH)
         part = torch.empty(N, -(-F // cfg.BN), dtype=torch.float32, device=h_N2F.device)
         if N:
             w = (w2_EFD, [E, F, D], [w2_EFD.stride(0), w2_EFD.stride(1), 1])  # w2^T read K-major
-            cls._mm("dswiglu", DSWIGLU, dout_TD.contiguous(), dst_N, w, offsets_E, tile_cum, N, D, F, F, True,
+            cls._mm(form, DSWIGLU, dout_TD.contiguous(), dst_N, w, offsets_E, tile_cum, N, D, F, F, True,
                     dh, c2=ag, scale=gate_N, h=h_N2F, part=part)
         return dh, ag, part.sum(1)
 
@@ -607,7 +614,7 @@ def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch
 
     p = _PRIMS[arch]
     base = {"scatter_t": "scatter", "dswiglu_copy": "dswiglu", "swiglu_copy": "swiglu"}.get(form, form)
-    cfg = cfg or _ARCH_FORMS[arch][1][base]
+    cfg = cfg or _ARCH_FORMS[arch][1].get(form, _ARCH_FORMS[arch][1][base])
     a_rows = cfg.BM // p.A_SPLIT
     none = "constexpr"
     if not base.startswith("wgrad"):
