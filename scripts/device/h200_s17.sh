@@ -1,23 +1,45 @@
 #!/usr/bin/env bash
-# Session 14, one GPU (< 9 min):  source .carry/setup.sh && bash scripts/device/h200_s17.sh
-# TLX_DIST_FUSED_X=copy: the forward copies x's rows expert-major (index_select), SwiGLU reads them by
-# TMA, dW13 is the plain grouped dW (the copy remade in the backward). Its GPU tests (fused vs separate
-# vs fp64 with both copies), the forms it replaces (copy timed with them) on every shape, then the
-# layer against the torchtitan-style layer with x gathered and with x copied (one process each).
+# Session 14, one GPU, two calls (each < 9 min):
+#   source .carry/setup.sh && bash scripts/device/h200_s17.sh 1     # tests + forms
+#   source .carry/setup.sh && bash scripts/device/h200_s17.sh 2     # layer, x gathered vs copied
+# 1: TLX_DIST_FUSED_X=copy (x's rows copied expert-major, SwiGLU by TMA, dW13 the plain grouped dW) and
+#    the dout-copy dSwiGLU form's own config (dswiglu_copy: EPI_WG 1 / 2, PINGPONG): GPU tests, then the
+#    forms in interleaved rounds (variants of one form timed in turn, medians of 3 rounds).
+# 2: the layer against the torchtitan-style layer, x gathered vs copied (one process each).
 set -u
 out=${OUT:-/tmp/h200}; mkdir -p "$out"
 t0=$(date +%s)
-timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/test_fused_moe_gpu.py \
-  -k "fused_vs_separate and xcopy" > "$out/gpu_xcopy.log" 2>&1
-echo "== GPU fused vs separate vs fp64, x + dout copied rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_xcopy.log")"
-grep -E "^(FAILED|ERROR)|Timeout" "$out/gpu_xcopy.log" | cut -c1-300 | head -n 8
-timeout 150 python3 bench/fused_forms.py --shapes mixtral,deepseek-v2-lite,deepseek-v3-rank,olmoe,qwen3-30b-a3b \
-  --tokens 16384 --forms swiglu,swiglu_copy,wgrad_a,wgrad_a_copy --rep 40 --json "$out/forms_x.json" > "$out/forms_x.log" 2>&1
-echo "== forms: x gathered vs copied (the index_select timed with the copy forms) [$(( $(date +%s)-t0 ))s]"
-grep -hE "^\| [a-z]|^median|Error" "$out/forms_x.log"
+W2="EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16"
+W2B="EPI_WG=2,REGS=96,EPI_REGS=128,STAGES=4,LAG=2,EPI_COLS=16"
+W2C="EPI_WG=2,REGS=96,EPI_REGS=128,STAGES=4,LAG=2,EPI_COLS=32"
+W1="EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32"
+PP="EPI_WG=0,PINGPONG=1,REGS=232,EPI_COLS=32"
+if [ "${1:-1}" = 1 ]; then
+timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 tests/test_fused_moe_gpu.py \
+  -k "xcopy or epilogue_warp_group" > "$out/gpu_tests.log" 2>&1
+echo "== GPU: x + dout copied vs separate vs fp64; EPI_WG 1 / 2 (incl. dswiglu_copy) vs inline rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_tests.log")"
+grep -E "^(FAILED|ERROR)|Timeout" "$out/gpu_tests.log" | cut -c1-300 | head -n 8
+timeout 130 python3 bench/fused_forms.py --shapes mixtral,deepseek-v2-lite,deepseek-v3-rank,olmoe,qwen3-30b-a3b \
+  --tokens 16384 --forms swiglu,swiglu_copy,wgrad_a,wgrad_a_copy --rep 30 --rounds 3 --json "$out/forms_x.json" \
+  > "$out/forms_x.log" 2>&1
+echo "== forms: x gathered vs copied (index_select timed with the copy forms) [$(( $(date +%s)-t0 ))s]"
+grep -hE "^\| [a-z]|Error" "$out/forms_x.log"
+v() { echo "--variant base= --variant w2=dswiglu_copy:$1$W2 --variant w2b=dswiglu_copy:$1$W2B --variant w2c=dswiglu_copy:$1$W2C --variant w1=dswiglu_copy:$1$W1 --variant pp=dswiglu_copy:$1$PP"; }
+timeout 110 python3 bench/fused_forms.py --shapes deepseek-v2-lite,olmoe,qwen3-30b-a3b,deepseek-v3-rank --tokens 16384 \
+  --forms dswiglu_copy --rep 30 --rounds 3 $(v "") --json "$out/forms_dcopy.json" > "$out/forms_dcopy.log" 2>&1
+timeout 70 python3 bench/fused_forms.py --shapes mixtral --tokens 16384 --forms dswiglu_copy --rep 60 --rounds 3 \
+  $(v "GROUP_M=8,") --json "$out/forms_dcopy_mixtral.json" > "$out/forms_dcopy_mixtral.log" 2>&1
+echo "== dswiglu_copy: inline vs EPI_WG 2 / 1 vs PINGPONG [$(( $(date +%s)-t0 ))s]"
+grep -hE "^\| [a-z]|Error" "$out/forms_dcopy.log" "$out/forms_dcopy_mixtral.log" | cut -d'|' -f2-11
+timeout 60 python3 bench/fused_forms.py --shapes deepseek-v2-lite,olmoe --tokens 16384 --forms dswiglu --rep 30 --rounds 3 \
+  --variant base= --variant r232=dswiglu:REGS=232 > "$out/forms_dgather.log" 2>&1
+echo "== dswiglu gathered: REGS 216 vs 232 [$(( $(date +%s)-t0 ))s]"
+grep -hE "^\| [a-z]|Error" "$out/forms_dgather.log" | cut -d'|' -f2-11
+exit 0
+fi
 SH=mixtral,deepseek-v2-lite,deepseek-v3-rank
 for mode in gather copy; do
-  TLX_DIST_FUSED_X=$mode timeout 150 python3 bench/moe_layer.py --shapes $SH --tokens 4096,16384 --latency-tokens "" \
+  TLX_DIST_FUSED_X=$mode timeout 200 python3 bench/moe_layer.py --shapes $SH --tokens 4096,16384 --latency-tokens "" \
     --reps 5 --providers fused,torchtitan --json "$out/layer_x_$mode.json" > "$out/layer_x_$mode.log" 2>&1
   echo "== layer, x $mode rc=$? [$(( $(date +%s)-t0 ))s]"
   grep -E "^\| [a-z]|median" "$out/layer_x_$mode.log" | head -n 8
