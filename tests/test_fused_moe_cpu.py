@@ -10,6 +10,7 @@ torch_same_dtype the per-expert loop run in the dtype under test (``tlx_dist.tes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -301,7 +302,7 @@ def test_tile_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"PINGPONG=2 must be 0 or 1"):
         FusedTileConfig(PINGPONG=2)
     with pytest.raises(ValueError, match=r"PINGPONG needs BN <= 128 and REGS >= 232"):
-        _env_overrides("dswiglu_copy:PINGPONG=1,EPI_WG=0,REGS=216")  # 216 registers: it would spill
+        _env_overrides("dswiglu_copy:PINGPONG=1,EPI_WG=0,REGS=216,EPI_COLS=32")  # 216 registers: it would spill
     with pytest.raises(ValueError, match=r"PINGPONG needs BN <= 128 and REGS >= 232"):
         FusedTileConfig(PINGPONG=1, BN=256, REGS=240, STAGES=4, LAG=2)
     assert FusedTileConfig(PINGPONG=1, REGS=232).epi_cols == 32
@@ -363,6 +364,27 @@ def test_group_m_rule_by_output_width(monkeypatch):
     monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "wgrad_a:STAGES=3")
     monkeypatch.setattr(tb, "_CACHE", {})
     assert tb.fused_config("wgrad_a", 2 * 14336).GROUP_M == 1
+
+
+def test_dswiglu_copy_config_by_depth(monkeypatch):
+    """dSwiGLU from the dout copy: one epilogue warp group per consumer by default, the ping-pong
+    consumers from a reduction depth (D) of DSWIGLU_PINGPONG_MIN_D on Hopper; an override of the
+    form, or another GPU generation, keeps its own config."""
+    from tlx_dist.fused import tlx_backend as tb
+
+    monkeypatch.delenv(tb.ENV_FUSED_CONFIG, raising=False)
+    monkeypatch.setattr(tb, "_CACHE", {})
+    wide = tb.fused_config("dswiglu_copy", 1408, "sm_90", 2048)  # DeepSeek-V2-Lite: F 1408, D 2048
+    assert (wide.EPI_WG, wide.PINGPONG, wide.GROUP_M) == (2, 0, 1)
+    deep = tb.fused_config("dswiglu_copy", 14336, "sm_90", tb.DSWIGLU_PINGPONG_MIN_D)  # Mixtral
+    assert deep == dataclasses.replace(tb.DSWIGLU_COPY_DEEP, GROUP_M=8) and deep.PINGPONG == 1
+    assert tb.fused_config("dswiglu_copy", 1024, "sm_90", tb.DSWIGLU_PINGPONG_MIN_D - 64).PINGPONG == 0
+    assert tb.fused_config("dswiglu", 1024, "sm_90", 7168).PINGPONG == 0  # gathered rows: never
+    assert tb.fused_config("dswiglu_copy", 1024, "sm_100", 7168) == tb.BLACKWELL_FORMS["dswiglu_copy"]
+    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "dswiglu_copy:EPI_WG=0,REGS=216,STAGES=6,LAG=4")
+    monkeypatch.setattr(tb, "_CACHE", {})
+    over = tb.fused_config("dswiglu_copy", 1024, "sm_90", 7168)
+    assert (over.EPI_WG, over.PINGPONG, over.REGS) == (0, 0, 216)
 
 
 def test_custom_ops_opcheck():

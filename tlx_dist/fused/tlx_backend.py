@@ -36,7 +36,7 @@ import tlx
 
 from .backends import SCHED_BM, FusedBackend, compose_backward, compose_forward, phase_tile_cums, register_fused_backend
 
-__all__ = ["FusedTileConfig", "BlackwellFusedTileConfig", "FORMS", "BLACKWELL_FORMS", "fused_config",
+__all__ = ["FusedTileConfig", "BlackwellFusedTileConfig", "FORMS", "BLACKWELL_FORMS", "fused_config", "DSWIGLU_COPY_DEEP",
            "kernel_signature", "ENV_FUSED_CONFIG"]
 
 ENV_FUSED_CONFIG = "TLX_DIST_FUSED_CONFIG"
@@ -166,9 +166,16 @@ FORMS = {
     "scatter": FusedTileConfig(BN=128, BK=64, STAGES=5, LAG=0, REGS=152, EPI_WG=1, EPI_REGS=152, EPI_COLS=32),
     # gathered dout + K-major w2; the epilogue holds g, hg, hu: 128 columns. A stage is half the MMA
     # time of SwiGLU's, so 5 stages of gathers in flight (LAG 4) cover the load latency; 192 KB ring.
-    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
-    # the same with dout's rows read in place by TMA (TLX_DIST_FUSED_DOUT copy): its own config
-    "dswiglu_copy": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=216, EARLY_H=1),
+    # REGS 232 since session 14 (h200_s16 / s17, T=16384, interleaved rounds: OLMoE 1.661 -> 1.500 ms,
+    # DeepSeek-V2-Lite 1.616 -> 1.562 against 216).
+    "dswiglu": FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=232, EARLY_H=1),
+    # the same with dout's rows read in place by TMA (TLX_DIST_FUSED_DOUT copy): one epilogue warp group
+    # per consumer (EPI_WG=2, 16-column chunks), so each consumer's dSwiGLU runs beside both consumers'
+    # next main loops. h200_s17 (T=16384, medians of 3 interleaved rounds, ms, inline -> this):
+    # DeepSeek-V2-Lite 1.600 -> 1.419, OLMoE 1.499 -> 1.368, Qwen3-30B-A3B 1.207 -> 1.144. Deep K
+    # (D >= DSWIGLU_PINGPONG_MIN_D) takes DSWIGLU_COPY_DEEP instead (fused_config).
+    "dswiglu_copy": FusedTileConfig(BN=128, BK=64, STAGES=4, LAG=2, REGS=104, EARLY_H=1, EPI_WG=2, EPI_REGS=120,
+                                    EPI_COLS=16),
     # dW13 = x[src]^T @ dh, A gathered (BK rows x 128 columns a stage, 16 KB by cp.async): BK 64
     # halves the per-stage overhead of the gather; 3 x 48 KB ring + 64 KB TMA-store tile. 1.55-1.79 ms
     # (three runs) vs 1.87 ms at BK 32 (OLMoE T=16384, bench/fused_forms.py on an H200).
@@ -294,18 +301,29 @@ def _env_overrides(text: str, arch: str = "sm_90") -> dict:
 _CACHE: dict[tuple, object] = {}
 
 
-def fused_config(form: str, nn: int, arch: str = "sm_90"):
+# dSwiGLU from the dout copy with a deep reduction (K = D): the ping-pong consumers (each computes every
+# other tile whole, one's epilogue beside the other's main loop). h200_s17 (T=16384, ms, inline /
+# EPI_WG=2 / this): DeepSeek-V3 per rank (D 7168) 7.740 / 7.498 / 6.396, Mixtral (D 4096) 8.691 /
+# 7.866 / 7.734; at D 2048 it lost to EPI_WG=2 (OLMoE 1.653 vs 1.368).
+DSWIGLU_PINGPONG_MIN_D = 4096
+DSWIGLU_COPY_DEEP = FusedTileConfig(BN=128, BK=64, STAGES=6, LAG=4, REGS=232, EARLY_H=1, PINGPONG=1, EPI_COLS=32)
+
+
+def fused_config(form: str, nn: int, arch: str = "sm_90", k_dim: int = 0):
     """Config of ``form`` on ``arch`` for an output ``nn`` columns wide: the env override, else the
     default, with GROUP_M = 8 once the output has >= 16 column tiles (as the landed kernel does for
     Mixtral), or for the Hopper dW forms >= WGRAD_GROUP_TILES (Mixtral's dW13, 112 tiles of 256: 14.8 ->
     12.4 ms on an H200, consecutive tiles reading the same gathered rows; x2_s27). Resolved once per
-    (form, nn, arch) and cached: the launch path does one dict lookup (reading the environment costs
-    more than that)."""
-    key = (form, nn, arch)
+    (form, nn, arch, k_dim) and cached: the launch path does one dict lookup (reading the environment
+    costs more than that). ``k_dim`` (the reduction depth) picks DSWIGLU_COPY_DEEP for ``dswiglu_copy``
+    on sm_90 from DSWIGLU_PINGPONG_MIN_D."""
+    key = (form, nn, arch, k_dim)
     cfg = _CACHE.get(key)
     if cfg is None:
         over = _env_overrides(os.environ.get(ENV_FUSED_CONFIG, ""), arch)
         cfg = over.get(form, _ARCH_FORMS[arch][1][form])
+        if form == "dswiglu_copy" and form not in over and arch == "sm_90" and k_dim >= DSWIGLU_PINGPONG_MIN_D:
+            cfg = DSWIGLU_COPY_DEEP
         tiles_n = -(-nn // cfg.BN)
         if form not in over and (tiles_n >= 16 if not form.startswith("wgrad")
                                  else arch == "sm_90" and tiles_n >= WGRAD_GROUP_TILES):
@@ -379,7 +397,7 @@ class _TlxFused:
 
         from ..grouped_gemm.host import max_m_tiles, search_steps
 
-        cfg = fused_config(form, nn, cls.ARCH)
+        cfg = fused_config(form, nn, cls.ARCH, K)
         w, shape, strides = w_desc_args
         E = shape[0] * virt  # virt > 1: the tile walk's virtual experts (runs of each expert's rows)
         block = [1, cfg.BN, cfg.BK] if b_kmajor else [1, cfg.BK, cfg.BN]
@@ -451,7 +469,7 @@ class _TlxFused:
         dh = h_N2F.new_empty(N, 2 * F)
         ag = h_N2F.new_empty(N, F)
         form = "dswiglu" if dst_N is not None else "dswiglu_copy"  # gathered rows, or the copy read by TMA
-        cfg = fused_config(form, F, cls.ARCH)
+        cfg = fused_config(form, F, cls.ARCH, D)
         part = torch.empty(N, -(-F // cfg.BN), dtype=torch.float32, device=h_N2F.device)
         if N:
             w = (w2_EFD, [E, F, D], [w2_EFD.stride(0), w2_EFD.stride(1), 1])  # w2^T read K-major
