@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
-_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?$")
+_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?(?:B(\d+))?$")
 KINDS = ("send", "reduce_send", "reduce_recv", "expand", "route")
 
 # rows x cols, warps, programs per SM; the send and both reduce kernels take the same shape
@@ -41,7 +41,8 @@ GRID = ["default", "send:4x1024w4p4L,reduce_send:8x512w4p16L", "send:4x1024w4p8L
 
 def parse(spec: str) -> dict:
     """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv
-    (a trailing ``L``: the copy-ahead loop, send and reduce_send); ``"send:8x512w4,route:16,..."``
+    (a trailing ``L``: the copy-ahead loop, send and reduce_send; ``Bn``: the send's bulk-copy row
+    moves through n shared-memory slots, TLX); ``"send:8x512w4,route:16,..."``
     -> per kernel (``route:N``: N tokens per route block)."""
     if spec == "default":
         return {}
@@ -55,12 +56,12 @@ def parse(spec: str) -> dict:
             continue
         m = _SHAPE.match(shape)
         if not m:
-            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM][L])")
+            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM][L][Bn])")
         br, bd, w, p = (int(v) if v else None for v in m.groups()[:4])
         if br & (br - 1) or bd & (bd - 1):
             raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
         o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}),
-                 **({"pipe": True} if m.group(5) else {}))
+                 **({"pipe": True} if m.group(5) else {}), **({"bulk": int(m.group(6))} if m.group(6) else {}))
         for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
             if k not in KINDS:
                 raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")

@@ -106,12 +106,21 @@ def test_layer_fused_ep_one_rank_vs_separate():
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("W,kind", [(2, "random"), (4, "random"), (4, "heavy_imbalance")])
-def test_overlapped_rows_world_equals_plain(W, kind):
+@pytest.mark.parametrize("W,kind,bulk", [(2, "random", 0), (4, "random", 0), (4, "heavy_imbalance", 0),
+                                         (4, "random", 4)])
+def test_overlapped_rows_world_equals_plain(W, kind, bulk, monkeypatch):
     """``overlap=True`` (issue 9 item 3) in the emulated world with the real kernels: the split send,
     the region counters and, on sm_90, the gate/up GEMM in two launches over (before | own | after)
     runs -- forward output and every gradient bit for bit the plain region form's (same tiles'
-    arithmetic, same fp32 atomics order is not guaranteed, so the k-sums are compared at one ulp)."""
+    arithmetic, same fp32 atomics order is not guaranteed, so the k-sums are compared at one ulp).
+    ``bulk``: both forms' sends move rows by bulk copies (``symm.LAUNCH_OVERRIDES``, TLX)."""
+    if bulk:
+        import tlx
+        from tlx_dist.comm import symm
+
+        if not tlx.tlx_available():
+            pytest.skip("the bulk-copy send is TLX")
+        monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": bulk})
     E, K, D, Fe = 32, 4, 1024, 512
     e = E // W
     Ts = [256 - 61 * s for s in range(W)]

@@ -120,6 +120,11 @@ from .protocol import (  # noqa: F401  (CLOCK_*, _wait_geq: read here by the hos
 )
 from .route import _route_kernel  # noqa: F401  (phase 1 of a dispatch)
 
+try:  # the send's bulk-copy option (BULK) is TLX; without fbtriton the kernels never set it
+    from .bulk import bulk_alloc, bulk_drain, bulk_rows
+except ImportError:  # pragma: no cover - stock Triton
+    bulk_alloc = bulk_drain = bulk_rows = None
+
 
 @triton.jit
 def _copy_arrived(out, rows_from_ptr, my, q, nq, RANK, err_ptr, DT: tl.constexpr, W: tl.constexpr,
@@ -211,7 +216,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
                         RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
                         ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False,
-                        SPLIT: tl.constexpr = 0, RCNT_OFF=0):
+                        SPLIT: tl.constexpr = 0, RCNT_OFF=0, BULK: tl.constexpr = 0, BULK_DP: tl.constexpr = 1):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -240,6 +245,9 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     every peer, then one release add per destination of this program's rows to that destination's
     region counter at RCNT_OFF + 8 * RANK (``rows_wait``, not ARRIVE: the op may have ended before
     they land, and its end zeroes ARRIVE).
+    BULK = n (TLX; not with USE_NVSHMEM, BLK_SIGNAL or RECV_ROLE): the rows go through n shared-memory
+    slots of BULK_DP elements by bulk copies (``bulk.py``), one load per token for all its
+    destinations, instead of through registers.
 
     The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
     destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
@@ -276,6 +284,9 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     km = kk < K
     if USE_NVSHMEM:
         my = tl.load(peers_ptr + RANK)
+    if BULK > 0:
+        bbuf, bbars = bulk_alloc(DT, BULK_DP, BULK)
+    bcnt = 0
     for b in range(b0, nblocks, nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
@@ -308,7 +319,9 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 mr = m & (d == RANK)
             elif SPLIT == 2:
                 mr = m & (d != RANK)
-            if PIPE:
+            if BULK > 0:
+                pass  # the rows go by bulk copies after this loop (bulk_rows)
+            elif PIPE:
                 _copy_chunks_ahead(x_ptr + t.to(tl.int64) * stride_x, recv, mr, D, BLOCK_D)
             else:
                 for c0 in range(0, D, BLOCK_D):
@@ -341,8 +354,13 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
                                 W, K, KP, D, T_MAX, META_W, OFF_META, OFF_GATES, OFF_RECV, OFF_SROWS, OFF_SMETA,
                                 OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
+        if BULK > 0:
+            bcnt = bulk_rows(bbuf, bbars, bcnt, x_ptr, stride_x, b, T, send_row_ptr, peers_ptr, RANK, OWN_ADDR,
+                             ROWS_OFF, W, D, T_MAX, OFF_RECV, BLOCK_T, ROWS_REGION, LOCAL_ROWS, LOCAL_X, SPLIT, BULK)
         if BLK_SIGNAL:
             _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB)
+    if BULK > 0:
+        bulk_drain()
     if SPLIT == 2:
         _publish(hist, peers_ptr, RCNT_OFF + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
     else:

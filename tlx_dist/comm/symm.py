@@ -294,8 +294,8 @@ def _grid(n_blocks: int, dev: torch.device, per_sm: int = 4) -> tuple[int]:
 # Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
 # name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
 # (powers of two), num_warps, per_sm (programs per SM), pipe (send / row-form reduce_send: load a
-# row's next column chunk before storing this one); "route" -> {"BLOCK_ROWS": tokens per route
-# block}. Empty: the defaults (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it
+# row's next column chunk before storing this one), bulk (send: n shared-memory slots of bulk-copy
+# row moves, ``_bulk``); "route" -> {"BLOCK_ROWS": tokens per route block}. Empty: the defaults (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it
 # between ops, not inside one.
 LAUNCH_OVERRIDES: dict = {}
 
@@ -322,6 +322,29 @@ def _pipe(kind: str) -> dict:
     """``{"PIPE": True}`` where ``LAUNCH_OVERRIDES[kind]`` asks for the copy-ahead loop (``pipe``:
     ``tlx/comm/exchange.py::_copy_chunks_ahead``), else nothing."""
     return {"PIPE": True} if (LAUNCH_OVERRIDES.get(kind) or {}).get("pipe") else {}
+
+
+_BULK_SMEM = 160 * 1024  # shared memory the send's bulk-copy slots may take per program
+
+
+def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -> dict:
+    """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` asks for the bulk-copy row
+    moves (``bulk``: n slots; ``tlx/comm/bulk.py``) and they apply: TLX on a CUDA GPU, peer pointers
+    only (no NVSHMEM route), no per-block receive signals or receiving programs, 16-byte aligned rows
+    whose n slots (of next_pow2(D) elements) fit in the shared memory of ``per_sm`` programs per SM
+    (n shrinks to fit; under 2 slots, no bulk). Else nothing: the register copy."""
+    n = int((LAUNCH_OVERRIDES.get("send") or {}).get("bulk") or 0)
+    if n <= 0 or x_TD.device.type != "cuda" or bufs.use_nvshmem or "BLK_SIGNAL" in rows_meta \
+            or "RECV_ROLE" in rows_meta:
+        return {}
+    import tlx
+
+    es, D = x_TD.element_size(), x_TD.shape[1]
+    if not tlx.tlx_available() or (D * es) % 16 or (x_TD.stride(0) * es) % 16 or x_TD.data_ptr() % 16:
+        return {}
+    dp = _next_pow2(D)
+    n = min(n, (220 * 1024 // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))
+    return {"BULK": n, "BULK_DP": dp} if n >= 2 else {}
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -511,7 +534,8 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
-        **_pipe("send"), **({} if split == 2 else _await_meta(bufs)))
+        **_pipe("send"), **_bulk(x_TD, bufs, rows_meta, (LAUNCH_OVERRIDES.get("send") or {}).get("per_sm", _DEFAULT_SHAPES["send"][1])),
+        **({} if split == 2 else _await_meta(bufs)))
 
 
 def _send_rows_side(bufs: SymmBuffers, x_TD: torch.Tensor, send_row_TW: torch.Tensor, own_rows: torch.Tensor,
