@@ -325,15 +325,21 @@ def _pipe(kind: str) -> dict:
 
 
 _BULK_SMEM = 160 * 1024  # shared memory the send's bulk-copy slots may take per program
+ENV_EXCHANGE_BULK = "TLX_DIST_EXCHANGE_BULK"  # n > 0: the send's bulk-copy row moves with n slots
 
 
 def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -> dict:
-    """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` asks for the bulk-copy row
-    moves (``bulk``: n slots; ``tlx/comm/bulk.py``) and they apply: TLX on a CUDA GPU, peer pointers
+    """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` (``bulk``: n slots), else
+    ``TLX_DIST_EXCHANGE_BULK``, asks for the bulk-copy row moves (``tlx/comm/bulk.py``) and they apply: TLX on a CUDA GPU, peer pointers
     only (no NVSHMEM route), no per-block receive signals or receiving programs, 16-byte aligned rows
     whose n slots (of next_pow2(D) elements) fit in the shared memory of ``per_sm`` programs per SM
     (n shrinks to fit; under 2 slots, no bulk). Else nothing: the register copy."""
-    n = int((LAUNCH_OVERRIDES.get("send") or {}).get("bulk") or 0)
+    o = LAUNCH_OVERRIDES.get("send") or {}
+    n = o["bulk"] if "bulk" in o else os.environ.get(ENV_EXCHANGE_BULK, "0")
+    try:
+        n = int(n)
+    except ValueError:
+        raise ValueError(f"{ENV_EXCHANGE_BULK}={n!r} must be an integer (shared-memory slots; 0: off)") from None
     if n <= 0 or x_TD.device.type != "cuda" or bufs.use_nvshmem or "BLK_SIGNAL" in rows_meta \
             or "RECV_ROLE" in rows_meta:
         return {}

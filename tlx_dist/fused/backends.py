@@ -41,13 +41,15 @@ ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # "gather" by index from dout_TD in both kernels; "copy": one index_select into an expert-major
 # [N, D] copy first (a transient N x D tensor), which both kernels then read in place by TMA (dW2 is
 # then the plain grouped dW kernel); "auto" (the default): copy where the expert intermediate F is at
-# least DOUT_COPY_MIN_F. A gathered dout row is read again for every F-tile of dSwiGLU, so the wider
-# F, the more the copy saves. On two H200s (x2_s30, T=16384, fused TFLOP/s gather -> copy): Mixtral
-# (F 14336) 541 -> 585, DeepSeek-V2-Lite (1408) 461 -> 481, OLMoE (1024) 472 -> 467, Qwen3-30B-A3B
-# (768) 431 -> 429.
+# least DOUT_COPY_MIN_F. A gathered dout row is read again for every F-tile of dSwiGLU, and the copy
+# lets dSwiGLU run its epilogue in warp groups of its own (tlx_backend "dswiglu_copy"). Layer on an
+# H200, T=16384, fused / torchtitan-style: x2_s30 (inline dSwiGLU epilogue) gather -> copy Mixtral (F
+# 14336) 1.02 -> 1.12, DeepSeek-V2-Lite (1408) 1.52 -> 1.52, OLMoE (1024) 1.62 -> 1.68, Qwen3-30B-A3B
+# (768) 1.71 -> 1.73; h200_s17 (the copy form with EPI_WG=2) OLMoE 1.62 -> 1.71, Qwen3 1.70 -> 1.79. So
+# every F copies since session 14; "gather" saves the N x D transient.
 ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
 DOUT_MODES = ("auto", "gather", "copy")
-DOUT_COPY_MIN_F = 1280
+DOUT_COPY_MIN_F = 0
 # The same choice for the forward's input rows (SwiGLU's A operand, dW13's A operand; the Hopper and
 # Blackwell kernels gather them with cp.async, TMA reads a copy): "copy" makes one index_select of
 # x's rows into an expert-major [N, D] copy before the gate/up GEMM, and again in the backward before

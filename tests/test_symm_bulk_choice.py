@@ -1,0 +1,64 @@
+"""When the send moves rows by bulk copies (CPU): ``symm._bulk`` turns ``LAUNCH_OVERRIDES["send"]
+["bulk"]`` / ``TLX_DIST_EXCHANGE_BULK`` into the kernel's BULK slots only where the bulk path
+applies (TLX, a CUDA tensor, peer pointers, no per-block signals or receiving programs, 16-byte
+rows), and sizes the slots to the shared memory of the programs an SM runs."""
+
+import types
+
+import pytest
+
+import tlx
+from tlx_dist.comm import symm
+from tlx_dist.comm.symm import ENV_EXCHANGE_BULK
+
+
+def _x(D=7168, es=2, stride=None, ptr=1 << 20, dev="cuda"):
+    return types.SimpleNamespace(device=types.SimpleNamespace(type=dev), element_size=lambda: es, shape=(64, D),
+                                 stride=lambda i: stride or D, data_ptr=lambda: ptr)
+
+
+BUFS = types.SimpleNamespace(use_nvshmem=False)
+
+
+@pytest.fixture
+def tlx_on(monkeypatch):
+    monkeypatch.setattr(tlx, "tlx_available", lambda: True)
+    monkeypatch.delenv(ENV_EXCHANGE_BULK, raising=False)
+    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {})
+
+
+def test_off_unless_asked(tlx_on):
+    assert symm._bulk(_x(), BUFS, {}, 4) == {}
+
+
+def test_env_and_override(tlx_on, monkeypatch):
+    monkeypatch.setenv(ENV_EXCHANGE_BULK, "6")
+    # 4 programs per SM: 220 KB / 4 = 55 KB each -> three 16 KB slots (D 7168 -> 8192 elements)
+    assert symm._bulk(_x(), BUFS, {}, 4) == {"BULK": 3, "BULK_DP": 8192}
+    assert symm._bulk(_x(), BUFS, {}, 2) == {"BULK": 6, "BULK_DP": 8192}
+    assert symm._bulk(_x(), BUFS, {}, 1) == {"BULK": 6, "BULK_DP": 8192}
+    assert symm._bulk(_x(D=2048), BUFS, {}, 4) == {"BULK": 6, "BULK_DP": 2048}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 0})  # the override wins over the env
+    assert symm._bulk(_x(), BUFS, {}, 4) == {}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 20})
+    assert symm._bulk(_x(), BUFS, {}, 1) == {"BULK": 10, "BULK_DP": 8192}  # 160 KB cap
+
+
+def test_not_where_it_does_not_apply(tlx_on, monkeypatch):
+    monkeypatch.setenv(ENV_EXCHANGE_BULK, "4")
+    assert symm._bulk(_x(dev="cpu"), BUFS, {}, 4) == {}
+    assert symm._bulk(_x(), types.SimpleNamespace(use_nvshmem=True), {}, 4) == {}
+    assert symm._bulk(_x(), BUFS, {"BLK_SIGNAL": True}, 4) == {}
+    assert symm._bulk(_x(), BUFS, {"RECV_ROLE": True}, 4) == {}
+    assert symm._bulk(_x(D=3), BUFS, {}, 4) == {}  # 6-byte rows
+    assert symm._bulk(_x(stride=7172), BUFS, {}, 4) == {}  # row starts not 16-byte aligned
+    assert symm._bulk(_x(ptr=(1 << 20) + 8), BUFS, {}, 4) == {}
+    assert symm._bulk(_x(es=8, D=16384), BUFS, {}, 4) == {}  # one 128 KB fp64 slot per program: under 2
+    monkeypatch.setattr(tlx, "tlx_available", lambda: False)
+    assert symm._bulk(_x(), BUFS, {}, 4) == {}
+
+
+def test_bad_env_names_the_variable(tlx_on, monkeypatch):
+    monkeypatch.setenv(ENV_EXCHANGE_BULK, "many")
+    with pytest.raises(ValueError, match=r"TLX_DIST_EXCHANGE_BULK='many' must be an integer"):
+        symm._bulk(_x(), BUFS, {}, 4)
