@@ -30,6 +30,9 @@ grep -E "^\| [a-z]|median" "$out/layer.log" | head -n 13
 grep -qE "^\| [a-z]" "$out/layer.log" || grep -E "TF/s|failed" "$out/layer.log"
 echo "== GPU 1: OLMoE / Qwen3 with the dout gathered"
 grep -E "^\| [a-z]|median" "$out/layer_gather.log" | head -n 6
+if grep -qE "(FAILED|ERROR).*bulk|Timeout" "$out/gpu_tests.log"; then
+  echo "== the bulk send failed in the emulated world: no bulk runs on two GPUs"; exit 0
+fi
 t0=$(date +%s)
 TLX_DIST_EXCHANGE_BULK=6 timeout 150 torchrun --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider \
   > "$out/t5_bulk.log" 2>&1
