@@ -60,6 +60,9 @@ def _blackwell_launches() -> dict:
     w2_EFD = torch.empty(E, F, D, dtype=torch.bfloat16, **meta)
     offsets_E = torch.empty(E, dtype=torch.int32, **meta)
     with pytest.MonkeyPatch.context() as mp, tlx.override(arch="sm_100", tlx=True):
+        # the gathered forms (LAUNCHES); the copies' forms are compiled in test_copy_forms_compile
+        mp.setenv("TLX_DIST_FUSED_DOUT", "gather")
+        mp.setenv("TLX_DIST_FUSED_X", "gather")
         assert tb._tlx_prims() is tb._Blackwell
         mp.setattr(kernels, "_fused_mm_blackwell_kernel", _Record(kernels._fused_mm_blackwell_kernel))
         mp.setattr(kernels, "_fused_wgrad_blackwell_kernel", _Record(kernels._fused_wgrad_blackwell_kernel))
