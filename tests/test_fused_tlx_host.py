@@ -79,18 +79,42 @@ def _operands(T=40, D=256, F=128, E=4, K=2, R=None):
     return x, tok, gate, w13, w2, offsets
 
 
+def _grouped_wgrad_recorder(monkeypatch, calls):
+    """The plain grouped dW (what dW2 / dW13 become when both operands are expert-major copies) is the
+    grouped GEMM's TLX kernel, GPU-tested there: a stand-in that records the call."""
+    import types
+
+    from tlx_dist.grouped_gemm import backends as gb
+
+    def wgrad(a, b, offsets):
+        calls.append(("grouped_wgrad", dict(a=a, b=b)))
+        return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+
+    real = gb.get_backend
+    monkeypatch.setattr(gb, "get_backend", lambda name: types.SimpleNamespace(wgrad=wgrad) if name == "tlx"
+                        else real(name))
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 @pytest.mark.parametrize("env", ["", "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2", "dswiglu:EARLY_H=1"])
-def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
+@pytest.mark.parametrize("rows", ["gather", "auto"])
+def test_every_launch_binds_to_its_kernel(arch, env, rows, monkeypatch):
+    """``rows``: TLX_DIST_FUSED_DOUT / _X; ``auto`` at this F (128) copies dout's rows (dSwiGLU reads
+    them by TMA, dW2 is the plain grouped dW) and gathers x's."""
     from tlx_dist.fused import tlx_backend as tb
-    from tlx_dist.fused.backends import compose_backward, compose_forward
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X, compose_backward, compose_forward
 
     if env and arch != "sm_90":
         pytest.skip("PREFETCH_H / EARLY_H are Hopper options")
+    if env and rows != "gather":
+        pytest.skip("PREFETCH_H / EARLY_H overrides name the gathered dSwiGLU form")
     monkeypatch.setenv(tb.ENV_FUSED_CONFIG, env)
+    monkeypatch.setenv(ENV_FUSED_DOUT, rows)
+    monkeypatch.setenv(ENV_FUSED_X, rows)
     monkeypatch.setattr(tb, "_CACHE", {})
     calls = []
     p = _prims(arch, monkeypatch, calls)
+    _grouped_wgrad_recorder(monkeypatch, calls)
     x, tok, gate, w13, w2, offsets = _operands()
     T, D = x.shape
     out, h = compose_forward(p, x, tok, tok, gate, w13, w2, offsets, T)
@@ -99,12 +123,17 @@ def test_every_launch_binds_to_its_kernel(arch, env, monkeypatch):
     dx, dgate, dw13, dw2 = compose_backward(p, dout, x, tok, tok, gate, w13, w2, offsets, h)
     assert dx.shape == x.shape and dgate.shape == gate.shape and dw13.shape == w13.shape and dw2.shape == w2.shape
     mm = [c for n, c in calls if "wgrad" not in n]
-    wg = [c for n, c in calls if "wgrad" in n]
-    assert len(mm) == 4 and len(wg) == 2, [n for n, _ in calls]
+    wg = [c for n, c in calls if "wgrad" in n and n != "grouped_wgrad"]
+    assert len(mm) == 4, [n for n, _ in calls]
     assert [c["EPILOGUE"] for c in mm] == [tb.SWIGLU, tb.SCATTER, tb.DSWIGLU, tb.SCATTER]
-    assert [c["A_GATHER"] for c in mm] == [True, False, True, False]
-    assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == [(True, False), (False, True)]
-    if arch == "sm_90":
+    copied = rows == "auto"
+    assert [c["A_GATHER"] for c in mm] == [True, False, not copied, False]
+    assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == [(True, False)] + ([] if copied else [(False, True)])
+    grouped = [c for n, c in calls if n == "grouped_wgrad"]
+    assert len(grouped) == copied and all(c["b"].shape == (tok.shape[0], D) for c in grouped)
+    if copied and arch == "sm_90":  # the copy form's own config: one epilogue warp group per consumer
+        assert mm[2]["EPI_WG"] == tb.FORMS["dswiglu_copy"].EPI_WG == 2 and mm[2]["PINGPONG"] is False
+    if arch == "sm_90" and not copied:
         # the dSwiGLU launch takes the h descriptor exactly when the override asks for it
         # EARLY_H is the dSwiGLU default (session 11); asking for PREFETCH_H turns it off
         pre, early = "PREFETCH_H" in env, "PREFETCH_H" not in env
@@ -119,6 +148,7 @@ def test_prefetch_h_falls_back_when_f_is_not_a_tile_multiple(monkeypatch):
     from tlx_dist.fused.backends import compose_backward, compose_forward
 
     monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")
+    monkeypatch.setenv("TLX_DIST_FUSED_DOUT", "gather")  # PREFETCH_H: the gathered form's option
     monkeypatch.setattr(tb, "_CACHE", {})
     calls = []
     p = _prims("sm_90", monkeypatch, calls)

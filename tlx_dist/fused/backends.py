@@ -46,7 +46,9 @@ ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # H200, T=16384, fused / torchtitan-style: x2_s30 (inline dSwiGLU epilogue) gather -> copy Mixtral (F
 # 14336) 1.02 -> 1.12, DeepSeek-V2-Lite (1408) 1.52 -> 1.52, OLMoE (1024) 1.62 -> 1.68, Qwen3-30B-A3B
 # (768) 1.71 -> 1.73; h200_s17 (the copy form with EPI_WG=2) OLMoE 1.62 -> 1.71, Qwen3 1.70 -> 1.79. So
-# every F copies since session 14; "gather" saves the N x D transient.
+# every F copies since session 14; "gather" saves the N x D transient. "auto" copies only for the
+# primitives that set AUTO_ROW_COPY (the TLX kernels, where this was measured); the portable kernels
+# gather unless "copy" is forced.
 ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
 DOUT_MODES = ("auto", "gather", "copy")
 DOUT_COPY_MIN_F = 0
@@ -92,18 +94,19 @@ def _rows_by_mode(rows_TD: torch.Tensor, idx_N: torch.Tensor, copy: bool):
     return rows_TD.index_select(0, idx_N.clamp(0, rows_TD.shape[0] - 1)), None
 
 
-def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int):
+def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int, auto: bool = True):
     """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, in
-    copy mode, ``(dout_TD[dst_N], None)``."""
+    copy mode, ``(dout_TD[dst_N], None)``. ``auto``: whether ``auto`` may copy for these primitives
+    (``AUTO_ROW_COPY``: the TLX kernels, where the rule was measured; the portable ones gather)."""
     mode = dout_mode()
-    return _rows_by_mode(dout_TD, dst_N, mode == "copy" or (mode == "auto" and F >= DOUT_COPY_MIN_F))
+    return _rows_by_mode(dout_TD, dst_N, mode == "copy" or (mode == "auto" and auto and F >= DOUT_COPY_MIN_F))
 
 
-def _x_rows(x_RD: torch.Tensor, src_N: torch.Tensor, F: int):
+def _x_rows(x_RD: torch.Tensor, src_N: torch.Tensor, F: int, auto: bool = True):
     """``(rows, index)`` the gate/up GEMM and dW13 read: ``(x_RD, src_N)`` (by index) or, in copy
-    mode (``TLX_DIST_FUSED_X``), ``(x_RD[src_N], None)``."""
+    mode (``TLX_DIST_FUSED_X``), ``(x_RD[src_N], None)``; ``auto`` as in :func:`_dout_rows`."""
     mode = x_mode()
-    return _rows_by_mode(x_RD, src_N, mode == "copy" or (mode == "auto" and F >= X_COPY_MIN_F))
+    return _rows_by_mode(x_RD, src_N, mode == "copy" or (mode == "auto" and auto and F >= X_COPY_MIN_F))
 
 
 # Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
@@ -195,7 +198,7 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     if overlap is not None:
         overlap.wait()
-    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1])  # by index, or x_RD[src_N]
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], getattr(p, "AUTO_ROW_COPY", False))  # or x_RD[src_N]
     h_N2F, a_NF = p.gate_up_swiglu(x_rows, x_idx, w13_EDF2, offsets_E, tile_cum)
     del x_rows
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
@@ -268,11 +271,12 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
         tile_cum, order = p.tile_cum(offsets_E, src_N.shape[0], x_RD), None
     else:
         tile_cum, order = _sched_parts(sched, offsets_E)
-    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N, w2_EFD.shape[1])  # by index, or dout_TD[dst_N]
+    auto = getattr(p, "AUTO_ROW_COPY", False)
+    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N, w2_EFD.shape[1], auto)  # by index, or dout_TD[dst_N]
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
-    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1])  # recomputed: the forward keeps no copy
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], auto)  # recomputed: the forward keeps no copy
     dw13 = p.wgrad_gather(x_rows, x_idx, dh_N2F, None, offsets_E, order)
     del x_rows
     dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)

@@ -377,6 +377,7 @@ class _TlxFused:
 
     ARCH = ""
     A_SPLIT = 1  # A rows per TMA box = BM / A_SPLIT (Hopper: two consumer warp groups)
+    AUTO_ROW_COPY = True  # TLX_DIST_FUSED_DOUT / _X "auto" may copy rows (backends._dout_rows, _x_rows)
 
     @staticmethod
     def tile_cum(offsets_E, n_rows, x=None):
