@@ -61,11 +61,13 @@ def parse(spec: str) -> dict:
         if br & (br - 1) or bd & (bd - 1):
             raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
         o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}),
-                 **({"pipe": True} if m.group(5) else {}), **({"bulk": int(m.group(6))} if m.group(6) else {}))
+                 **({"pipe": True} if m.group(5) else {}))
+        if m.group(6) and m.group(5):
+            raise ValueError(f"--configs: {shape!r}: the bulk copies (B) replace the copy-ahead loop (L): pick one")
         for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
             if k not in KINDS:
                 raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")
-            out[k] = o
+            out[k] = dict(o, **({"bulk": int(m.group(6))} if m.group(6) and k == "send" else {}))
     return out
 
 

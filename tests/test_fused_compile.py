@@ -221,9 +221,9 @@ PORTABLE = {
     "scatter": dict(EPILOGUE=2, A_GATHER=False, HAS_SCALE=True),     # out[dst] += gate * (a @ w2)
     "dswiglu": dict(EPILOGUE=3, A_GATHER=True, HAS_SCALE=True),      # dout[dst] @ w2^T, dSwiGLU, dgate
     "scatter_t": dict(EPILOGUE=2, A_GATHER=False, HAS_SCALE=False),  # dx[src] += dh @ w13^T
-    "wgrad_a": dict(A_GATHER=True, B_GATHER=False),                  # dW13 = x[src]^T @ dh
     "wgrad_b": dict(A_GATHER=False, B_GATHER=True),                  # dW2 = ag^T @ dout[dst]
-}
+    "wgrad_a": dict(A_GATHER=True, B_GATHER=False),                  # dW13 = x[src]^T @ dh
+}  # in launch order (dW2 first: a dout copy is freed before an x copy is made)
 TARGETS = {90: "sm_90", 100: "sm_100", "gfx942": "gfx94x", "gfx950": "gfx94x"}  # -> tlx.gpu_arch() there
 NV_ATOMIC = re.compile(r"(?:^|\s)((?:atom|red)\.\S+)", re.M)
 AMD_ATOMIC = re.compile(r"\b(?:global|buffer|flat)_atomic_\w+")

@@ -121,6 +121,8 @@ def test_overlapped_rows_world_equals_plain(W, kind, bulk, monkeypatch):
         if not tlx.tlx_available():
             pytest.skip("the bulk-copy send is TLX")
         monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": bulk})
+        used, real = [], symm._bulk
+        monkeypatch.setattr(symm, "_bulk", lambda *a, **kw: used.append(real(*a, **kw)) or used[-1])
     E, K, D, Fe = 32, 4, 1024, 512
     e = E // W
     Ts = [256 - 61 * s for s in range(W)]
@@ -153,6 +155,8 @@ def test_overlapped_rows_world_equals_plain(W, kind, bulk, monkeypatch):
         world.check()
         res[overlap] = (outs, [[t.grad for t in lv] for lv in leaves], hs)
         world.close()
+    if bulk:  # every send of both forms (the overlapped one's two halves too) took the bulk path
+        assert used and all(u.get("BULK", 0) >= 2 for u in used), used
     for d in range(W):
         n = int(res[False][2][d].offsets_e[-1])
         torch.testing.assert_close(res[True][0][d].float(), res[False][0][d].float(), rtol=8e-3, atol=1e-3,

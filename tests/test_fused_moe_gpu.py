@@ -245,10 +245,34 @@ def test_fused_vs_separate_vs_fp64(case, dout, monkeypatch, fused_config):
     if dout == "copy_pingpong":
         if tlx.gpu_arch() != "sm_90":
             pytest.skip("PINGPONG is a Hopper option")
-        fused_config("dswiglu_copy:PINGPONG=1,REGS=232,EPI_COLS=32")
+        fused_config("dswiglu_copy:EPI_WG=0,PINGPONG=1,REGS=232,EPI_COLS=32")
     monkeypatch.setenv(ENV_FUSED_DOUT, "copy" if dout == "xcopy" else dout.split("_")[0])
     monkeypatch.setenv(ENV_FUSED_X, "copy" if dout == "xcopy" else "gather")
     _, T, D, F, E, K, kind, _ = case
+    _fused_separate_fp64(T, D, F, E, K, kind)
+
+
+@needs_tlx
+@pytest.mark.timeout(240, method="thread")
+def test_fused_deep_reduction_defaults_vs_fp64(monkeypatch, fused_config):
+    """The defaults at a deep reduction (D = 4096 >= DSWIGLU_PINGPONG_MIN_D) and a wide F (16 column
+    tiles: GROUP_M 8): on Hopper dSwiGLU from the dout copy runs the ping-pong consumers
+    (DSWIGLU_COPY_DEEP), as Mixtral and DeepSeek-V3 per rank do; nothing forced."""
+    from tlx_dist.fused import tlx_backend as tb
+    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X
+
+    monkeypatch.delenv(ENV_FUSED_DOUT, raising=False)
+    monkeypatch.delenv(ENV_FUSED_X, raising=False)
+    fused_config("")
+    if tlx.gpu_arch() == "sm_90":
+        cfg = tb.fused_config("dswiglu_copy", 2048, "sm_90", 4096)
+        assert cfg.PINGPONG == 1 and cfg.GROUP_M == 8
+    _fused_separate_fp64(260, 4096, 2048, 4, 2, "random")
+
+
+def _fused_separate_fp64(T, D, F, E, K, kind):
+    """fused vs separate vs the fp64 reference, forward and every gradient, under the environment the
+    caller set (row modes, tile configs)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, D, generator=g, dtype=torch.float64).to(DEV)
     w13 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / D ** 0.5).to(DEV)

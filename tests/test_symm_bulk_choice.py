@@ -23,6 +23,7 @@ BUFS = types.SimpleNamespace(use_nvshmem=False)
 @pytest.fixture
 def tlx_on(monkeypatch):
     monkeypatch.setattr(tlx, "tlx_available", lambda: True)
+    monkeypatch.setattr(tlx, "gpu_arch", lambda: "sm_90")
     monkeypatch.delenv(ENV_EXCHANGE_BULK, raising=False)
     monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {})
 
@@ -54,6 +55,13 @@ def test_not_where_it_does_not_apply(tlx_on, monkeypatch):
     assert symm._bulk(_x(stride=7172), BUFS, {}, 4) == {}  # row starts not 16-byte aligned
     assert symm._bulk(_x(ptr=(1 << 20) + 8), BUFS, {}, 4) == {}
     assert symm._bulk(_x(es=8, D=16384), BUFS, {}, 4) == {}  # one 128 KB fp64 slot per program: under 2
+    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": (1 << 20) + 2}, 4) == {}  # own-row output not aligned
+    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": 1 << 20}, 4)["BULK"] == 3
+    for arch in ("gfx94x", "other"):  # no cp.async.bulk there
+        monkeypatch.setattr(tlx, "gpu_arch", lambda arch=arch: arch)
+        assert symm._bulk(_x(), BUFS, {}, 4) == {}
+    monkeypatch.setattr(tlx, "gpu_arch", lambda: "sm_100")
+    assert symm._bulk(_x(), BUFS, {}, 4)["BULK"] == 3
     monkeypatch.setattr(tlx, "tlx_available", lambda: False)
     assert symm._bulk(_x(), BUFS, {}, 4) == {}
 

@@ -8,11 +8,14 @@ With ``BULK = n`` the row instead goes through shared memory by the copy engine 
                  cp.async.bulk  smem slot s -> row of destination d  (one bulk group per store,
                                                                       for every d the token goes to)
 
-A token is loaded once however many destinations it goes to, the stores of up to ``n`` rows are in
-flight while the next row loads, and no register file is involved. Slot s is reloaded only after
-the stores that read it have read it (``cp.async.bulk.wait_group.read n-1``: a slot-consuming token
-issues at least one store, so the ``n - 1`` most recent groups belong to the ``n - 1`` most recent
-tokens). Before the send publishes its row counts (the release add the receiver waits for), every
+A token is loaded once however many destinations it goes to, and no register file is involved.
+Every store is its own bulk group (TLX commits one per ``async_store``). Slot s is reloaded only
+after the stores that read it have read it (``cp.async.bulk.wait_group.read n-1``): every token that
+took a slot since token ``cnt - n`` (the slot's previous user) issued at least one store, so at least
+``n - 1`` groups were committed after that token's last one, and waiting until at most ``n - 1`` are
+pending retires it. With one destination per token that keeps ``n - 1`` rows' stores in flight; a
+token bound for k destinations spends k of the ``n - 1``, so at W = 8 the wait admits fewer tokens
+in flight than slots (still correct; deeper pipelining would want one commit per token). Before the send publishes its row counts (the release add the receiver waits for), every
 bulk store is complete (``cp.async.bulk.wait_group 0``, then a proxy fence and a system-scope fence
 on the issuing thread; the publish itself begins with a CTA barrier).
 
@@ -42,11 +45,11 @@ def bulk_alloc(DT: tl.constexpr, DP: tl.constexpr, NBUF: tl.constexpr):
 def _goes_to(send_row_ptr, t, d, RANK, W: tl.constexpr, LOCAL_X: tl.constexpr, SPLIT: tl.constexpr):
     """Whether token t's row is copied to rank d by this launch (as the register path's ``mr``)."""
     ok = tl.load(send_row_ptr + t * W + d) >= 0
-    if LOCAL_X:
-        ok = ok & (d != RANK)
-    if SPLIT == 1:
+    if SPLIT == 1:  # (as the register path: SPLIT decides over LOCAL_X)
         ok = ok & (d == RANK)
     elif SPLIT == 2:
+        ok = ok & (d != RANK)
+    elif LOCAL_X:
         ok = ok & (d != RANK)
     return ok
 

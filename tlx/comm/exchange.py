@@ -285,6 +285,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     if USE_NVSHMEM:
         my = tl.load(peers_ptr + RANK)
     if BULK > 0:
+        tl.static_assert(not (USE_NVSHMEM or BLK_SIGNAL or RECV_ROLE),
+                         "BULK: peer pointers only, no per-block signals or receiving programs")
         bbuf, bbars = bulk_alloc(DT, BULK_DP, BULK)
     bcnt = 0
     for b in range(b0, nblocks, nprog):

@@ -331,8 +331,8 @@ ENV_EXCHANGE_BULK = "TLX_DIST_EXCHANGE_BULK"  # n > 0: the send's bulk-copy row 
 def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -> dict:
     """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` (``bulk``: n slots), else
     ``TLX_DIST_EXCHANGE_BULK``, asks for the bulk-copy row moves (``tlx/comm/bulk.py``) and they apply: TLX on a CUDA GPU, peer pointers
-    only (no NVSHMEM route), no per-block receive signals or receiving programs, 16-byte aligned rows
-    whose n slots (of next_pow2(D) elements) fit in the shared memory of ``per_sm`` programs per SM
+    only (no NVSHMEM route), no per-block receive signals or receiving programs, sm_90 / sm_100,
+    16-byte aligned rows (and own-row output) whose n slots (of next_pow2(D) elements) fit in the shared memory of ``per_sm`` programs per SM
     (n shrinks to fit; under 2 slots, no bulk). Else nothing: the register copy."""
     o = LAUNCH_OVERRIDES.get("send") or {}
     n = o["bulk"] if "bulk" in o else os.environ.get(ENV_EXCHANGE_BULK, "0")
@@ -344,9 +344,12 @@ def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -
             or "RECV_ROLE" in rows_meta:
         return {}
     import tlx
+    from tlx.comm import exchange
 
     es, D = x_TD.element_size(), x_TD.shape[1]
-    if not tlx.tlx_available() or (D * es) % 16 or (x_TD.stride(0) * es) % 16 or x_TD.data_ptr() % 16:
+    if not tlx.tlx_available() or exchange.bulk_rows is None or tlx.gpu_arch() not in ("sm_90", "sm_100"):
+        return {}  # cp.async.bulk: Hopper and later, through fbtriton's TLX
+    if (D * es) % 16 or (x_TD.stride(0) * es) % 16 or x_TD.data_ptr() % 16 or rows_meta.get("OWN_ADDR", 0) % 16:
         return {}
     dp = _next_pow2(D)
     n = min(n, (220 * 1024 // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))

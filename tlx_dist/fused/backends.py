@@ -47,8 +47,8 @@ ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # 14336) 1.02 -> 1.12, DeepSeek-V2-Lite (1408) 1.52 -> 1.52, OLMoE (1024) 1.62 -> 1.68, Qwen3-30B-A3B
 # (768) 1.71 -> 1.73; h200_s17 (the copy form with EPI_WG=2) OLMoE 1.62 -> 1.71, Qwen3 1.70 -> 1.79. So
 # every F copies since session 14; "gather" saves the N x D transient. "auto" copies only for the
-# primitives that set AUTO_ROW_COPY (the TLX kernels, where this was measured); the portable kernels
-# gather unless "copy" is forced.
+# primitives that set AUTO_ROW_COPY (the Hopper TLX kernels, where this was measured); the Blackwell
+# and portable kernels gather unless "copy" is forced.
 ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
 DOUT_MODES = ("auto", "gather", "copy")
 DOUT_COPY_MIN_F = 0
@@ -276,10 +276,11 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
+    dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)
+    del dout_rows  # (the dout copy's last reader) before the x copy: one N x D transient at a time
     x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], auto)  # recomputed: the forward keeps no copy
     dw13 = p.wgrad_gather(x_rows, x_idx, dh_N2F, None, offsets_E, order)
     del x_rows
-    dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
 
 

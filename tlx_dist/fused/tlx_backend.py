@@ -377,7 +377,8 @@ class _TlxFused:
 
     ARCH = ""
     A_SPLIT = 1  # A rows per TMA box = BM / A_SPLIT (Hopper: two consumer warp groups)
-    AUTO_ROW_COPY = True  # TLX_DIST_FUSED_DOUT / _X "auto" may copy rows (backends._dout_rows, _x_rows)
+    AUTO_ROW_COPY = False  # TLX_DIST_FUSED_DOUT / _X "auto" may copy rows (backends._dout_rows, _x_rows):
+    # where it was measured (the Hopper subclass)
 
     @staticmethod
     def tile_cum(offsets_E, n_rows, x=None):
@@ -518,6 +519,7 @@ class _Hopper(_TlxFused):
     ARCH = "sm_90"
     A_SPLIT = 2
     PHASED = True
+    AUTO_ROW_COPY = True  # measured on H200s (backends.DOUT_COPY_MIN_F, X_COPY_MIN_F)
 
     @staticmethod
     def _mm_kernel():
