@@ -18,7 +18,7 @@ timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 tests/
 echo "== GPU: fused vs separate vs fp64 (all modes), deep defaults, overlapped EP (+ bulk) rc=$? [$(( $(date +%s)-t0 ))s] $(tail -n 1 "$out/gpu_tests.log")"
 grep -E "^(FAILED|ERROR)|Timeout" "$out/gpu_tests.log" | cut -c1-300 | head -n 8
 timeout 120 python3 bench/moe_layer.py --shapes deepseek-v2-lite,olmoe --tokens 4096 --latency-tokens "" --reps 5 \
-  --providers fused,torchtitan --gaps --profile --json "$out/layer_gaps.json" > "$out/layer_gaps.log" 2>&1
+  --providers fused,torchtitan --gaps --profile --host-profile --json "$out/layer_gaps.json" > "$out/layer_gaps.log" 2>&1
 echo "== DeepSeek-V2-Lite / OLMoE T=4096: gaps and kernels rc=$? [$(( $(date +%s)-t0 ))s]"
 grep -E "^\| [a-z]|idle|gaps" "$out/layer_gaps.log" | head -n 20
 exit 0
