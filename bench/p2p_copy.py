@@ -109,14 +109,13 @@ def _sm_rows(src, dst, streams, n, args) -> dict:
     stores to the peer) and pull (runs on the destination's GPU, loads from the peer), GPU 0 -> 1 alone
     and both directions at once; each result checked against the source."""
     out = {}
+    grid = [(torch.cuda.get_device_properties(d).multi_processor_count * args.programs,) for d in range(2)]
     for mode in ("push", "pull"):
         def launch(d, mode=mode):
             # direction d -> 1 - d: src[d] lands in dst[1 - d]
             run_on = d if mode == "push" else 1 - d
             with torch.cuda.device(run_on), torch.cuda.stream(streams[run_on]):
-                sms = torch.cuda.get_device_properties(run_on).multi_processor_count
-                _sm_copy_kernel[(sms * args.programs,)](src[d].data_ptr(), dst[1 - d].data_ptr(), n, BLOCK=4096)
-            return run_on
+                _sm_copy_kernel[grid[run_on]](src[d].data_ptr(), dst[1 - d].data_ptr(), n, BLOCK=4096)
 
         def one(ev, launch=launch, mode=mode):
             r = 0 if mode == "push" else 1  # the GPU the 0 -> 1 kernel runs on

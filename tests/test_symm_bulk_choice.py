@@ -29,44 +29,47 @@ def tlx_on(monkeypatch):
 
 
 def test_off_unless_asked(tlx_on):
-    assert symm._bulk(_x(), BUFS, {}, 4) == {}
+    assert symm._bulk(_x(), BUFS, {}) == {}
 
 
 def test_env_and_override(tlx_on, monkeypatch):
     monkeypatch.setenv(ENV_EXCHANGE_BULK, "6")
     # 4 programs per SM: 220 KB / 4 = 55 KB each -> three 16 KB slots (D 7168 -> 8192 elements)
-    assert symm._bulk(_x(), BUFS, {}, 4) == {"BULK": 3, "BULK_DP": 8192}
-    assert symm._bulk(_x(), BUFS, {}, 2) == {"BULK": 6, "BULK_DP": 8192}
-    assert symm._bulk(_x(), BUFS, {}, 1) == {"BULK": 6, "BULK_DP": 8192}
-    assert symm._bulk(_x(D=2048), BUFS, {}, 4) == {"BULK": 6, "BULK_DP": 2048}
+    assert symm._bulk(_x(), BUFS, {}) == {"BULK": 3, "BULK_DP": 8192}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"per_sm": 2})  # the send's programs per SM
+    assert symm._bulk(_x(), BUFS, {}) == {"BULK": 6, "BULK_DP": 8192}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"per_sm": 1})
+    assert symm._bulk(_x(), BUFS, {}) == {"BULK": 6, "BULK_DP": 8192}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {})
+    assert symm._bulk(_x(D=2048), BUFS, {}) == {"BULK": 6, "BULK_DP": 2048}
     monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 0})  # the override wins over the env
-    assert symm._bulk(_x(), BUFS, {}, 4) == {}
-    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 20})
-    assert symm._bulk(_x(), BUFS, {}, 1) == {"BULK": 10, "BULK_DP": 8192}  # 160 KB cap
+    assert symm._bulk(_x(), BUFS, {}) == {}
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 20, "per_sm": 1})
+    assert symm._bulk(_x(), BUFS, {}) == {"BULK": 10, "BULK_DP": 8192}  # 160 KB cap
 
 
 def test_not_where_it_does_not_apply(tlx_on, monkeypatch):
     monkeypatch.setenv(ENV_EXCHANGE_BULK, "4")
-    assert symm._bulk(_x(dev="cpu"), BUFS, {}, 4) == {}
-    assert symm._bulk(_x(), types.SimpleNamespace(use_nvshmem=True), {}, 4) == {}
-    assert symm._bulk(_x(), BUFS, {"BLK_SIGNAL": True}, 4) == {}
-    assert symm._bulk(_x(), BUFS, {"RECV_ROLE": True}, 4) == {}
-    assert symm._bulk(_x(D=3), BUFS, {}, 4) == {}  # 6-byte rows
-    assert symm._bulk(_x(stride=7172), BUFS, {}, 4) == {}  # row starts not 16-byte aligned
-    assert symm._bulk(_x(ptr=(1 << 20) + 8), BUFS, {}, 4) == {}
-    assert symm._bulk(_x(es=8, D=16384), BUFS, {}, 4) == {}  # one 128 KB fp64 slot per program: under 2
-    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": (1 << 20) + 2}, 4) == {}  # own-row output not aligned
-    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": 1 << 20}, 4)["BULK"] == 3
+    assert symm._bulk(_x(dev="cpu"), BUFS, {}) == {}
+    assert symm._bulk(_x(), types.SimpleNamespace(use_nvshmem=True), {}) == {}
+    assert symm._bulk(_x(), BUFS, {"BLK_SIGNAL": True}) == {}
+    assert symm._bulk(_x(), BUFS, {"RECV_ROLE": True}) == {}
+    assert symm._bulk(_x(D=3), BUFS, {}) == {}  # 6-byte rows
+    assert symm._bulk(_x(stride=7172), BUFS, {}) == {}  # row starts not 16-byte aligned
+    assert symm._bulk(_x(ptr=(1 << 20) + 8), BUFS, {}) == {}
+    assert symm._bulk(_x(es=8, D=16384), BUFS, {}) == {}  # one 128 KB fp64 slot per program: under 2
+    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": (1 << 20) + 2}) == {}  # own-row output not aligned
+    assert symm._bulk(_x(), BUFS, {"OWN_ADDR": 1 << 20})["BULK"] == 3
     for arch in ("gfx94x", "other"):  # no cp.async.bulk there
         monkeypatch.setattr(tlx, "gpu_arch", lambda arch=arch: arch)
-        assert symm._bulk(_x(), BUFS, {}, 4) == {}
+        assert symm._bulk(_x(), BUFS, {}) == {}
     monkeypatch.setattr(tlx, "gpu_arch", lambda: "sm_100")
-    assert symm._bulk(_x(), BUFS, {}, 4)["BULK"] == 3
+    assert symm._bulk(_x(), BUFS, {})["BULK"] == 3
     monkeypatch.setattr(tlx, "tlx_available", lambda: False)
-    assert symm._bulk(_x(), BUFS, {}, 4) == {}
+    assert symm._bulk(_x(), BUFS, {}) == {}
 
 
 def test_bad_env_names_the_variable(tlx_on, monkeypatch):
     monkeypatch.setenv(ENV_EXCHANGE_BULK, "many")
     with pytest.raises(ValueError, match=r"TLX_DIST_EXCHANGE_BULK='many' must be an integer"):
-        symm._bulk(_x(), BUFS, {}, 4)
+        symm._bulk(_x(), BUFS, {})

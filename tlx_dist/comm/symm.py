@@ -295,8 +295,8 @@ def _grid(n_blocks: int, dev: torch.device, per_sm: int = 4) -> tuple[int]:
 # name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
 # (powers of two), num_warps, per_sm (programs per SM), pipe (send / row-form reduce_send: load a
 # row's next column chunk before storing this one), bulk (send: n shared-memory slots of bulk-copy
-# row moves, ``_bulk``); "route" -> {"BLOCK_ROWS": tokens per route block}. Empty: the defaults (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it
-# between ops, not inside one.
+# row moves, ``_bulk``); "route" -> {"BLOCK_ROWS": tokens per route block}. Empty: the defaults
+# (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it between ops, not inside one.
 LAUNCH_OVERRIDES: dict = {}
 
 
@@ -328,12 +328,13 @@ _BULK_SMEM = 160 * 1024  # shared memory the send's bulk-copy slots may take per
 ENV_EXCHANGE_BULK = "TLX_DIST_EXCHANGE_BULK"  # n > 0: the send's bulk-copy row moves with n slots
 
 
-def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -> dict:
+def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict) -> dict:
     """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` (``bulk``: n slots), else
-    ``TLX_DIST_EXCHANGE_BULK``, asks for the bulk-copy row moves (``tlx/comm/bulk.py``) and they apply: TLX on a CUDA GPU, peer pointers
-    only (no NVSHMEM route), no per-block receive signals or receiving programs, sm_90 / sm_100,
-    16-byte aligned rows (and own-row output) whose n slots (of next_pow2(D) elements) fit in the shared memory of ``per_sm`` programs per SM
-    (n shrinks to fit; under 2 slots, no bulk). Else nothing: the register copy."""
+    ``TLX_DIST_EXCHANGE_BULK``, asks for the bulk-copy row moves (``tlx/comm/bulk.py``) and they
+    apply: TLX on sm_90 / sm_100, peer pointers only (no NVSHMEM route), no per-block receive signals
+    or receiving programs, 16-byte aligned rows (and own-row output), and n slots of next_pow2(D)
+    elements that fit in the shared memory of the send's programs per SM (n shrinks to fit; under 2
+    slots, no bulk). Else nothing: the register copy."""
     o = LAUNCH_OVERRIDES.get("send") or {}
     n = o["bulk"] if "bulk" in o else os.environ.get(ENV_EXCHANGE_BULK, "0")
     try:
@@ -352,6 +353,7 @@ def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict, per_sm: int) -
     if (D * es) % 16 or (x_TD.stride(0) * es) % 16 or x_TD.data_ptr() % 16 or rows_meta.get("OWN_ADDR", 0) % 16:
         return {}
     dp = _next_pow2(D)
+    per_sm = o.get("per_sm", _DEFAULT_SHAPES["send"][1])
     n = min(n, (220 * 1024 // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))
     return {"BULK": n, "BULK_DP": dp} if n >= 2 else {}
 
@@ -543,7 +545,7 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         offs_ptr=offs if with_meta else dummy, E=E, EP=_next_pow2(E), NC=L.num_counts, OFF_COUNTS=L.off_counts,
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
-        **_pipe("send"), **_bulk(x_TD, bufs, rows_meta, (LAUNCH_OVERRIDES.get("send") or {}).get("per_sm", _DEFAULT_SHAPES["send"][1])),
+        **_pipe("send"), **_bulk(x_TD, bufs, rows_meta),
         **({} if split == 2 else _await_meta(bufs)))
 
 

@@ -62,11 +62,11 @@ DOUT_COPY_MIN_F = 0
 # Mixtral (F 14336) 13.35 / 12.17 -> 12.17 / 11.67; DeepSeek-V3 per rank (2048) 12.98 / 12.24 ->
 # 12.72 / 12.40 (even); DeepSeek-V2-Lite (1408), OLMoE (1024), Qwen3-30B-A3B (768): 4-11% slower.
 ENV_FUSED_X = "TLX_DIST_FUSED_X"
-X_MODES = DOUT_MODES
 X_COPY_MIN_F = 4096
 
 
 def _row_mode(env: str) -> str:
+    """``env`` (TLX_DIST_FUSED_DOUT or _X; ``auto`` when unset), one of DOUT_MODES."""
     mode = os.environ.get(env, "auto")
     if mode not in DOUT_MODES:
         raise ValueError(f"{env}={mode!r} must be one of {DOUT_MODES}")
@@ -226,7 +226,7 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets
     Same tiles' arithmetic as the one-launch forms (h and a bit for bit; the partial rows' fp32
     atomic sums in another order). The expert-major rows of source s's tokens only ever add into
     receive rows of source s, so after the peers' runs those receive rows are complete."""
-    N, (E, D, F2) = (src_N if src_N is not None else x_RD).shape[0], w13_EDF2.shape
+    N, (E, D, F2) = src_N.shape[0], w13_EDF2.shape
     offs_V = ov.offsets_V
     ov.check_rows(src_N, dst_N, offsets_E, num_dst, E)  # before anything is launched
     # Under activation checkpointing's recompute (inside a backward) the forward may stop right after

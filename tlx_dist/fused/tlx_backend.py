@@ -61,18 +61,18 @@ class FusedTileConfig:
     an H200 (``bench/fused_forms.py --forms dswiglu``, T=16384) the form ran 1.478 / 1.156 / 1.563 ms
     against 1.546 / 1.247 / 1.643 without (OLMoE / Qwen3-30B-A3B / DeepSeek-V2-Lite, 4-7% faster).
     An override that sets PREFETCH_H=1 or BN < 64 without naming EARLY_H turns it off.
-    EPI_WG (scatter and dswiglu; not with PREFETCH_H): 1 = a fourth warp group (EPI_REGS registers)
-    runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp groups). Each
-    consumer stashes its fp32 accumulator in shared memory as column chunks of EPI_COLS (0 = BN/2)
-    and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32); 2 * REGS +
-    EPI_WG * EPI_REGS <= 456 leaves the producer 56). The scatter default since session 13; for
-    dSwiGLU it measured slower on an H200 (0.56 -> 0.47-0.49x its anchor: its ring drops from 6 stages to 4, and
-    one warp group serialises both consumers' epilogues), so off there.
-    PINGPONG (dswiglu reading its A in place, i.e. TLX_DIST_FUSED_DOUT copy; ignored when dout is
-    gathered): each consumer computes every other tile whole (two 64-row fp32 accumulators, BN
-    registers a thread) and the two take turns issuing their main loops, so one's epilogue (in
-    EPI_COLS-column chunks) runs beside the other's MMAs. Written in session 13 after its last device
-    call: compile-checked, not yet run (scripts/device/h200_s16.sh)."""
+    EPI_WG (scatter, dswiglu, dswiglu_copy; not with PREFETCH_H): 1 = a fourth warp group (EPI_REGS
+    registers) runs both consumers' epilogues, 2 = one epilogue warp group per consumer (five warp
+    groups). Each consumer stashes its fp32 accumulator in shared memory as column chunks of EPI_COLS
+    (0 = BN/2) and goes on to the next tile's main loop (REGS then as low as max(96, BN/2 + 32); 2 *
+    REGS + EPI_WG * EPI_REGS <= 456 leaves the producer 56). EPI_WG=1 is the scatter default (session
+    13), EPI_WG=2 the dswiglu_copy default (session 14); the gathered dSwiGLU keeps its epilogue inline
+    (its ring would drop from 6 stages to 4).
+    PINGPONG (dswiglu_copy only: dSwiGLU reading dout's expert-major copy in place): each consumer
+    computes every other tile whole (two 64-row fp32 accumulators, BN registers a thread) and the two
+    take turns issuing their main loops, so one's epilogue (in EPI_COLS-column chunks) runs beside the
+    other's MMAs. The dswiglu_copy default from a reduction depth of DSWIGLU_PINGPONG_MIN_D
+    (``DSWIGLU_COPY_DEEP``, session 14)."""
 
     BM: int = 128
     BN: int = 128
@@ -626,9 +626,8 @@ def _tlx_prims() -> type:
 def kernel_signature(form: str, E: int = 64, dtype: str = "bf16", cfg=None, arch: str = "sm_90"):
     """(kernel, signature, constexprs, attrs, options) for ``triton.compile`` of one form on ``arch``
     without a GPU. ``form``: ``swiglu``, ``scatter`` (fwd, w2 N-major), ``scatter_t`` (dX of GEMM 1,
-    w13^T K-major), ``dswiglu`` (``dswiglu_copy``: its A read in place, TLX_DIST_FUSED_DOUT=copy; ``swiglu_copy`` likewise,
-    TLX_DIST_FUSED_X=copy), ``wgrad_a``
-    (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
+    w13^T K-major), ``dswiglu``, ``dswiglu_copy`` / ``swiglu_copy`` (their A read in place: the dout /
+    x copies, TLX_DIST_FUSED_DOUT / _X), ``wgrad_a`` (dW13: A gathered), ``wgrad_b`` (dW2: B gathered). Integer
     and pointer arguments carry the 16-divisibility the launcher specialises on (D, F multiples of 64);
     every constexpr is given explicitly (``ASTSource`` applies no defaults)."""
     from ..grouped_gemm.host import search_steps
