@@ -3,6 +3,7 @@
 applies (TLX, a CUDA tensor, peer pointers, no per-block signals or receiving programs, 16-byte
 rows), and sizes the slots to the shared memory of the programs an SM runs."""
 
+import os
 import types
 
 import pytest
@@ -73,3 +74,36 @@ def test_bad_env_names_the_variable(tlx_on, monkeypatch):
     monkeypatch.setenv(ENV_EXCHANGE_BULK, "many")
     with pytest.raises(ValueError, match=r"TLX_DIST_EXCHANGE_BULK='many' must be an integer"):
         symm._bulk(_x(), BUFS, {})
+
+
+def test_buffers_setting_between_override_and_env(tlx_on, monkeypatch):
+    """``SymmDispatcher(bulk_send=n)`` puts n on the buffer set; LAUNCH_OVERRIDES wins over it, it wins
+    over TLX_DIST_EXCHANGE_BULK."""
+    bufs = types.SimpleNamespace(use_nvshmem=False, bulk_send=2)
+    monkeypatch.setenv(ENV_EXCHANGE_BULK, "3")
+    assert symm._bulk(_x(), bufs, {})["BULK"] == 2
+    bufs.bulk_send = 0
+    assert symm._bulk(_x(), bufs, {})["BULK"] == 3
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 0})
+    bufs.bulk_send = 2
+    assert symm._bulk(_x(), bufs, {}) == {}
+
+
+def test_dispatcher_and_recipe_reach_the_buffers(monkeypatch):
+    from train.config import load_config
+    from tlx_dist.comm import SymmDispatcher
+
+    with pytest.raises(ValueError, match=r"bulk_send=-1 must be a non-negative int"):
+        SymmDispatcher(8, bulk_send=-1)
+    with pytest.raises(ValueError, match=r"bulk_send=True must be a non-negative int"):
+        SymmDispatcher(8, bulk_send=True)
+    made = types.SimpleNamespace(bulk_send=0)
+    monkeypatch.setattr(symm, "ep_buffers", lambda *a, **kw: made)
+    d = SymmDispatcher(8, bulk_send=6, max_tokens=16)
+    assert d._buffers_for(types.SimpleNamespace(shape=(16, 64), dtype=None, device="cpu"), 2) is made
+    assert made.bulk_send == 6
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "h200_2gpu_ep2.toml")
+    assert load_config(recipe).parallel.exchange_bulk == 0
+    assert load_config(recipe, ["parallel.exchange_bulk=6"]).parallel.exchange_bulk == 6
+    with pytest.raises(ValueError, match=r"parallel.exchange_bulk=-2 must be >= 0"):
+        load_config(recipe, ["parallel.exchange_bulk=-2"])

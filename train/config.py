@@ -82,7 +82,10 @@ class ParallelConfig:
     ep_overlap: the arrival-driven overlap of those layers (``SymmDispatcher(overlap=True)``): a
     dispatch ends once the peers' metadata landed, their token rows follow on a side stream while
     the gate/up GEMM computes this rank's own rows. Needs ``ep_row_regions = true`` and
-    ``capacity_factor > 0`` (checked); does nothing where the layers get no region."""
+    ``capacity_factor > 0`` (checked); does nothing where the layers get no region.
+    exchange_bulk: n > 0: the symmetric exchange's send moves token rows through n shared-memory
+    slots by the SM's bulk-copy unit (``SymmDispatcher(bulk_send=n)``; TLX on sm_90 / sm_100 over
+    peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK."""
 
     ep: int = 1
     dp: int = 0
@@ -91,6 +94,7 @@ class ParallelConfig:
     moe_pipeline: str = "auto"
     ep_row_regions: bool = False
     ep_overlap: bool = False
+    exchange_bulk: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,8 @@ def _validate(cfg: Config) -> None:
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
+    if p.exchange_bulk < 0:
+        raise ValueError(f"parallel.exchange_bulk={p.exchange_bulk} must be >= 0 (shared-memory slots; 0: off)")
     if p.ep_overlap and not p.ep_row_regions:
         raise ValueError("parallel.ep_overlap=true overlaps the dispatch with GEMMs that read the rows where they "
                          "land: set parallel.ep_row_regions = true too")
