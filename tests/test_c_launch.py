@@ -64,3 +64,46 @@ def test_marked_kernels_have_no_default_arguments():
             fn = getattr(fn, "fn", fn)
             defaults = [n for n, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty]
             assert not defaults, f"{m}.{k} has defaults {defaults}"
+
+
+@pytest.mark.skipif(not tlx.tlx_available(), reason="needs fbtriton")
+def test_c_dispatch_sets_the_knob_for_the_marked_kernel_only(monkeypatch):
+    """TLX_DIST_C_DISPATCH=1: a marked kernel's launches run with fbtriton's C-dispatcher knob on
+    (so a specialisation compiled then carries a C dispatcher); before and after, and for every
+    other kernel, the knob is what it was, and nothing is exported to the environment."""
+    from triton import knobs
+
+    monkeypatch.delenv("TRITON_USE_C_DISPATCHER", raising=False)
+    seen = []
+
+    class Kernel:  # what c_launch needs of a JITFunction: c_cache, params, run
+        c_cache = False
+        params = ()
+
+        def run(self, *args, grid, warmup, **kwargs):
+            seen.append((knobs.nvidia.use_triton_dispatcher, args, grid, kwargs))
+            if kwargs.get("fail"):
+                raise RuntimeError("launch failed")
+            return "compiled"
+
+    monkeypatch.setenv(tlx.ENV_C_DISPATCH, "1")
+    k = tlx.c_launch(Kernel())
+    assert k.c_cache is True and k.c_dispatch is True
+    assert knobs.nvidia.use_triton_dispatcher is False
+    assert k.run(1, 2, grid=(3,), warmup=False, BLOCK=4) == "compiled"
+    assert seen[-1] == (True, (1, 2), (3,), {"BLOCK": 4})
+    assert knobs.nvidia.use_triton_dispatcher is False and "TRITON_USE_C_DISPATCHER" not in os.environ
+    with pytest.raises(RuntimeError, match="launch failed"):
+        k.run(grid=(1,), warmup=False, fail=True)
+    assert seen[-1][0] is True and knobs.nvidia.use_triton_dispatcher is False  # restored on error
+    # A user who turned the knob on keeps it on (and it is not popped after the launch).
+    knobs.nvidia.__dict__["use_triton_dispatcher"] = True
+    try:
+        k.run(grid=(1,), warmup=False)
+        assert seen[-1][0] is True and knobs.nvidia.__dict__["use_triton_dispatcher"] is True
+    finally:
+        knobs.nvidia.__dict__.pop("use_triton_dispatcher", None)
+    # Off (the default): the kernel keeps Triton's own run.
+    monkeypatch.setenv(tlx.ENV_C_DISPATCH, "0")
+    k2 = tlx.c_launch(Kernel())
+    assert k2.c_cache is True and not hasattr(k2, "c_dispatch") and "run" not in vars(k2)

@@ -86,8 +86,8 @@ def _grouped_wgrad_recorder(monkeypatch, calls):
 
     from tlx_dist.grouped_gemm import backends as gb
 
-    def wgrad(a, b, offsets):
-        calls.append(("grouped_wgrad", dict(a=a, b=b)))
+    def wgrad(a, b, offsets, order=None, trusted=False):
+        calls.append(("grouped_wgrad", dict(a=a, b=b, order=order, trusted=trusted)))
         return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
 
     real = gb.get_backend
@@ -132,6 +132,8 @@ def test_every_launch_binds_to_its_kernel(arch, env, rows, monkeypatch):
     assert [(c["A_GATHER"], c["B_GATHER"]) for c in wg] == ([] if copied else [(False, True)]) + [(True, False)]
     grouped = [c for n, c in calls if n == "grouped_wgrad"]
     assert len(grouped) == copied and all(c["b"].shape == (tok.shape[0], D) for c in grouped)
+    # the routing's int32 offsets and longest-first order are handed on (no clamp or order launch)
+    assert all(c["trusted"] is True and c["order"] is not None for c in grouped)
     if copied and arch == "sm_90":  # the copy form's own config: one epilogue warp group per consumer
         assert mm[2]["EPI_WG"] == tb.FORMS["dswiglu_copy"].EPI_WG == 2 and mm[2]["PINGPONG"] is False
     if arch == "sm_90" and not copied:

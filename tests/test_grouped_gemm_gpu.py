@@ -217,6 +217,13 @@ def test_tlx_dw_lpt_matches_static_and_ref(counts, N, D, F, why, monkeypatch):
     # Deterministic across runs despite the atomic claims.
     monkeypatch.setenv("TLX_DIST_GROUPED_MM_DW_SCHED", "lpt")
     assert torch.equal(dw, get_backend("tlx").wgrad(x, dy, off)), "dW not deterministic"
+    # The fused pipeline's call (its routing's int32 offsets and longest-first order handed in, the
+    # clamp and order launches skipped): the same result bit for bit.
+    from tlx_dist.grouped_gemm.tlx_backend import _lpt_order
+
+    off32 = off.to(torch.int32).contiguous()
+    dw_t = get_backend("tlx").wgrad(x, dy, off32, order=_lpt_order(off32), trusted=True)
+    assert torch.equal(dw, dw_t), "dW with the handed-in order / trusted offsets differs"
 
 
 @needs_tlx

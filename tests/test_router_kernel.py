@@ -29,7 +29,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tlx.portable.router import _router_bwd_kernel, _router_fwd_kernel
+from tlx.portable.router import _router_bwd_kernel, _router_fwd_kernel, _router_sums_kernel
 from tlx_dist.router import _router_block
 out = {}
 for arch in sys.argv[1:]:
@@ -52,6 +52,12 @@ for arch in sys.argv[1:]:
                   HAS_GQ=flag, HAS_GZ=flag, BT=bt)
         c = triton.compile(ASTSource(_router_bwd_kernel, sig, constexprs=cx), target=target, options={"num_warps": 4})
         out[f"{arch}/bwd/E{E}"] = len(c.asm["hsaco" if arch.startswith("gfx") else "cubin"])
+        bc = min(256, triton.next_power_of_2(3 * E + 2))
+        sig = {"part_ptr": "*fp32", "NB": "i32", "q_ptr": "*fp32", "fin_ptr": "*fp32", "slots_ptr": "*i64",
+               "nfin_ptr": "*fp32", "zsum_ptr": "*fp32", "E": "constexpr", "BC": "constexpr", "BR": "constexpr"}
+        c = triton.compile(ASTSource(_router_sums_kernel, sig, constexprs=dict(E=E, BC=bc, BR=max(1, 4096 // bc))),
+                           target=target, options={"num_warps": 4})
+        out[f"{arch}/sums/E{E}"] = len(c.asm["hsaco" if arch.startswith("gfx") else "cubin"])
 print(json.dumps(out))
 """
 
@@ -63,4 +69,4 @@ def test_router_kernels_compile_for_every_target():
     r = subprocess.run([sys.executable, "-c", _CHILD, *archs], env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     sizes = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(sizes) == len(archs) * 6 and all(v > 0 for v in sizes.values()), sizes
+    assert len(sizes) == len(archs) * 9 and all(v > 0 for v in sizes.values()), sizes

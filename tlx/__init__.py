@@ -29,7 +29,7 @@ import os
 from typing import Iterator
 
 __all__ = ["ARCHS", "tlx_available", "triton_available", "gpu_arch", "override", "describe", "c_launch",
-           "ENV_C_LAUNCH"]
+           "ENV_C_LAUNCH", "ENV_C_DISPATCH"]
 
 ARCHS = ("sm_90", "sm_100", "gfx94x", "other", "none")
 
@@ -163,4 +163,46 @@ def c_launch(kernel):
         return kernel
     _ensure_torch_bridge()
     kernel.c_cache = True
+    if os.environ.get(ENV_C_DISPATCH, "0") == "1":
+        _dispatch_in_c(kernel)
     return kernel
+
+
+ENV_C_DISPATCH = "TLX_DIST_C_DISPATCH"
+_KNOB = "use_triton_dispatcher"  # fbtriton's knobs.nvidia.use_triton_dispatcher (TRITON_USE_C_DISPATCHER)
+_UNSET = object()
+
+
+def _dispatch_in_c(kernel) -> None:
+    """With ``TLX_DIST_C_DISPATCH=1`` (and the C launch path): this kernel's launches run with fbtriton's
+    C dispatcher knob on, for this kernel only. A specialisation compiled then carries a C dispatcher
+    (``CompiledKernel._dispatcher``, built from the kernel's launch-metadata schema, TensorDescriptor
+    arguments included), which the C cache stores with it, so a later launch is key + lookup +
+    ``cuLaunchKernelEx`` in one C call instead of the Python launcher (``driver.py``'s ``__call__``
+    and its ``launch_metadata``). The knob is set on ``knobs.nvidia`` directly (not through its
+    setter, which would also export ``TRITON_USE_C_DISPATCHER`` to the environment) for the duration
+    of the launch and restored after it, so no other Triton kernel in the process changes path, and
+    ``kernel[grid]`` stays Python's ``run`` (the knob's C proxy takes positional arguments only)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    nv = knobs.nvidia
+    run = kernel.run
+
+    def run_dispatching(*args, **kwargs):
+        d = nv.__dict__
+        prev = d.get(_KNOB, _UNSET)
+        if prev is True:
+            return run(*args, **kwargs)
+        d[_KNOB] = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if prev is _UNSET:
+                d.pop(_KNOB, None)
+            else:
+                d[_KNOB] = prev
+
+    kernel.run = run_dispatching
+    kernel.c_dispatch = True

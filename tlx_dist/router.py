@@ -155,7 +155,7 @@ class _RouteKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TE, bias_E, K: int, softmax: bool, route_norm: bool, scale: float):
-        from tlx.portable.router import _router_fwd_kernel
+        from tlx.portable.router import _router_fwd_kernel, _router_sums_kernel
 
         logits_TE = logits_TE.contiguous()
         T, E = logits_TE.shape
@@ -168,9 +168,14 @@ class _RouteKernel(torch.autograd.Function):
         _router_fwd_kernel[(nb,)](logits_TE, bias_E if bias_E is not None else logits_TE, idx, gate, part, T,
                                   float(scale), E=E, EP=ep, K=K, KP=_pow2(K),
                                   SOFTMAX=softmax, HAS_BIAS=bias_E is not None, ROUTE_NORM=route_norm, BT=bt)
-        sums = part.sum(0, dtype=torch.float64)  # block partials are exact small counts: exact here
-        q_E, fin_slots_E, slots_E = sums[:E].float(), sums[E:2 * E].float(), sums[2 * E:3 * E].to(torch.int64)
-        n_fin, zsum = sums[3 * E].float(), sums[3 * E + 1].float()
+        # the block partials summed in fp64 (counts: exact) and cast, in one launch
+        dev = logits_TE.device
+        q_E, fin_slots_E = torch.empty(E, dtype=torch.float32, device=dev), torch.empty(E, dtype=torch.float32, device=dev)
+        slots_E = torch.empty(E, dtype=torch.int64, device=dev)
+        n_fin, zsum = torch.empty((), dtype=torch.float32, device=dev), torch.empty((), dtype=torch.float32, device=dev)
+        bc = min(256, _pow2(3 * E + 2))
+        _router_sums_kernel[(-(-(3 * E + 2) // bc),)](part, nb, q_E, fin_slots_E, slots_E, n_fin, zsum,
+                                                      E=E, BC=bc, BR=max(1, 4096 // bc))
         ctx.save_for_backward(logits_TE, idx)
         ctx.meta = (K, softmax, route_norm, float(scale), bt, ep)
         ctx.mark_non_differentiable(idx, fin_slots_E, slots_E, n_fin)
@@ -310,7 +315,8 @@ class Router(nn.Module):
             self.tokens_since_update.add_(counts_E)
         zero = logits_TE.new_zeros(())
         aux, z = zero, zero
-        n_finite = n_fin.clamp_min(1.0)  # an empty batch gives 0, not NaN
+        if cfg.aux_loss_coef > 0 or cfg.z_loss_coef > 0:
+            n_finite = n_fin.clamp_min(1.0)  # an empty batch gives 0, not NaN
         if cfg.aux_loss_coef > 0:
             aux = cfg.aux_loss_coef * cfg.num_experts * ((fin_slots_E / (n_finite * cfg.top_k)) * (q_E / n_finite)).sum()
         if cfg.z_loss_coef > 0:

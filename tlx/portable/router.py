@@ -11,7 +11,7 @@ of fp32 logits ``l``:
     fin  = every logit of the row finite
 
 and per program (block b) the partial sums the load-balancing losses need, written to
-``part[b, :]`` (fp32; summed on the host, so deterministic):
+``part[b, :]`` (fp32; summed in fp64 in a fixed order by ``_router_sums_kernel``, so deterministic):
 
     [0, E)      sum over fin rows of q_e (q = p for softmax, p / sum_e p for sigmoid)
     [E, 2E)     slots of fin rows per expert
@@ -161,6 +161,30 @@ def _router_bwd_kernel(logits_ptr, idx_ptr, g_gate_ptr, g_q_ptr, g_z_ptr, dl_ptr
     tl.store(dl_ptr + t.to(tl.int64)[:, None] * E + e[None, :], dl, mask=m2)
 
 
+@triton.jit
+def _router_sums_kernel(part_ptr, NB, q_ptr, fin_ptr, slots_ptr, nfin_ptr, zsum_ptr,
+                        E: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+    """The forward's block partials summed over the ``NB`` blocks in fp64, in a fixed order (so
+    deterministic), and written out in the outputs' dtypes: ``q [E]`` fp32, ``fin [E]`` fp32,
+    ``slots [E]`` int64 (exact: counts), ``nfin [1]`` fp32, ``zsum [1]`` fp32. grid = cdiv(3E+2, BC)
+    column blocks; each walks the rows BR at a time."""
+    C: tl.constexpr = 3 * E + 2
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = c < C
+    acc = tl.zeros([BC], tl.float64)
+    for r0 in range(0, NB, BR):
+        r = r0 + tl.arange(0, BR)
+        v = tl.load(part_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=(r < NB)[:, None] & cm[None, :],
+                    other=0.0)
+        acc += tl.sum(v.to(tl.float64), axis=0)
+    tl.store(q_ptr + c, acc.to(tl.float32), mask=c < E)
+    tl.store(fin_ptr + (c - E), acc.to(tl.float32), mask=(c >= E) & (c < 2 * E))
+    tl.store(slots_ptr + (c - 2 * E), acc.to(tl.int64), mask=(c >= 2 * E) & (c < 3 * E))
+    tl.store(nfin_ptr + (c - 3 * E), acc.to(tl.float32), mask=c == 3 * E)
+    tl.store(zsum_ptr + (c - 3 * E - 1), acc.to(tl.float32), mask=c == 3 * E + 1)
+
+
 # Launched every step (eager): fbtriton's C launch path (tlx.c_launch) once compiled.
 _c_launch(_router_fwd_kernel)
 _c_launch(_router_bwd_kernel)
+_c_launch(_router_sums_kernel)

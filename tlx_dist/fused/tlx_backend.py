@@ -492,7 +492,7 @@ class _TlxFused:
             # own longest-expert-first order and config (TLX_DIST_GROUPED_MM_* apply)
             from ..grouped_gemm.backends import get_backend
 
-            return get_backend("tlx").wgrad(a, b.contiguous(), offsets_E)
+            return get_backend("tlx").wgrad(a, b.contiguous(), offsets_E, order=order, trusted=True)
         dw = a.new_empty(E, D, F)
         if N == 0:
             return dw.zero_()

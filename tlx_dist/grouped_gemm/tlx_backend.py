@@ -316,7 +316,7 @@ def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> tor
     return y_NF
 
 
-def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF):
+def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF, order=None):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .host import ragged_descriptor
@@ -328,12 +328,20 @@ def _wgrad_with(cfg: GroupedGemmConfig, cc: int, x_ND, dy_NF, offsets, dw_EDF):
     b_desc = ragged_descriptor(dy_NF, cfg.BK, cfg.BN)
     c_desc = TensorDescriptor(dw_EDF, [E, D, F], [D * F, F, 1], [1, _a_rows(cc, cfg), _c_cols(cc, cfg)])
     bound = E * -(-D // cfg.BM) * -(-F // cfg.BN)
-    order = _lpt_order(offsets) if cc == 90 and _dw_schedule() == "lpt" else None
+    if cc != 90 or _dw_schedule() != "lpt":
+        order = None  # the static walk (Blackwell's kernel has no order argument)
+    elif order is None:
+        order = _lpt_order(offsets)
     _launch(cc, cfg, True, False, a_desc, b_desc, c_desc, offsets, offsets, N, E, D, N, F, bound, x_ND.device,
             order=order)
 
 
-def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, order: Optional[torch.Tensor] = None,
+           trusted: bool = False) -> torch.Tensor:
+    """``dW[e] = x[rows of e]^T @ dy[rows of e]``. The fused pipeline's callers (its dout copy) pass
+    ``trusted=True`` for int32 offsets their own routing kernel made (valid: the clamp launch is
+    skipped) and ``order``, the longest-first expert order the routing kernel already wrote (the
+    order launch is skipped): two launches fewer per call, the same kernel and tiles."""
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = offsets_E.shape[0]
@@ -347,10 +355,13 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
 
     dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
     cc = _arch_cc()
-    offsets = prep_offsets(offsets_E, N)[0]  # clamped into [0, N] on the device (guard.py)
+    if trusted and offsets_E.dtype == torch.int32 and offsets_E.is_contiguous():
+        offsets = offsets_E
+    else:
+        offsets = prep_offsets(offsets_E, N)[0]  # clamped into [0, N] on the device (guard.py)
     cfg = pick_config(cc, "dW", N, E, D, F, x_ND.dtype,
-                      bench=lambda c: _wgrad_with(c, cc, x_ND, dy_NF, offsets, torch.empty_like(dw_EDF)))
-    _wgrad_with(cfg, cc, x_ND, dy_NF, offsets, dw_EDF)
+                      bench=lambda c: _wgrad_with(c, cc, x_ND, dy_NF, offsets, torch.empty_like(dw_EDF), order))
+    _wgrad_with(cfg, cc, x_ND, dy_NF, offsets, dw_EDF, order)
     return dw_EDF
 
 
