@@ -68,7 +68,7 @@ def test_marked_kernels_have_no_default_arguments():
 
 @pytest.mark.skipif(not tlx.tlx_available(), reason="needs fbtriton")
 def test_c_dispatch_sets_the_knob_for_the_marked_kernel_only(monkeypatch):
-    """TLX_DIST_C_DISPATCH=1: a marked kernel's launches run with fbtriton's C-dispatcher knob on
+    """TLX_DIST_C_DISPATCH (on unless 0): a marked kernel's launches run with fbtriton's C-dispatcher knob on
     (so a specialisation compiled then carries a C dispatcher); before and after, and for every
     other kernel, the knob is what it was, and nothing is exported to the environment."""
     from triton import knobs
@@ -103,7 +103,9 @@ def test_c_dispatch_sets_the_knob_for_the_marked_kernel_only(monkeypatch):
         assert seen[-1][0] is True and knobs.nvidia.__dict__["use_triton_dispatcher"] is True
     finally:
         knobs.nvidia.__dict__.pop("use_triton_dispatcher", None)
-    # Off (the default): the kernel keeps Triton's own run.
+    # On by default; TLX_DIST_C_DISPATCH=0: the kernel keeps Triton's own run.
+    monkeypatch.delenv(tlx.ENV_C_DISPATCH)
+    assert tlx.c_launch(Kernel()).c_dispatch is True
     monkeypatch.setenv(tlx.ENV_C_DISPATCH, "0")
     k2 = tlx.c_launch(Kernel())
     assert k2.c_cache is True and not hasattr(k2, "c_dispatch") and "run" not in vars(k2)

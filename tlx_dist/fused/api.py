@@ -296,8 +296,10 @@ def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
     tok_N = torch.empty(S, dtype=torch.int32, device=dev)
     order_S = torch.empty(S, dtype=torch.int64, device=dev)
     offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
-    sched = torch.zeros(o + E, dtype=torch.int32, device=dev)
+    # the kernel writes tile_cum [E + 1] and the order [E]; the entries between them are padding
+    sched = torch.empty(o + E, dtype=torch.int32, device=dev)
     if S == 0:
+        sched.zero_()
         offsets_E.zero_()
         sched[o:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
         return tok_N, order_S, offsets_E, sched
