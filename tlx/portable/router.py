@@ -166,7 +166,7 @@ def _router_sums_kernel(part_ptr, NB, q_ptr, fin_ptr, slots_ptr, nfin_ptr, zsum_
                         E: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
     """The forward's block partials summed over the ``NB`` blocks in fp64, in a fixed order (so
     deterministic), and written out in the outputs' dtypes: ``q [E]`` fp32, ``fin [E]`` fp32,
-    ``slots [E]`` int64 (exact: counts), ``nfin [1]`` fp32, ``zsum [1]`` fp32. grid = cdiv(3E+2, BC)
+    ``slots [E]`` int64 (exact: counts), ``nfin`` and ``zsum`` fp32 scalars. grid = cdiv(3E+2, BC)
     column blocks; each walks the rows BR at a time."""
     C: tl.constexpr = 3 * E + 2
     c = tl.program_id(0) * BC + tl.arange(0, BC)
