@@ -43,12 +43,25 @@ def parse(spec: str) -> dict:
     """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv
     (a trailing ``L``: the copy-ahead loop, send and reduce_send; ``Bn``: the send's bulk-copy row
     moves through n shared-memory slots, TLX); ``"send:8x512w4,route:16,..."``
-    -> per kernel (``route:N``: N tokens per route block)."""
+    -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
+    mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
+    per SM)."""
     if spec == "default":
         return {}
     out = {}
     for part in spec.split(","):
         kind, _, shape = part.rpartition(":")
+        if kind == "comb":  # the combine's mode on every rank (symm._comb_mode), between ops
+            if shape not in ("after", "overlap"):
+                raise ValueError(f"--configs: comb:{shape!r} must be after or overlap")
+            out["comb"] = shape
+            continue
+        if kind == "comb_recv":  # the one-launch combine: summing / sending programs per SM
+            m = re.match(r"^(\d+)x(\d+)$", shape)
+            if not m:
+                raise ValueError(f"--configs: comb_recv:{shape!r} must be RxS (summing x sending programs per SM)")
+            out["comb_recv"] = dict(per_sm=int(m.group(1)), send_per_sm=int(m.group(2)))
+            continue
         if kind == "route":
             if not shape.isdigit() or int(shape) < 1 or int(shape) & (int(shape) - 1):
                 raise ValueError(f"--configs: route:{shape!r} must be a power of two (tokens per route block)")
@@ -111,7 +124,10 @@ def main() -> int:
         base = None
         for spec, shape in zip(specs, shapes):
             symm.LAUNCH_OVERRIDES.clear()
-            symm.LAUNCH_OVERRIDES.update(shape)
+            symm.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k != "comb"})
+            disp.buffers._comb_mode = None  # resolved again at the next combine (env / default) ...
+            if "comb" in shape:  # ... or as the spec says (every rank runs the same specs)
+                disp.buffers._comb_mode = shape["comb"]
             rows_check(disp, x, idx, gate, ra, mask_TW.sum(1), region=0)
             fd, fc = _graphs_rows(disp, x, idx, gate, region=0)
             td = _median_ms(fd, args.iters, aligned) * 1e3

@@ -749,3 +749,96 @@ def test_an_abandoned_overlapped_dispatch_does_not_leak_into_the_next():
         assert int(b.region_counters().abs().sum()) == 0
     world.check()
     world.close()
+
+
+def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
+    world = EmulatedWorld(len(Ts), max(Ts), D, K, E, torch.float64, device="cpu")
+    if comb_mode is not None:
+        for b in world.buffers:
+            b._comb_mode = comb_mode
+    return world
+
+
+@pytest.mark.parametrize("Ts,kind,rows", [([7, 5], "random", True), ([4, 0, 6, 2], "random", False),
+                                          ([5, 3, 6, 2], "heavy_imbalance", True),
+                                          ([6, 6], "zero_token_experts", False)])
+def test_combine_counts_partial_rows_per_token_block(monkeypatch, Ts, kind, rows):
+    """The combine's per-token-block arrival counters (CBLK; ``symm._comb_mode`` "blocks" in the
+    emulated world, and on real ranks the counters the one-launch combine sums by). With 3-token
+    blocks and 4-row reduce-send tiles a tile's rows straddle blocks and sources. After the send
+    phase, source s's counter (d, j) holds the rows of its token block j that rank d sent back: the
+    block's tokens that went to d (row form: none from s itself, whose partial rows stay where they
+    are). After the op every counter is zero and the output is bit for bit the one-count-per-rank
+    path's ("after", the NVSHMEM route's), twice over on the same buffers."""
+    import tlx_dist.comm.symm as symm
+    import tlx_dist.comm.symm_buffers as sb
+    monkeypatch.setattr(sb, "COMB_BLOCK", 3)
+    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
+    W, E, K, D = len(Ts), 12, 3, 8
+    world, ref_world = _comb_world(Ts, D, K, E, monkeypatch), _comb_world(Ts, D, K, E, monkeypatch, "after")
+    bufs = world.buffers
+    assert bufs[0].layout.comb_block == 3 and symm._comb_mode(bufs[0]) == "blocks"
+    gen = torch.Generator().manual_seed(8)
+    for rep in range(2):
+        xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
+        idxs = [_kind_routing(40 + s + rep, T, K, E, W, kind) if T else torch.zeros(0, K, dtype=torch.long)
+                for s, T in enumerate(Ts)]
+        gates = [torch.rand(T, K, generator=gen, dtype=torch.float64) for T in Ts]
+        outs = []
+        for w in (world, ref_world):
+            res = w.dispatch_rows(xs, idxs, gates) if rows else w.dispatch(xs, idxs, gates)
+            hs = [r[-1] for r in res]
+            if rows:
+                ys = [torch.randn(W * max(Ts), D, generator=torch.Generator().manual_seed(60 + rep + d),
+                                  dtype=torch.float64) for d in range(W)]
+                gens = [symm.combine_rows_steps(w.buffers[d], ys[d], hs[d]) for d in range(W)]
+            else:
+                ys = [torch.randn(r[0].shape[0], D, generator=torch.Generator().manual_seed(60 + rep + d),
+                                  dtype=torch.float64) for d, r in enumerate(res)]
+                gens = [symm.combine_steps(w.buffers[d], ys[d], hs[d]) for d in range(W)]
+            for g in gens:  # reduce-send
+                next(g)
+            if w is world:
+                for s in range(W):
+                    ctr = bufs[s].comb_block_counters()
+                    sent = hs[s].send_row_TW.long() >= 0  # [T_s, W]
+                    want = torch.zeros_like(ctr)
+                    for d in range(W):
+                        if rows and d == s:
+                            continue
+                        for j in range(-(-Ts[s] // 3)):
+                            want[d, j] = int(sent[3 * j:3 * j + 3, d].sum())
+                    assert torch.equal(ctr, want), f"rep {rep}: source {s}'s counters {ctr} != {want}"
+            out = []
+            for g in gens:
+                try:
+                    next(g)
+                    raise AssertionError("combine has two phases")
+                except StopIteration as stop:
+                    out.append(stop.value)
+            outs.append(out)
+        for s in range(W):
+            assert not bufs[s].comb_block_counters().any(), f"rep {rep}: rank {s}'s counters were not zeroed"
+            assert outs[0][s].shape == (Ts[s], D)
+            assert torch.equal(outs[0][s], outs[1][s]), f"rep {rep}: rank {s}'s combine differs from the ARRIVE path"
+            assert outs[0][s].abs().sum() > 0 or Ts[s] == 0
+    world.check()
+    ref_world.check()
+
+
+def test_combine_block_wait_names_the_peer_that_skipped():
+    """One virtual rank skips a combine: the other's per-block wait gives up after timeout_s (no
+    hang), and check() raises ExchangeError naming the combine, this rank and the peer."""
+    from tlx_dist.comm.emulated import run_lockstep
+    from tlx_dist.comm.symm import combine_steps
+    from tlx_dist.comm.symm_buffers import ExchangeError
+    W, E, K, D, T = 2, 4, 2, 4, 6
+    world = EmulatedWorld(W, T, D, K, E, torch.float64, device="cpu", timeout_s=0.002)
+    xs = [torch.randn(T, D, dtype=torch.float64) for _ in range(W)]
+    idxs = [torch.tensor([[0, 2]] * T) for _ in range(W)]  # every token goes to both ranks
+    gates = [torch.rand(T, K, dtype=torch.float64) for _ in range(W)]
+    res = world.dispatch(xs, idxs, gates)
+    run_lockstep([combine_steps(world.buffers[0], res[0][0], res[0][1])])  # rank 1 skips
+    with pytest.raises(ExchangeError, match=r"rank 0 waited 0.002 s for the combine partial rows from rank 1"):
+        world.buffers[0].check()
+    world.buffers[1].check()

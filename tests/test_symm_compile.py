@@ -28,7 +28,8 @@ def _specs(amd: bool = False):
     import triton.language as tl
     W, E, K, D, T_MAX = 8, 256, 8, 7168, 4096  # DeepSeek-V3-sized rows, EP = 8
     offs = dict(OFF_STATE=0, OFF_FLAGS=256, OFF_ARRIVE=512, OFF_COUNTS=768, OFF_META=34048, OFF_GATES=1213696,
-                OFF_RECV=1737984, OFF_COMB=2 ** 31, OFF_DGATE=2 ** 32, OFF_RBLK=2 ** 32 + 2 ** 20)
+                OFF_RECV=1737984, OFF_COMB=2 ** 31, OFF_DGATE=2 ** 32, OFF_RBLK=2 ** 32 + 2 ** 20,
+                OFF_CBLK=2 ** 32 + 2 ** 21)
     wait = dict(TIMEOUT_NS=30 * 10**9, CLOCK=2 if amd else 1)
     o = lambda *names: {n: offs[n] for n in names}  # noqa: E731
     tiles = dict(BLOCK_D=512)
@@ -56,11 +57,18 @@ def _specs(amd: bool = False):
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                      peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
-                    USE_NVSHMEM=False, PIPE=False, **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS"))
+                    USE_NVSHMEM=False, PIPE=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
+                    RR_T=8, RR_D=512, END=False, WP3=32,
+                    **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS", "OFF_CBLK"))
+    # the one-launch combine (symm._comb_mode "overlap"): per-token-block counters, and summing
+    # programs that read this rank's partial rows where they are (row form) or from COMB
+    rsend_recv_sig = dict(rsend_sig, N_RECV="i32", out_ptr="*bf16", send_row_ptr="*i32", T="i32", PART_ADDR="i64")
+    rsend_recv_cx = dict(rsend_cx, CBLK_SIGNAL=True, RECV_ROLE=True, END=True, RR_T=1, RR_D=512)  # W = 8
     rrecv_sig = dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32",
                      PART_ADDR="i64")
     rrecv_cx = dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, T_MAX=T_MAX,
-                    LOCAL_ROWS=False, **tiles, **wait, **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS"))
+                    LOCAL_ROWS=False, BLK=False, CB=32, NCB=T_MAX // 32, **tiles, **wait,
+                    **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS", "OFF_CBLK"))
     return {
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
@@ -111,6 +119,14 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel[rows]": ("_reduce_send_kernel", rsend_sig,
                                       dict(rsend_cx, GATED=False, ROWS=True)),
         "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
+        "_reduce_send_kernel[rows_recv]": ("_reduce_send_kernel", rsend_recv_sig,
+                                           dict(rsend_recv_cx, GATED=False, ROWS=True)),
+        "_reduce_send_kernel[recv]": ("_reduce_send_kernel", rsend_recv_sig,
+                                      dict(rsend_recv_cx, GATED=True, ROWS=False)),
+        # the emulated world's form: counters only, summed by the reduce-receive kernel (BLK)
+        "_reduce_send_kernel[blk]": ("_reduce_send_kernel", rsend_sig,
+                                     dict(rsend_cx, GATED=False, ROWS=True, CBLK_SIGNAL=True)),
+        "_reduce_recv_kernel[rows_blk]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True, BLK=True)),
         # the copy-ahead loop (a launch-shape option of the sweep, symm.LAUNCH_OVERRIDES "pipe")
         "_send_tokens_kernel[rows_region_pipe]": ("_send_tokens_kernel", send_sig,
                                                   dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
@@ -282,6 +298,17 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert compiled[name]["release"] > compiled["_send_tokens_kernel[rows]"]["release"], name
         assert compiled[name]["acquire"] > compiled["_send_tokens_kernel[rows]"]["acquire"], name
     assert compiled["_expand_kernel[rows_blocks]"]["acquire"] > compiled["_expand_kernel[rows]"]["acquire"]
+    # The combine's per-token-block counters: the senders release them (more release atomics than the
+    # one ARRIVE add per source), the one-launch form also polls them (bounded) and ends the op, and
+    # the reduce-receive kernel of the emulated world's form polls them instead of ARRIVE.
+    for name, plain in (("_reduce_send_kernel[rows_recv]", "_reduce_send_kernel[rows]"),
+                        ("_reduce_send_kernel[recv]", "_reduce_send_kernel")):
+        r, p = compiled[name], compiled[plain]
+        assert r["release"] > p["release"] and r["acquire"] > p["acquire"] and r["timer"] > p["timer"], name
+        assert r["st"] > p["st"] and r["ld"] > p["ld"], f"{name}: no summing of the arrived rows"
+    assert compiled["_reduce_send_kernel[blk]"]["release"] > 0
+    rb = compiled["_reduce_recv_kernel[rows_blk]"]
+    assert rb["acquire"] > 0 and rb["timer"] > 0, "the per-block sum must wait (bounded) for its rows"
     # The overlapped row form: its first half opens the op with the bounded barrier and publishes
     # ARRIVE; its second half waits for nothing (outside the op) and releases the region counters;
     # the arrival wait is a bounded acquire poll that takes the rows off the counter.
@@ -309,7 +336,9 @@ def test_kernels_compile_with_signal_semantics(compiled):
                                      ("_send_tokens_kernel[rows_region]", 1, 1),
                                      ("_send_tokens_kernel[rows_overlap_wide]", 1, 1),
                                      ("_expand_kernel[rows_blocks]", 1, 1),
-                                     ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0)):
+                                     ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0),
+                                     ("_reduce_send_kernel[rows_recv]", 0, 0), ("_reduce_send_kernel[recv]", 0, 0),
+                                     ("_reduce_recv_kernel[rows_blk]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"
             assert info["ld16"] <= ld_max and info["st16"] <= st_max, \

@@ -297,3 +297,86 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
         assert waited < 30, f"the dispatch returned after {waited:.1f} s"
     dist.barrier()
     bufs.close()
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_one_launch_combine_matches_the_arrive_path(group, rows):
+    """Real ranks over peer pointers combine in one launch (``symm._comb_mode`` "overlap": the
+    reduce-send's first programs sum each token block as its partial rows land). Its output is bit
+    for bit the two-launch path's ("after": one ARRIVE count per rank, then the reduce-receive), for
+    the expanded form and the row form, T not a multiple of the counters' token block and unequal
+    per rank; every per-block counter is back at zero after the op, and the profiler sees one
+    kernel per combine."""
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from tlx_dist.comm import SymmDispatcher, symm
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    E, K, D, T_max = 8 * W, 8, 1024, 1000
+    T = T_max - 37 * r
+    g = torch.Generator(device="cuda").manual_seed(70 + r)
+    idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate = torch.rand(T, K, device="cuda", generator=g)
+    sd = SymmDispatcher(E, group, max_tokens=T_max, capacity=2.0, validate=False)
+    with torch.no_grad():
+        if rows:
+            recv, src, gate_n, h = sd.dispatch_rows(x, idx, gate)
+            part = torch.randn(recv.shape, device="cuda", generator=g).to(torch.bfloat16)
+            comb = lambda: sd.combine_rows(part, h)  # noqa: E731
+        else:
+            recv, h = sd.dispatch(x, idx, gate)
+            y = torch.randn(recv.shape, device="cuda", generator=g).to(torch.bfloat16)
+            comb = lambda: sd.combine_weighted(y, h, gate)  # noqa: E731
+        bufs = sd.buffers
+        assert symm._comb_mode(bufs) == "overlap"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            one = comb()
+            torch.cuda.synchronize()
+        kernels = [e.name for e in p.events() if e.device_type == DeviceType.CUDA
+                   and getattr(e, "activity_type", "kernel") == "kernel"]
+        assert kernels == ["_reduce_send_kernel"], kernels
+        assert not bufs.comb_block_counters().any(), "a combine counter was left non-zero"
+        dist.barrier()
+        bufs._comb_mode = "after"  # every rank, between ops
+        two = comb()
+        torch.cuda.synchronize()
+        bufs._comb_mode = None
+    assert one.shape == (T, D) and torch.equal(one, two), "the one-launch combine differs from the ARRIVE path"
+    assert float(one.float().abs().sum()) > 0
+    sd.check()
+    dist.barrier()
+
+
+def test_rank_that_skips_a_combine_is_an_error_not_a_hang(group):
+    """Real ranks, the one-launch combine: rank 1 skips a combine. Rank 0's summing programs give up
+    after timeout_s (1 s) instead of hanging, and check() names the combine, the rank and the peer."""
+    import time
+
+    import torch.distributed as dist
+
+    from tlx_dist.comm import SymmDispatcher
+    from tlx_dist.comm.symm_buffers import ExchangeError
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    E, K, D, T = 4 * W, 2, 256, 64
+    sd = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, timeout_s=1.0, validate=False)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.arange(K, device="cuda").repeat(T, 1) * (E // K)  # every token goes to every rank
+    gate = torch.rand(T, K, device="cuda")
+    with torch.no_grad():
+        recv, h = sd.dispatch(x, idx, gate)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if r == 0:
+            t0 = time.monotonic()
+            sd.combine_weighted(recv, h, gate)
+            torch.cuda.synchronize()
+            waited = time.monotonic() - t0
+            with pytest.raises(ExchangeError, match=r"rank 0 waited 1 s for the combine partial rows from rank 1"):
+                sd.check()
+            assert waited < 30, f"the combine returned after {waited:.1f} s"
+    dist.barrier()
+    sd.buffers.close()

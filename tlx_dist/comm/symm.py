@@ -464,6 +464,40 @@ def _recv_mode(bufs: SymmBuffers) -> str:
     return mode
 
 
+ENV_COMB_OVERLAP = "TLX_DIST_COMB_OVERLAP"
+
+
+def _comb_mode(bufs: SymmBuffers) -> str:
+    """How a combine's source side sums the partial rows (``tlx/comm/exchange.py``, CBLK):
+    ``"overlap"`` (real ranks over peer pointers: the reduce-send launch's first programs sum each
+    block of ``comb_block`` tokens as its partial rows land, overlapping the transfer -- the combine
+    is one launch), ``"blocks"`` (the emulated world, whose ranks launch one after another, and one
+    rank: the same per-block counters, summed by the reduce-receive kernel after the sends) or
+    ``"after"`` (the NVSHMEM route: one ARRIVE count per rank, then the reduce-receive kernel).
+    ``TLX_DIST_COMB_OVERLAP=0`` keeps real ranks over peer pointers on ``"after"`` (default ``auto``
+    / ``1``: overlap); like every ``TLX_DIST_*`` setting it must be the same on every rank.
+    Resolved at a buffer set's first combine and kept for its life."""
+    mode = getattr(bufs, "_comb_mode", None)
+    if mode is not None:
+        return mode
+    if bufs.use_nvshmem:
+        mode = "after"
+    elif bufs.backend in ("emulated", "local") or bufs.world_size == 1:
+        mode = "blocks"
+    else:
+        force = os.environ.get(ENV_COMB_OVERLAP, "auto")
+        if force not in ("auto", "0", "1"):
+            raise ValueError(f"{ENV_COMB_OVERLAP}={force!r}: expected auto, 0 or 1")
+        mode = "after" if force == "0" else "overlap"
+    bufs._comb_mode = mode
+    return mode
+
+
+def _comb_meta(bufs: SymmBuffers) -> dict:
+    L = bufs.layout
+    return dict(OFF_CBLK=L.off_cblk, CB=L.comb_block, NCB=L.comb_blocks)
+
+
 def _recv_programs(bufs: SymmBuffers) -> int:
     """Receiving programs of an ``"overlap"`` send launch: one per SM (a quarter of the launch's
     programs; they are its last ones and wait only for peers' senders, who never wait for them),
@@ -755,29 +789,66 @@ def _rows_overlap(h: SymmHandle, region: int, starts: torch.Tensor, lay: torch.T
 
 
 def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False,
-                 programs: Optional[int] = None) -> torch.Tensor:
+                 programs: Optional[int] = None, blk: bool = False, recv: bool = False):
     """The first kernel of a reducing op: waits for every peer's readiness, then sends partial rows.
     Row form: rows of this rank's own tokens stay in ``y``, which is returned for ``_reduce_recv``
     to read them there (the caller keeps it alive until then). ``programs``: at most that many
-    (the overlapped combine's SM budget)."""
+    (the overlapped combine's SM budget). ``blk``: count the rows into their sources' CBLK
+    (``_comb_mode`` "blocks" / "overlap") instead of one ARRIVE add per source. ``recv`` (with
+    ``blk``, real ranks over peer pointers): this launch also sums this rank's tokens as their
+    partial rows land and ends the op -- the whole combine in one launch; returns ``out_TD``."""
     L, k = bufs.layout, _kernels(bufs.device)
     y = y if y.is_contiguous() else y.contiguous()
     br, bd, warps, grid = _shape("reduce_send", L.hidden, L.recv_rows, bufs.device)
     if programs is not None:
         grid = (max(1, min(grid[0], programs)),)
+    extra, out = {}, None
+    if blk:
+        extra.update(CBLK_SIGNAL=True, **_comb_meta(bufs))
+    if recv:
+        T = h.num_tokens
+        n_send, n_recv, rr_t, rr_d = _comb_recv_shape(bufs, T)
+        out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
+        extra.update(RECV_ROLE=True, N_RECV=n_recv, out_ptr=out, send_row_ptr=h.send_row_TW, T=T,
+                     RR_T=rr_t, RR_D=rr_d, **_end_meta(bufs), **({"PART_ADDR": y.data_ptr()} if rows else {}))
+        grid = (min(grid[0], n_send) + n_recv,)
     _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
         BLOCK_R=br, BLOCK_D=bd, num_warps=warps, **({"ROWS": True} if rows else {}),
         **(_pipe("reduce_send") if rows and not bufs.use_nvshmem else {}),
-        **_await_meta(bufs))
-    return y
+        **_await_meta(bufs), **extra)
+    return out if recv else y
 
 
-def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optional[torch.Tensor] = None) -> torch.Tensor:
+# The one-launch combine (``_comb_mode`` "overlap"): summing programs per SM and sending programs
+# per SM (LAUNCH_OVERRIDES["comb_recv"] = dict(per_sm=..., send_per_sm=...) for sweeps). The
+# launch's programs should all be resident at once (~56-64 registers a thread: 8 CTAs of 4 warps
+# an SM), so the sum runs beside the transfer instead of after the senders retire.
+COMB_RECV_PER_SM = 2
+COMB_SEND_PER_SM = 4
+
+
+def _comb_recv_shape(bufs: SymmBuffers, T: int) -> tuple[int, int, int, int]:
+    """(sending programs at most, summing programs, summing tile rows, columns) of a one-launch
+    combine. A summing tile holds ~4096 / W elements per rank (W partial chunks in flight at ~64
+    registers a thread); its work units are (COMB_BLOCK tokens, one column tile)."""
+    L = bufs.layout
+    o = LAUNCH_OVERRIDES.get("comb_recv") or {}
+    sms = _num_programs(str(bufs.device), 1)
+    rr_d = min(512, _next_pow2(L.hidden))
+    rr_t = max(1, (4096 // max(2, L.world_size)) // rr_d)
+    units = -(-max(T, 1) // L.comb_block) * -(-L.hidden // rr_d)
+    n_recv = max(1, min(units, o.get("per_sm", COMB_RECV_PER_SM) * sms))
+    return o.get("send_per_sm", COMB_SEND_PER_SM) * sms, n_recv, rr_t, rr_d
+
+
+def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optional[torch.Tensor] = None,
+                 blk: bool = False) -> torch.Tensor:
     """The last kernel of a reducing op: the per-rank partial rows of each token, summed. ``part``:
-    the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read."""
+    the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read. ``blk``: the
+    reduce-send counted its rows into CBLK (wait per token block, not for ARRIVE)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
     br, bd, warps, grid = _shape("reduce_recv", L.hidden, T, bufs.device)
@@ -786,7 +857,9 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
         OFF_COMB=L.off_comb,
         BLOCK_T=br, BLOCK_D=bd, num_warps=warps, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}),
-        **(dict(PART_ADDR=part.data_ptr(), T_MAX=L.max_tokens, LOCAL_ROWS=True) if part is not None else {}))
+        **(dict(PART_ADDR=part.data_ptr(), LOCAL_ROWS=True) if part is not None else {}),
+        **(dict(T_MAX=L.max_tokens) if part is not None or blk else {}),
+        **(dict(BLK=True, **_comb_meta(bufs)) if blk else {}))
     return out
 
 
@@ -802,9 +875,13 @@ def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch
 
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
-    y = _reduce_send(bufs, y_ND, h, gated, rows)  # waits for every peer's readiness first
+    mode = _comb_mode(bufs)
+    if mode == "overlap":  # one launch: sends, sums as the partial rows land, ends the op
+        return _reduce_send(bufs, y_ND, h, gated, rows, blk=True, recv=True)
+    blk = mode == "blocks"
+    y = _reduce_send(bufs, y_ND, h, gated, rows, blk=blk)  # waits for every peer's readiness first
     yield
-    return _reduce_recv(bufs, h, part=y if rows else None)
+    return _reduce_recv(bufs, h, part=y if rows else None, blk=blk)
 
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:

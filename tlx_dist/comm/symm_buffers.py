@@ -66,6 +66,9 @@ def _pos_int(name: str, v) -> int:
 # Receive rows per arrival counter of the row form (RBLK in tlx/comm/exchange.py): the receive-side
 # copy moves rows in runs of this many as they land. The same on every rank (it sizes the layout).
 RECV_BLOCK = 64
+# Source tokens per combine arrival counter (CBLK in tlx/comm/exchange.py): the combine's source side
+# sums its tokens in blocks of this many as their partial rows land. The same on every rank.
+COMB_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class SymmLayout:
     row_regions: int = 0
     off_rows: int = 0
     off_rcnt: int = 0  # RCNT [row_regions, W] int64: the overlapped row form's rows landed per source
+    off_cblk: int = 0  # CBLK [W + 1, comb_blocks] int64: partial rows from rank d landed per source token block
+    # (rows 0..W-1), then the block's summed work units (row W)
+    comb_block: int = 32  # COMB_BLOCK when built
 
     @property
     def rows_region_bytes(self) -> int:
@@ -122,6 +128,11 @@ class SymmLayout:
     def recv_blocks(self) -> int:
         """Arrival counters per source (RBLK): one per RECV_BLOCK receive rows of its T_max."""
         return -(-self.max_tokens // self.recv_block)
+
+    @property
+    def comb_blocks(self) -> int:
+        """Combine arrival counters per rank (CBLK): one per COMB_BLOCK tokens of T_max."""
+        return -(-self.max_tokens // self.comb_block)
 
     @property
     def worst_case_rows(self) -> int:
@@ -159,7 +170,8 @@ class SymmLayout:
                            ("meta", 4 * W * max_tokens * (top_k + 1)),
                            ("gates", dtype.itemsize * W * max_tokens * top_k), ("recv", row * W * max_tokens),
                            ("comb", row * max_tokens * W), ("dgate", 8 * max_tokens * top_k),
-                           ("rblk", 8 * W * -(-max_tokens // RECV_BLOCK))):
+                           ("rblk", 8 * W * -(-max_tokens // RECV_BLOCK)),
+                           ("cblk", 8 * (W + 1) * -(-max_tokens // COMB_BLOCK))):
             offs[name] = off
             off = _align(off + size)
         if staging:  # sources of NVSHMEM puts (symmetric): token rows, their META/gates, partials, dgates
@@ -179,7 +191,7 @@ class SymmLayout:
                    offs["state"], offs["flags"], offs["arrive"], offs["counts"], offs["meta"],
                    offs["gates"], offs["recv"], offs["comb"], offs["dgate"], offs["rblk"], off, staging=staging,
                    recv_block=RECV_BLOCK, row_regions=row_regions, off_rows=off_rows if row_regions else 0,
-                   off_rcnt=off_rcnt if row_regions else 0, **st)
+                   off_rcnt=off_rcnt if row_regions else 0, off_cblk=offs["cblk"], comb_block=COMB_BLOCK, **st)
 
 
 def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
@@ -388,6 +400,14 @@ class SymmBuffers:
         L = self.layout
         return self._region(L.off_rcnt, 8 * L.world_size * L.row_regions).view(torch.int64).view(
             L.row_regions, L.world_size)
+
+    def comb_block_counters(self) -> torch.Tensor:
+        """``[W + 1, comb_blocks]`` int64 view of CBLK: row d counts rank d's combine partial rows
+        landed per ``comb_block`` tokens of this rank in the op under way, row W the block's work
+        units summed so far (all zeroed when the block's last unit is summed)."""
+        L = self.layout
+        return self._region(L.off_cblk, 8 * (L.world_size + 1) * L.comb_blocks).view(torch.int64).view(
+            L.world_size + 1, L.comb_blocks)
 
     def recv_block_counters(self) -> torch.Tensor:
         """``[W, recv_blocks]`` int64 view of RBLK: row s counts source s's row-form rows landed per
