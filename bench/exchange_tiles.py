@@ -120,6 +120,7 @@ def main() -> int:
         anchor = AllToAllDispatcher(E, group, validate=False)
         ra, _ = anchor.dispatch(x, idx, gate)
         disp = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1)
+        disp._buffers_for(x, K)  # (collective) the buffers exist before the first spec sets their combine mode
         aligned = _aligned_sync(sync, disp) or sync
         base = None
         for spec, shape in zip(specs, shapes):

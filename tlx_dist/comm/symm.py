@@ -810,7 +810,8 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         n_send, n_recv, rr_t, rr_d = _comb_recv_shape(bufs, T)
         out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
         extra.update(RECV_ROLE=True, N_RECV=n_recv, out_ptr=out, send_row_ptr=h.send_row_TW, T=T,
-                     RR_T=rr_t, RR_D=rr_d, **_end_meta(bufs), **({"PART_ADDR": y.data_ptr()} if rows else {}))
+                     RR_T=rr_t, RR_D=rr_d, END=True, WP3=_end_meta(bufs)["WP3"],  # (OFF_FLAGS: _await_meta's)
+                     **({"PART_ADDR": y.data_ptr()} if rows else {}))
         grid = (min(grid[0], n_send) + n_recv,)
     _send_launch(bufs, k._reduce_send_kernel, grid,
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.peers, bufs.rank, h.num_recv_rows,
