@@ -123,6 +123,11 @@ def _specs(amd: bool = False):
                                            dict(rsend_recv_cx, GATED=False, ROWS=True)),
         "_reduce_send_kernel[recv]": ("_reduce_send_kernel", rsend_recv_sig,
                                       dict(rsend_recv_cx, GATED=True, ROWS=False)),
+        # ... at the summing tile symm._comb_recv_shape gives each W (~4096 / W elements a rank)
+        **{f"_reduce_send_kernel[rows_recv_w{w}]": ("_reduce_send_kernel", rsend_recv_sig,
+                                                    dict(rsend_recv_cx, GATED=False, ROWS=True, W=w, WP=w,
+                                                         RR_T=max(1, 4096 // w // 512), RR_D=512))
+           for w in (2, 4, 8)},
         # the emulated world's form: counters only, summed by the reduce-receive kernel (BLK)
         "_reduce_send_kernel[blk]": ("_reduce_send_kernel", rsend_sig,
                                      dict(rsend_cx, GATED=False, ROWS=True, CBLK_SIGNAL=True)),
@@ -182,8 +187,9 @@ def _specs(amd: bool = False):
     }
 
 
-def _ptxas_spills(ptx: str, arch: str) -> int:
-    """Spill stores + loads (bytes per thread) that ptxas reports for ``ptx`` (Triton's bundled ptxas)."""
+def _ptxas_info(ptx: str, arch: str) -> tuple[int, int]:
+    """Spill stores + loads (bytes per thread) and registers per thread that ptxas reports for ``ptx``
+    (Triton's bundled ptxas)."""
     import re
     import tempfile
 
@@ -196,8 +202,9 @@ def _ptxas_spills(ptx: str, arch: str) -> int:
         r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
     found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stdout + r.stderr)
-    assert r.returncode == 0 and found, r.stderr[-2000:]
-    return sum(int(a) + int(b) for a, b in found)
+    regs = re.findall(r"Used (\d+) registers", r.stdout + r.stderr)
+    assert r.returncode == 0 and found and regs, r.stderr[-2000:]
+    return sum(int(a) + int(b) for a, b in found), max(int(v) for v in regs)
 
 
 def _compile_all(arch: str) -> dict:
@@ -238,7 +245,7 @@ def _compile_all(arch: str) -> dict:
                              bulk_read_wait=ptx.count("cp.async.bulk.wait_group.read"),
                              bulk_drain=ptx.count("cp.async.bulk.wait_group 0;"),
                              proxy_fence=ptx.count("fence.proxy.async.global"), shared=k.metadata.shared,
-                             spill_bytes=_ptxas_spills(ptx, arch))
+                             **dict(zip(("spill_bytes", "regs"), _ptxas_info(ptx, arch))))
     return out
 
 
@@ -307,6 +314,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert r["release"] > p["release"] and r["acquire"] > p["acquire"] and r["timer"] > p["timer"], name
         assert r["st"] > p["st"] and r["ld"] > p["ld"], f"{name}: no summing of the arrived rows"
     assert compiled["_reduce_send_kernel[blk]"]["release"] > 0
+    # Its summing programs (up to 4 an SM, symm._comb_recv_shape) wait for senders of the same launch:
+    # at <= 64 registers a thread 8 CTAs of 4 warps fit an SM, so senders always find room beside them.
+    if "regs" in compiled["_reduce_send_kernel[rows_recv]"]:
+        for W in (2, 4, 8):
+            regs = compiled[f"_reduce_send_kernel[rows_recv_w{W}]"]["regs"]
+            assert regs <= 64, f"one-launch combine at W={W}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
     rb = compiled["_reduce_recv_kernel[rows_blk]"]
     assert rb["acquire"] > 0 and rb["timer"] > 0, "the per-block sum must wait (bounded) for its rows"
     # The overlapped row form: its first half opens the op with the bounded barrier and publishes

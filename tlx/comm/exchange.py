@@ -706,11 +706,15 @@ def _signal_comb_rows(near, s, tok, peers_ptr, RANK, OFF_CBLK: tl.constexpr, CB:
     token block t // CB) the block's rows fell in, of the rows that fell there, to CBLK[RANK, t // CB]
     of source s. The adds are aggregated in the block: the first row of each key adds the key's count."""
     tl.debug_barrier()
-    key = tl.where(near, s.to(tl.int64) * NCB + tok // CB, -1)
-    i = tl.arange(0, BLOCK_R)
-    same = (key[:, None] == key[None, :]) & near[:, None] & near[None, :]
-    cnt = tl.sum(same.to(tl.int64), axis=1)
-    lead = near & (tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1) == 0)
+    if BLOCK_R <= 16:
+        key = tl.where(near, s.to(tl.int64) * NCB + tok // CB, -1)
+        i = tl.arange(0, BLOCK_R)
+        same = (key[:, None] == key[None, :]) & near[:, None] & near[None, :]
+        cnt = tl.sum(same.to(tl.int64), axis=1)
+        lead = near & (tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1) == 0)
+    else:  # tall tiles (narrow rows): one add per row, no BLOCK_R x BLOCK_R tile
+        cnt = tl.full([BLOCK_R], 1, tl.int64)
+        lead = near
     sbase = tl.load(peers_ptr + s, mask=lead, other=0)
     ctr = (sbase + OFF_CBLK + (RANK * NCB + tok // CB) * 8).to(tl.pointer_type(tl.int64))
     tl.atomic_add(ctr, cnt, mask=lead, sem="release", scope="sys")

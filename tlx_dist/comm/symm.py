@@ -469,9 +469,10 @@ ENV_COMB_OVERLAP = "TLX_DIST_COMB_OVERLAP"
 
 def _comb_mode(bufs: SymmBuffers) -> str:
     """How a combine's source side sums the partial rows (``tlx/comm/exchange.py``, CBLK):
-    ``"overlap"`` (real ranks over peer pointers: the reduce-send launch's first programs sum each
-    block of ``comb_block`` tokens as its partial rows land, overlapping the transfer -- the combine
-    is one launch), ``"blocks"`` (the emulated world, whose ranks launch one after another, and one
+    ``"overlap"`` (real ranks over peer pointers, the row form -- the fused EP pipeline's combine:
+    the reduce-send launch's first programs sum each block of ``comb_block`` tokens as its partial
+    rows land, overlapping the transfer -- the combine is one launch; the expanded form, whose
+    reduce-send holds too many registers for programs to wait beside it, runs as "after"), ``"blocks"`` (the emulated world, whose ranks launch one after another, and one
     rank: the same per-block counters, summed by the reduce-receive kernel after the sends) or
     ``"after"`` (the NVSHMEM route: one ARRIVE count per rank, then the reduce-receive kernel).
     ``TLX_DIST_COMB_OVERLAP=0`` keeps real ranks over peer pointers on ``"after"`` (default ``auto``
@@ -827,7 +828,7 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
 # per SM (LAUNCH_OVERRIDES["comb_recv"] = dict(per_sm=..., send_per_sm=...) for sweeps). The
 # launch's programs should all be resident at once (~56-64 registers a thread: 8 CTAs of 4 warps
 # an SM), so the sum runs beside the transfer instead of after the senders retire.
-COMB_RECV_PER_SM = 2
+COMB_RECV_PER_SM = 4
 COMB_SEND_PER_SM = 4
 
 
@@ -841,7 +842,9 @@ def _comb_recv_shape(bufs: SymmBuffers, T: int) -> tuple[int, int, int, int]:
     rr_d = min(512, _next_pow2(L.hidden))
     rr_t = max(1, (4096 // max(2, L.world_size)) // rr_d)
     units = -(-max(T, 1) // L.comb_block) * -(-L.hidden // rr_d)
-    n_recv = max(1, min(units, o.get("per_sm", COMB_RECV_PER_SM) * sms))
+    # at most 4 an SM: with the row form's reduce-send at <= 64 registers a thread (tests/test_symm_compile.py)
+    # 8 CTAs fit an SM, so senders always find room beside the summing programs, which wait for them
+    n_recv = max(1, min(units, min(4, o.get("per_sm", COMB_RECV_PER_SM)) * sms))
     return o.get("send_per_sm", COMB_SEND_PER_SM) * sms, n_recv, rr_t, rr_d
 
 
@@ -853,6 +856,8 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
     br, bd, warps, grid = _shape("reduce_recv", L.hidden, T, bufs.device)
+    if blk:  # a work unit is one counter's tokens by one column tile: no taller tile than that
+        br = min(br, _next_pow2(L.comb_block))
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
     _send_launch(bufs, k._reduce_recv_kernel, grid,
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
@@ -877,8 +882,10 @@ def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
     mode = _comb_mode(bufs)
-    if mode == "overlap":  # one launch: sends, sums as the partial rows land, ends the op
+    if mode == "overlap" and rows:  # one launch: sends, sums as the partial rows land, ends the op
         return _reduce_send(bufs, y_ND, h, gated, rows, blk=True, recv=True)
+    # (the expanded form's reduce-send sums K slots a row: ~170-180 registers a thread, 2 CTAs an SM;
+    # summing programs beside it could hold every slot and starve its senders, so it keeps two launches)
     blk = mode == "blocks"
     y = _reduce_send(bufs, y_ND, h, gated, rows, blk=blk)  # waits for every peer's readiness first
     yield
