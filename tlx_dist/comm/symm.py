@@ -826,10 +826,13 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
 
 # The one-launch combine (``_comb_mode`` "overlap"): summing programs per SM and sending programs
 # per SM (LAUNCH_OVERRIDES["comb_recv"] = dict(per_sm=..., send_per_sm=...) for sweeps). The
-# launch's programs should all be resident at once (~56-64 registers a thread: 8 CTAs of 4 warps
-# an SM), so the sum runs beside the transfer instead of after the senders retire.
+# launch's programs should all be resident at once (<= 64 registers a thread: 8 CTAs of 4 warps
+# an SM), so the sum runs beside the transfer instead of after the senders retire. Two H200s,
+# W=2, D=7168, E=64, K=8, graph-replayed (bench/exchange_tiles.py, session 16): 4 x 2 combined in
+# 207.9 / 744.5 us at T=4096 / 16384 against 230.9 / 891.7 with two launches; 4 x 4 219.0 / 789.1,
+# 2 x 4 284.4 / 915.4, 1 x 4 352.2 / 1164.0 (too few summing programs: the sum trails the transfer).
 COMB_RECV_PER_SM = 4
-COMB_SEND_PER_SM = 4
+COMB_SEND_PER_SM = 2
 
 
 def _comb_recv_shape(bufs: SymmBuffers, T: int) -> tuple[int, int, int, int]:
