@@ -14,7 +14,7 @@ grep -E "^\||Error|error|mismatch" "$out/exchange.log" | head -n 16
 timeout 150 torchrun --standalone --nproc-per-node=2 bench/dispatch.py --tokens 128,4096,16384 --dims 7168 \
   --experts 64 --json "$out/dispatch.json" > "$out/dispatch.log" 2>&1
 echo "== dispatch.py rc=$? [$(( $(date +%s)-t0 ))s]"
-grep -E "^\||Error" "$out/dispatch.log" | head -n 40
+grep -E -A 24 "medians|Error" "$out/dispatch.log" | head -n 40
 timeout 170 torchrun --standalone --nproc-per-node=2 -m pytest -m multigpu -q -p no:cacheprovider --timeout 120 \
   -rfE tests/test_symm_multigpu.py > "$out/t5.log" 2>&1
 echo "== T5 peer pointers rc=$? [$(( $(date +%s)-t0 ))s] $(grep -E 'passed|failed' "$out/t5.log" | tail -n 1)"
