@@ -74,6 +74,7 @@ def test_c_dispatch_sets_the_knob_for_the_marked_kernel_only(monkeypatch):
     from triton import knobs
 
     monkeypatch.delenv("TRITON_USE_C_DISPATCHER", raising=False)
+    monkeypatch.setattr(tlx, "_bind_context", lambda: None)  # (no GPU here; the next test covers it)
     seen = []
 
     class Kernel:  # what c_launch needs of a JITFunction: c_cache, params, run
@@ -109,3 +110,77 @@ def test_c_dispatch_sets_the_knob_for_the_marked_kernel_only(monkeypatch):
     monkeypatch.setenv(tlx.ENV_C_DISPATCH, "0")
     k2 = tlx.c_launch(Kernel())
     assert k2.c_cache is True and not hasattr(k2, "c_dispatch") and "run" not in vars(k2)
+
+
+@pytest.mark.skipif(not tlx.tlx_available(), reason="needs fbtriton")
+def test_c_dispatch_binds_the_device_context_once_per_thread(monkeypatch):
+    """fbtriton's C dispatcher launches without making a CUDA context current (Triton's own launcher
+    does): before a marked kernel's launch the current device's primary context is made current on
+    the calling thread -- once per thread and device, again when the device changes -- so a thread
+    whose first CUDA work is one of our kernels (autograd's device thread) does not fail with
+    "invalid device context"."""
+    import threading
+
+    made = []
+    dev = {"d": 0}
+    monkeypatch.setattr(tlx, "_current_device", lambda: dev["d"])
+    monkeypatch.setattr(tlx, "_make_current", lambda d: made.append((threading.get_ident(), d)))
+    monkeypatch.setattr(tlx, "_BOUND", threading.local())
+    monkeypatch.setenv(tlx.ENV_C_DISPATCH, "1")
+
+    class Kernel:
+        c_cache = False
+        params = ()
+
+        def run(self, *args, grid, warmup, **kwargs):
+            return "ran"
+
+    k = tlx.c_launch(Kernel())
+    main = threading.get_ident()
+    assert k.run(grid=(1,), warmup=False) == "ran" and k.run(grid=(1,), warmup=False) == "ran"
+    assert made == [(main, 0)]
+    other = []
+    t = threading.Thread(target=lambda: other.append((k.run(grid=(1,), warmup=False), threading.get_ident())))
+    t.start()
+    t.join()
+    assert other[0][0] == "ran" and made == [(main, 0), (other[0][1], 0)]
+    dev["d"] = 1
+    k.run(grid=(1,), warmup=False)
+    k.run(grid=(1,), warmup=False)
+    assert made[2:] == [(main, 1)]
+    # TLX_DIST_C_DISPATCH=0: Triton's own run (and its own launcher's context handling), nothing bound here
+    monkeypatch.setenv(tlx.ENV_C_DISPATCH, "0")
+    tlx.c_launch(Kernel()).run(grid=(1,), warmup=False)
+    assert len(made) == 3
+
+
+@pytest.mark.gpu
+def test_marked_kernel_launches_from_a_fresh_thread():
+    """A thread whose first CUDA work is a marked kernel launches it (autograd's device thread is such
+    a thread when a backward starts with one of ours: before _bind_context, "invalid device context
+    (201)" from the C dispatcher -- tests/test_fused_ep_gpu.py run on its own, session 16)."""
+    import threading
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tlx_dist.grouped_gemm.host import prep_offsets
+
+    offs = torch.tensor([3, 7, 7, 12], dtype=torch.int32, device="cuda")
+    ref = prep_offsets(offs, 12, 128)  # compiles, and fills the C cache, on this thread
+    torch.cuda.synchronize()
+    out, err = [], []
+
+    def work():  # the caching allocator serves the outputs: the launch is this thread's first CUDA call
+        try:
+            out.append(prep_offsets(offs, 12, 128))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            err.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not err, err
+    assert torch.equal(out[0][0], ref[0]) and torch.equal(out[0][1], ref[1])

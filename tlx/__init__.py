@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 from typing import Iterator
 
 __all__ = ["ARCHS", "tlx_available", "triton_available", "gpu_arch", "override", "describe", "c_launch",
@@ -169,6 +170,30 @@ def c_launch(kernel):
 
 
 ENV_C_DISPATCH = "TLX_DIST_C_DISPATCH"
+_BOUND = threading.local()  # the device whose primary context this thread made current (_bind_context)
+
+
+def _current_device() -> int:
+    import torch
+    return torch.cuda.current_device()
+
+
+def _make_current(device: int) -> None:
+    from triton.runtime import driver
+    driver.active.utils.set_current_device(device)  # cuDevicePrimaryCtxRetain + cuCtxSetCurrent
+
+
+def _bind_context() -> None:
+    """Before a marked kernel's launch: the current device's primary context is current on this
+    thread. fbtriton's C dispatcher calls ``cuLaunchKernelEx`` without making one current (Triton's
+    Python launcher does, ``ensureCudaContext``), and a thread whose first CUDA work is a marked
+    kernel has none -- autograd's device thread, when a backward starts with one of ours (torch
+    binds it lazily, at its first runtime call): "invalid device context (201)" (session 16,
+    tests/test_fused_ep_gpu.py run on its own). Once per thread and device."""
+    dev = _current_device()
+    if getattr(_BOUND, "device", None) != dev:
+        _make_current(dev)
+        _BOUND.device = dev
 _KNOB = "use_triton_dispatcher"  # fbtriton's knobs.nvidia.use_triton_dispatcher (TRITON_USE_C_DISPATCHER)
 _UNSET = object()
 
@@ -193,6 +218,7 @@ def _dispatch_in_c(kernel) -> None:
     run = kernel.run
 
     def run_dispatching(*args, **kwargs):
+        _bind_context()
         d = nv.__dict__
         prev = d.get(_KNOB, _UNSET)
         if prev is True:
