@@ -138,3 +138,62 @@ def test_ranks_must_claim_the_same_regions():
     assert run_world(_claims, 2, [2, 2]) == ["ok", "ok"]
     out = run_world(_claims, 2, [1, 2])
     assert all("claimed different numbers of receive regions (1 to 2" in o for o in out), out
+
+
+# --- the combine's mode (symm._comb_mode) and the one-launch combine's shape ---------------------------
+
+
+def test_comb_mode(monkeypatch):
+    """One launch (summing programs beside the senders) for real ranks over peer pointers on CUDA; the
+    per-block counters summed after the sends in the emulated world and on one rank; one ARRIVE count
+    per rank on the NVSHMEM route, on ROCm (co-residency unchecked there), or when switched off."""
+    import torch
+
+    from tlx_dist.comm.symm import ENV_COMB_OVERLAP
+    monkeypatch.delenv(ENV_COMB_OVERLAP, raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert symm._comb_mode(_bufs()) == "overlap"
+    assert symm._comb_mode(_bufs(T=128, W=8)) == "overlap"
+    assert symm._comb_mode(_bufs(nvshmem=True)) == "after"
+    for backend in ("emulated", "local"):
+        assert symm._comb_mode(_bufs(backend=backend)) == "blocks"
+    assert symm._comb_mode(_bufs(W=1)) == "blocks"
+    b = _bufs()
+    monkeypatch.setenv(ENV_COMB_OVERLAP, "0")
+    assert symm._comb_mode(_bufs()) == "after"
+    b._comb_mode = None
+    assert symm._comb_mode(b) == "after"
+    monkeypatch.setenv(ENV_COMB_OVERLAP, "1")  # a later change does not flip a live buffer set
+    assert symm._comb_mode(b) == "after" and symm._comb_mode(_bufs()) == "overlap"
+    monkeypatch.setenv(ENV_COMB_OVERLAP, "yes")
+    with pytest.raises(ValueError, match=ENV_COMB_OVERLAP):
+        symm._comb_mode(_bufs())
+    monkeypatch.delenv(ENV_COMB_OVERLAP)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert symm._comb_mode(_bufs()) == "after"
+
+
+def test_one_launch_combine_shape(monkeypatch):
+    """Summing programs: 4 an SM by default, never more than the work units (COMB_BLOCK tokens by one
+    column tile) nor half the CTAs an SM holds at the reduce-send's warps (so senders always find
+    room: the summing programs wait for them); summing tiles of ~4096 / W elements a rank."""
+    import torch
+
+    monkeypatch.setattr(symm, "_num_programs", lambda dev, per_sm=4: 132 * per_sm)
+    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {})
+
+    def bufs(W, T_max=16384, D=7168):
+        return types.SimpleNamespace(device=torch.device("cuda", 0), layout=types.SimpleNamespace(
+            world_size=W, hidden=D, comb_block=32, max_tokens=T_max))
+
+    assert symm._comb_recv_shape(bufs(2), 16384) == (2 * 132, 4 * 132, 4, 512)
+    assert symm._comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
+    assert symm._comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
+    assert symm._comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
+    assert symm._comb_recv_shape(bufs(2), 0)[1] >= 1
+    symm.LAUNCH_OVERRIDES.update(comb_recv=dict(per_sm=8, send_per_sm=3))
+    assert symm._comb_recv_shape(bufs(2), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM
+    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=8))
+    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
+    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=16))
+    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 1 * 132

@@ -485,6 +485,8 @@ def _comb_mode(bufs: SymmBuffers) -> str:
         mode = "after"
     elif bufs.backend in ("emulated", "local") or bufs.world_size == 1:
         mode = "blocks"
+    elif torch.version.hip is not None:  # (waves per CU differ: the co-residency above is unchecked there)
+        mode = "after"
     else:
         force = os.environ.get(ENV_COMB_OVERLAP, "auto")
         if force not in ("auto", "0", "1"):
@@ -845,9 +847,12 @@ def _comb_recv_shape(bufs: SymmBuffers, T: int) -> tuple[int, int, int, int]:
     rr_d = min(512, _next_pow2(L.hidden))
     rr_t = max(1, (4096 // max(2, L.world_size)) // rr_d)
     units = -(-max(T, 1) // L.comb_block) * -(-L.hidden // rr_d)
-    # at most 4 an SM: with the row form's reduce-send at <= 64 registers a thread (tests/test_symm_compile.py)
-    # 8 CTAs fit an SM, so senders always find room beside the summing programs, which wait for them
-    n_recv = max(1, min(units, min(4, o.get("per_sm", COMB_RECV_PER_SM)) * sms))
+    # at most half the CTAs an SM holds: with the row form's reduce-send at <= 64 registers a thread
+    # (tests/test_symm_compile.py) 32 / warps CTAs fit an SM (8 at 4 warps), so senders always find
+    # room beside the summing programs, which wait for them
+    warps = (LAUNCH_OVERRIDES.get("reduce_send") or {}).get("num_warps", 4)
+    cap = max(1, min(4, 16 // warps))
+    n_recv = max(1, min(units, min(cap, o.get("per_sm", COMB_RECV_PER_SM)) * sms))
     return o.get("send_per_sm", COMB_SEND_PER_SM) * sms, n_recv, rr_t, rr_d
 
 
