@@ -844,30 +844,50 @@ def test_combine_block_wait_names_the_peer_that_skipped():
     world.buffers[1].check()
 
 
-def test_one_launch_combine_host_path_on_one_rank():
+def test_one_launch_combine_host_path_on_one_rank(monkeypatch):
     """The one-launch combine (``_comb_mode`` "overlap", real ranks over peer pointers) run through
-    the interpreter where it can be: one rank, row form -- its summing programs (the launch's first)
-    wait for no peer (the own partial rows are read in place), so the sequential interpreter runs
-    them to the end. Its host launch, the summing role and the op's end in the reduce-send launch
-    give the two-launch path's output bit for bit, twice (the op's end readies the next)."""
+    the interpreter where it can be: one rank, row form, bf16 -- its summing programs (the launch's
+    first) wait for no peer (the own partial rows are read in place), so the sequential interpreter
+    runs them to the end. One kernel per combine; its output is the two-launch path's bit for bit,
+    twice (the op's end readies the next). fp64 rows (too many registers a thread for programs to
+    wait beside the senders) keep two launches."""
     import tlx_dist.comm.symm as symm
+    from tlx.comm import exchange
+
+    launched = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self._name, self._kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self._name)
+            return self._kernel[grid]
+
+    for name in ("_reduce_send_kernel", "_reduce_recv_kernel"):
+        monkeypatch.setattr(exchange, name, Counting(name, getattr(exchange, name)))
     T, E, K, D = 70, 4, 2, 8
-    world = EmulatedWorld(1, T, D, K, E, torch.float64, device="cpu")
-    b = world.buffers[0]
     gen = torch.Generator().manual_seed(3)
-    for rep in range(2):
-        x = torch.randn(T, D, generator=gen, dtype=torch.float64)
-        idx = _kind_routing(50 + rep, T, K, E, 1, "random")
-        gate = torch.rand(T, K, generator=gen, dtype=torch.float64)
-        recv, src, gate_N, h = world.dispatch_rows([x], [idx], [gate])[0]
-        part = torch.randn(recv.shape, generator=gen, dtype=torch.float64)
-        outs = []
-        for mode in ("overlap", "blocks"):
-            b._comb_mode = mode
-            outs.append(world.combine_rows([part], [h])[0])
-        assert torch.equal(outs[0], outs[1]) and outs[0].shape == (T, D)
-        # token t's row is its own partial row (one rank: nothing else to add)
-        assert torch.equal(outs[0], part[h.send_row_TW[:, 0].long()])
-        assert not b.comb_block_counters().any()
-    b._comb_mode = None
-    world.check()
+    for dt, want in ((torch.bfloat16, ["_reduce_send_kernel"]), (torch.float64, ["_reduce_send_kernel",
+                                                                                 "_reduce_recv_kernel"])):
+        world = EmulatedWorld(1, T, D, K, E, dt, device="cpu")
+        b = world.buffers[0]
+        for rep in range(2):
+            x = torch.randn(T, D, generator=gen).to(dt)
+            idx = _kind_routing(50 + rep, T, K, E, 1, "random")
+            gate = torch.rand(T, K, generator=gen, dtype=torch.float64)
+            recv, src, gate_N, h = world.dispatch_rows([x], [idx], [gate])[0]
+            part = torch.randn(recv.shape, generator=gen).to(dt)
+            outs = []
+            for mode in ("overlap", "blocks"):
+                b._comb_mode = mode
+                launched.clear()
+                outs.append(world.combine_rows([part], [h])[0])
+                if mode == "overlap":
+                    assert launched == want, (dt, launched)
+            assert torch.equal(outs[0], outs[1]) and outs[0].shape == (T, D)
+            # token t's row is its own partial row (one rank: nothing else to add)
+            assert torch.equal(outs[0], part[h.send_row_TW[:, 0].long()])
+            assert not b.comb_block_counters().any()
+        b._comb_mode = None
+        world.check()

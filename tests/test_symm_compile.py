@@ -121,13 +121,15 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
         "_reduce_send_kernel[rows_recv]": ("_reduce_send_kernel", rsend_recv_sig,
                                            dict(rsend_recv_cx, GATED=False, ROWS=True)),
-        "_reduce_send_kernel[recv]": ("_reduce_send_kernel", rsend_recv_sig,
-                                      dict(rsend_recv_cx, GATED=True, ROWS=False)),
         # ... at the summing tile symm._comb_recv_shape gives each W (~4096 / W elements a rank)
         **{f"_reduce_send_kernel[rows_recv_w{w}]": ("_reduce_send_kernel", rsend_recv_sig,
                                                     dict(rsend_recv_cx, GATED=False, ROWS=True, W=w, WP=w,
                                                          RR_T=max(1, 4096 // w // 512), RR_D=512))
            for w in (2, 4, 8)},
+        "_reduce_send_kernel[rows_recv_fp16]": ("_reduce_send_kernel",
+                                                dict(rsend_recv_sig, y_ptr="*fp16", out_ptr="*fp16"),
+                                                dict(rsend_recv_cx, GATED=False, ROWS=True, W=2, WP=2, RR_T=4,
+                                                     RR_D=512)),
         # the emulated world's form: counters only, summed by the reduce-receive kernel (BLK)
         "_reduce_send_kernel[blk]": ("_reduce_send_kernel", rsend_sig,
                                      dict(rsend_cx, GATED=False, ROWS=True, CBLK_SIGNAL=True)),
@@ -308,8 +310,7 @@ def test_kernels_compile_with_signal_semantics(compiled):
     # The combine's per-token-block counters: the senders release them (more release atomics than the
     # one ARRIVE add per source), the one-launch form also polls them (bounded) and ends the op, and
     # the reduce-receive kernel of the emulated world's form polls them instead of ARRIVE.
-    for name, plain in (("_reduce_send_kernel[rows_recv]", "_reduce_send_kernel[rows]"),
-                        ("_reduce_send_kernel[recv]", "_reduce_send_kernel")):
+    for name, plain in (("_reduce_send_kernel[rows_recv]", "_reduce_send_kernel[rows]"),):
         r, p = compiled[name], compiled[plain]
         assert r["release"] > p["release"] and r["acquire"] > p["acquire"] and r["timer"] > p["timer"], name
         assert r["st"] > p["st"] and r["ld"] > p["ld"], f"{name}: no summing of the arrived rows"
@@ -317,9 +318,10 @@ def test_kernels_compile_with_signal_semantics(compiled):
     # Its summing programs (up to 4 an SM, symm._comb_recv_shape) wait for senders of the same launch:
     # at <= 64 registers a thread 8 CTAs of 4 warps fit an SM, so senders always find room beside them.
     if "regs" in compiled["_reduce_send_kernel[rows_recv]"]:
-        for W in (2, 4, 8):
-            regs = compiled[f"_reduce_send_kernel[rows_recv_w{W}]"]["regs"]
-            assert regs <= 64, f"one-launch combine at W={W}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
+        for name in ("_reduce_send_kernel[rows_recv_w2]", "_reduce_send_kernel[rows_recv_w4]",
+                     "_reduce_send_kernel[rows_recv_w8]", "_reduce_send_kernel[rows_recv_fp16]"):
+            regs = compiled[name]["regs"]
+            assert regs <= 64, f"one-launch combine {name}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
     rb = compiled["_reduce_recv_kernel[rows_blk]"]
     assert rb["acquire"] > 0 and rb["timer"] > 0, "the per-block sum must wait (bounded) for its rows"
     # The overlapped row form: its first half opens the op with the bounded barrier and publishes
@@ -350,7 +352,7 @@ def test_kernels_compile_with_signal_semantics(compiled):
                                      ("_send_tokens_kernel[rows_overlap_wide]", 1, 1),
                                      ("_expand_kernel[rows_blocks]", 1, 1),
                                      ("_reduce_send_kernel[wide]", 0, 0), ("_reduce_recv_kernel[wide]", 0, 0),
-                                     ("_reduce_send_kernel[rows_recv]", 0, 0), ("_reduce_send_kernel[recv]", 0, 0),
+                                     ("_reduce_send_kernel[rows_recv]", 0, 0),
                                      ("_reduce_recv_kernel[rows_blk]", 0, 0)):
             info = compiled[name]
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"

@@ -190,6 +190,9 @@ def test_one_launch_combine_shape(monkeypatch):
     assert symm._comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
     assert symm._comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
     assert symm._comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
+    for W, D in ((3, 256), (6, 128), (5, 7168)):  # summing tile rows: a power of two
+        rr_t = symm._comb_recv_shape(bufs(W, D=D), 16384)[2]
+        assert rr_t >= 1 and rr_t & (rr_t - 1) == 0, (W, D, rr_t)
     assert symm._comb_recv_shape(bufs(2), 0)[1] >= 1
     symm.LAUNCH_OVERRIDES.update(comb_recv=dict(per_sm=8, send_per_sm=3))
     assert symm._comb_recv_shape(bufs(2), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM

@@ -179,8 +179,13 @@ def _current_device() -> int:
 
 
 def _make_current(device: int) -> None:
+    import torch
+    if torch.version.hip is not None:  # (the NVIDIA C dispatcher's gap; HIP's utils have no such call)
+        return
     from triton.runtime import driver
-    driver.active.utils.set_current_device(device)  # cuDevicePrimaryCtxRetain + cuCtxSetCurrent
+    set_current = getattr(driver.active.utils, "set_current_device", None)
+    if set_current is not None:
+        set_current(device)  # cuDevicePrimaryCtxRetain + cuCtxSetCurrent
 
 
 def _bind_context() -> None:

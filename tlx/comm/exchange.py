@@ -622,7 +622,9 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
     b0 = pid
     nblocks = tl.cdiv(W * T_MAX, BLOCK_R)
     if RECV_ROLE:
-        tl.static_assert(CBLK_SIGNAL and not USE_NVSHMEM, "RECV_ROLE: per-block signals over peer pointers")
+        tl.static_assert(CBLK_SIGNAL and ROWS and not USE_NVSHMEM,
+                         "RECV_ROLE: the row form, per-block signals over peer pointers (summing programs must "
+                         "wait only for peers' senders, never for this rank's own)")
         nprog = nprog - N_RECV
         b0 = pid - N_RECV
         if pid < N_RECV:  # a receiving program: sums arrived token blocks, sends nothing

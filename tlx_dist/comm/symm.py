@@ -846,6 +846,7 @@ def _comb_recv_shape(bufs: SymmBuffers, T: int) -> tuple[int, int, int, int]:
     sms = _num_programs(str(bufs.device), 1)
     rr_d = min(512, _next_pow2(L.hidden))
     rr_t = max(1, (4096 // max(2, L.world_size)) // rr_d)
+    rr_t = 1 << (rr_t.bit_length() - 1)  # a power of two (W = 3, 6, ... would not give one)
     units = -(-max(T, 1) // L.comb_block) * -(-L.hidden // rr_d)
     # at most half the CTAs an SM holds: with the row form's reduce-send at <= 64 registers a thread
     # (tests/test_symm_compile.py) 32 / warps CTAs fit an SM (8 at 4 warps), so senders always find
@@ -890,10 +891,12 @@ def _gate_grad_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True) -> torch
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
     mode = _comb_mode(bufs)
-    if mode == "overlap" and rows:  # one launch: sends, sums as the partial rows land, ends the op
+    if mode == "overlap" and rows and bufs.layout.dtype.itemsize == 2:  # one launch: sends, sums as the
+        # partial rows land, ends the op
         return _reduce_send(bufs, y_ND, h, gated, rows, blk=True, recv=True)
     # (the expanded form's reduce-send sums K slots a row: ~170-180 registers a thread, 2 CTAs an SM;
-    # summing programs beside it could hold every slot and starve its senders, so it keeps two launches)
+    # summing programs beside it could hold every slot and starve its senders, so it keeps two launches;
+    # so do fp32 / fp64 rows: 96 / 128 registers a thread, 5 / 4 CTAs an SM)
     blk = mode == "blocks"
     y = _reduce_send(bufs, y_ND, h, gated, rows, blk=blk)  # waits for every peer's readiness first
     yield
