@@ -174,8 +174,14 @@ _BOUND = threading.local()  # the device whose primary context this thread made 
 
 
 def _current_device() -> int:
-    import torch
-    return torch.cuda.current_device()
+    global _current_device_fn
+    if _current_device_fn is None:  # (torch imported once, not at every launch)
+        import torch
+        _current_device_fn = torch.cuda.current_device
+    return _current_device_fn()
+
+
+_current_device_fn = None
 
 
 def _make_current(device: int) -> None:

@@ -706,7 +706,8 @@ def _signal_comb_rows(near, s, tok, peers_ptr, RANK, OFF_CBLK: tl.constexpr, CB:
                       BLOCK_R: tl.constexpr):
     """After a block's partial rows went out (CTA barrier first): one release add per (source s,
     token block t // CB) the block's rows fell in, of the rows that fell there, to CBLK[RANK, t // CB]
-    of source s. The adds are aggregated in the block: the first row of each key adds the key's count."""
+    of source s. Tiles of up to 16 rows aggregate the adds (the first row of each key adds the key's
+    count); taller tiles add one per row."""
     tl.debug_barrier()
     if BLOCK_R <= 16:
         key = tl.where(near, s.to(tl.int64) * NCB + tok // CB, -1)

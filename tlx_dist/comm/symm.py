@@ -469,12 +469,14 @@ ENV_COMB_OVERLAP = "TLX_DIST_COMB_OVERLAP"
 
 def _comb_mode(bufs: SymmBuffers) -> str:
     """How a combine's source side sums the partial rows (``tlx/comm/exchange.py``, CBLK):
-    ``"overlap"`` (real ranks over peer pointers, the row form -- the fused EP pipeline's combine:
-    the reduce-send launch's first programs sum each block of ``comb_block`` tokens as its partial
-    rows land, overlapping the transfer -- the combine is one launch; the expanded form, whose
-    reduce-send holds too many registers for programs to wait beside it, runs as "after"), ``"blocks"`` (the emulated world, whose ranks launch one after another, and one
-    rank: the same per-block counters, summed by the reduce-receive kernel after the sends) or
-    ``"after"`` (the NVSHMEM route: one ARRIVE count per rank, then the reduce-receive kernel).
+    ``"overlap"`` (real ranks over peer pointers on CUDA: for the row form of 16-bit rows -- the
+    fused EP pipeline's combine -- the reduce-send launch's first programs sum each block of
+    ``comb_block`` tokens as its partial rows land, overlapping the transfer, and the combine is one
+    launch; the expanded form and 32/64-bit rows, whose reduce-send holds too many registers for
+    programs to wait beside it, run as "after"), ``"blocks"`` (the emulated world, whose ranks
+    launch one after another, and one rank: the same per-block counters, summed by the
+    reduce-receive kernel after the sends) or ``"after"`` (the NVSHMEM route and ROCm: one ARRIVE
+    count per rank, then the reduce-receive kernel).
     ``TLX_DIST_COMB_OVERLAP=0`` keeps real ranks over peer pointers on ``"after"`` (default ``auto``
     / ``1``: overlap); like every ``TLX_DIST_*`` setting it must be the same on every rank.
     Resolved at a buffer set's first combine and kept for its life."""
