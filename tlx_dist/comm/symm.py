@@ -325,6 +325,7 @@ def _pipe(kind: str) -> dict:
 
 
 _BULK_SMEM = 160 * 1024  # shared memory the send's bulk-copy slots may take per program
+_SM_SMEM = 220 * 1024  # shared memory the send's programs on one SM may take together (H100 / H200 / B200: 227 KB)
 ENV_EXCHANGE_BULK = "TLX_DIST_EXCHANGE_BULK"  # n > 0: the send's bulk-copy row moves with n slots
 
 
@@ -354,7 +355,7 @@ def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict) -> dict:
         return {}
     dp = _next_pow2(D)
     per_sm = o.get("per_sm", _DEFAULT_SHAPES["send"][1])
-    n = min(n, (220 * 1024 // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))
+    n = min(n, (_SM_SMEM // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))
     return {"BULK": n, "BULK_DP": dp} if n >= 2 else {}
 
 
