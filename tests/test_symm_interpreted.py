@@ -15,4 +15,5 @@ pytest.importorskip("triton")
 def test_symm_dispatch_interpreted_suite():
     run_interpreted_suite("symm_interpreted_cases.py",
                           "symm_nvshmem_interpreted_cases.py",  # the emulated cross-node route
-                          "symm_rows_interpreted_cases.py")  # the fused EP exchange
+                          "symm_rows_interpreted_cases.py",  # the fused EP exchange
+                          "symm_ce_interpreted_cases.py")  # its copy-engine row form

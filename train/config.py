@@ -85,7 +85,11 @@ class ParallelConfig:
     ``capacity_factor > 0`` (checked); does nothing where the layers get no region.
     exchange_bulk: n > 0: the symmetric exchange's send moves token rows through n shared-memory
     slots by the SM's bulk-copy unit (``SymmDispatcher(bulk_send=n)``; TLX on sm_90 / sm_100 over
-    peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK."""
+    peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK.
+    exchange_copy_engine: "auto" (default) | "on" | "off": the copy-engine row form of the layers
+    with a receive region (``SymmDispatcher(copy_engine=...)``): their rows cross by copy engines in
+    the dense layout; "auto" turns it on for T >= 8192 tokens a rank where nearly every token reaches
+    every peer (two GPUs a group at E=64, K=8)."""
 
     ep: int = 1
     dp: int = 0
@@ -95,6 +99,7 @@ class ParallelConfig:
     ep_row_regions: bool = False
     ep_overlap: bool = False
     exchange_bulk: int = 0
+    exchange_copy_engine: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,8 @@ def _validate(cfg: Config) -> None:
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
+    if p.exchange_copy_engine not in ("auto", "on", "off"):
+        raise ValueError(f"parallel.exchange_copy_engine={p.exchange_copy_engine!r} must be auto, on or off")
     if p.exchange_bulk < 0:
         raise ValueError(f"parallel.exchange_bulk={p.exchange_bulk} must be >= 0 (shared-memory slots; 0: off)")
     if p.ep_overlap and not p.ep_row_regions:

@@ -29,8 +29,9 @@ Symmetric region of every rank (byte offsets are constexprs from the host; ``pee
     GATES  [R, K]          the K gates of each received row, in the activation dtype
     RECV   [R, D]          token rows; rows [s*T_MAX, s*T_MAX + rows_from[s]) come from source s
                            != RANK (a rank's own rows stay in x, or go straight to the row form's output)
-    COMB   [T_MAX, W, D]   combine partial sums: row (t, d) = sum of rank d's expert outputs of t
-                           (row form: (t, RANK) unused, the own partial row is read where it is)
+    COMB   [W, T_MAX, D]   combine partial sums: row (d, t) = sum of rank d's expert outputs of t
+                           (row form: (RANK, t) unused, the own partial row is read where it is); a
+                           rank's rows are contiguous, so a copy engine can move them (``copy_engine.py``)
     DGATE  [T_MAX, K] f64  gate gradients of combine's backward, written by the owning rank (ACC)
     RBLK   [W, NRB]    int64  row form: RBLK[s, j] = rows of RECV block j of source s (RB rows each,
                            ``SymmLayout.recv_block``) landed so far; the sender adds after each of its
@@ -119,6 +120,7 @@ from .protocol import (  # noqa: F401  (CLOCK_*, _wait_geq: read here by the hos
     _wait_geq,
 )
 from .route import _route_kernel  # noqa: F401  (phase 1 of a dispatch)
+from .copy_engine import _ce_fixup_kernel, _ce_ready_kernel, _ce_signal_kernel  # noqa: F401  (copy-engine row form)
 
 try:  # the send's bulk-copy option (BULK) is TLX; without fbtriton the kernels never set it
     from .bulk import bulk_alloc, bulk_drain, bulk_rows
@@ -161,16 +163,20 @@ def _copy_arrived(out, rows_from_ptr, my, q, nq, RANK, err_ptr, DT: tl.constexpr
 
 @triton.jit
 def _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W: tl.constexpr, OFF_RBLK: tl.constexpr,
-                   RB: tl.constexpr, NRB: tl.constexpr):
+                   RB: tl.constexpr, NRB: tl.constexpr, DENSE: tl.constexpr = False):
     """After a token block's rows went out (CTA barrier first): for each peer d != RANK, one release
     add per RECV block of d that the block's rows fell in, of the rows that fell there. A source's
     rows to d are numbered in token order (``send_row``), so a token block's rows to d are one
-    contiguous run ``[lo, lo + cnt)``, which spans at most ``1 + BLOCK_T // RB`` counters."""
+    contiguous run ``[lo, lo + cnt)``, which spans at most ``1 + BLOCK_T // RB`` counters. DENSE: the
+    run is the block's tokens themselves (row t = token t, every token counted)."""
     tl.debug_barrier()
     for d in range(W):
         if d != RANK:
             row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
             sent = row >= 0
+            if DENSE:
+                sent = tm
+                row = t
             cnt = tl.sum(sent.to(tl.int32))
             if cnt > 0:
                 lo = tl.min(tl.where(sent, row, 2147483647))
@@ -216,7 +222,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
                         RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
                         ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False,
-                        SPLIT: tl.constexpr = 0, RCNT_OFF=0, BULK: tl.constexpr = 0, BULK_DP: tl.constexpr = 1):
+                        SPLIT: tl.constexpr = 0, RCNT_OFF=0, BULK: tl.constexpr = 0, BULK_DP: tl.constexpr = 1,
+                        DENSE: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
     >= 0``; with WITH_META also its metadata row (the expanded row ``start[g] + q[t, k]`` of each
@@ -245,6 +252,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     every peer, then one release add per destination of this program's rows to that destination's
     region counter at RCNT_OFF + 8 * RANK (``rows_wait``, not ARRIVE: the op may have ended before
     they land, and its end zeroes ARRIVE).
+    DENSE (the copy-engine row form's dense layout, ``send_row[t, d]`` = t or -1, peer pointers): the
+    receive row of token t is ``RANK*T_MAX + t`` on every rank, and every token counts as sent to every
+    rank -- META (empty slots for a rank t does not go to), gates, ARRIVE and RBLK adds cover all T
+    tokens -- while only the routed rows (``send_row >= 0``) move.
     BULK = n (TLX; not with USE_NVSHMEM, BLK_SIGNAL or RECV_ROLE): the rows go through n shared-memory
     slots of BULK_DP elements by bulk copies (``bulk.py``), one load per token for all its
     destinations, instead of through registers.
@@ -288,6 +299,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
         tl.static_assert(not (USE_NVSHMEM or BLK_SIGNAL or RECV_ROLE),
                          "BULK: peer pointers only, no per-block signals or receiving programs")
         bbuf, bbars = bulk_alloc(DT, BULK_DP, BULK)
+    if DENSE:
+        tl.static_assert(not USE_NVSHMEM and BULK == 0, "DENSE: peer pointers, register copies")
     bcnt = 0
     for b in range(b0, nblocks, nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -297,6 +310,10 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
         for d in range(W):
             row = tl.load(send_row_ptr + t * W + d, mask=tm, other=-1)
             sent = row >= 0
+            routed = sent
+            if DENSE:  # every token has its row (and META) on every rank; only routed rows move
+                sent = tm
+                row = t
             if SPLIT == 2:
                 sent = sent & (d != RANK)
             hist += tl.where(wr == d, tl.sum(sent.to(tl.int64)), 0)
@@ -314,13 +331,13 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             if LOCAL_ROWS:
                 rbase = tl.where(d == RANK, OWN_ADDR, rbase)
             recv = tl.multiple_of(rbase.to(tl.pointer_type(DT)), 16) + dst * D
-            mr = m
+            mr = m & routed
             if LOCAL_X:
-                mr = m & (d != RANK)
+                mr = mr & (d != RANK)
             if SPLIT == 1:
-                mr = m & (d == RANK)
+                mr = mr & (d == RANK)
             elif SPLIT == 2:
-                mr = m & (d != RANK)
+                mr = mr & (d != RANK)
             if BULK > 0:
                 pass  # the rows go by bulk copies after this loop (bulk_rows)
             elif PIPE:
@@ -360,7 +377,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             bcnt = bulk_rows(bbuf, bbars, bcnt, x_ptr, stride_x, b, T, send_row_ptr, peers_ptr, RANK, OWN_ADDR,
                              ROWS_OFF, W, D, T_MAX, OFF_RECV, BLOCK_T, ROWS_REGION, LOCAL_ROWS, LOCAL_X, SPLIT, BULK)
         if BLK_SIGNAL:
-            _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB)
+            _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB, DENSE)
     if BULK > 0:
         bulk_drain()
     if SPLIT == 2:
@@ -591,7 +608,8 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         PIPE: tl.constexpr = False, CBLK_SIGNAL: tl.constexpr = False, OFF_CBLK: tl.constexpr = 0,
                         CB: tl.constexpr = 32, NCB: tl.constexpr = 1, RECV_ROLE: tl.constexpr = False, N_RECV=0,
                         out_ptr=None, send_row_ptr=None, T=0, PART_ADDR=0, RR_T: tl.constexpr = 8,
-                        RR_D: tl.constexpr = 512, END: tl.constexpr = False, WP3: tl.constexpr = 4):
+                        RR_D: tl.constexpr = 512, END: tl.constexpr = False, WP3: tl.constexpr = 4,
+                        DENSE: tl.constexpr = False):
     """PIPE (set only with ROWS and no NVSHMEM): chunk c + 1 of a row loaded before chunk c is stored
     (``_copy_chunks_ahead``). BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
     (``[W*T_MAX, D]``, one row per received row,
@@ -631,7 +649,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             my_r = tl.load(peers_ptr + RANK)
             _reduce_comb_blocks(out_ptr, send_row_ptr, T, pid, N_RECV, my_r, RANK, PART_ADDR,
                                 (my_r + OFF_STATE + 16).to(tl.pointer_type(tl.int64)), W, WP, D, T_MAX, OFF_COMB,
-                                OFF_CBLK, CB, NCB, ACC, DT, RR_T, RR_D, ROWS, TIMEOUT_NS, CLOCK)
+                                OFF_CBLK, CB, NCB, ACC, DT, RR_T, RR_D, ROWS, TIMEOUT_NS, CLOCK, DENSE)
             b0 = nblocks
     wr = tl.arange(0, WP)
     hist = tl.zeros([WP], tl.int64)
@@ -651,7 +669,7 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
             moved = near  # the rows this block loads (near ones are stored to the peer, far ones staged)
             tok = tl.load(tok_ptr + n, mask=valid, other=0).to(tl.int64)
             sbase = tl.load(peers_ptr + s, mask=valid, other=0)
-            dst = tl.multiple_of((sbase + OFF_COMB).to(tl.pointer_type(DT)), 16) + (tok * W + RANK) * D
+            dst = tl.multiple_of((sbase + OFF_COMB).to(tl.pointer_type(DT)), 16) + (RANK * T_MAX + tok) * D
             if USE_NVSHMEM:
                 far = valid & (sbase == 0)
                 near = near & (sbase != 0)
@@ -751,7 +769,7 @@ def _reduce_comb_blocks(out_ptr, send_row_ptr, T, q, nq, my, RANK, PART_ADDR, er
                         WP: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, OFF_COMB: tl.constexpr,
                         OFF_CBLK: tl.constexpr, CB: tl.constexpr, NCB: tl.constexpr, ACC: tl.constexpr,
                         DT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LOCAL_ROWS: tl.constexpr,
-                        TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+                        TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr, DENSE: tl.constexpr = False):
     """The combine's source side by work unit, program ``q`` of ``nq``. A unit is (token block j of
     CB tokens, column chunk c of BLOCK_D), units in block order, so that the last rows to land leave
     one chunk's sum behind them, not a whole block's. For each of its units a program waits until
@@ -759,7 +777,9 @@ def _reduce_comb_blocks(out_ptr, send_row_ptr, T, q, nq, my, RANK, PART_ADDR, er
     0``: every row d got comes back) for every rank d (LOCAL_ROWS: but this one, whose partial rows
     are read in place), and sums the unit (``_sum_token_block``). CBLK row W counts the block's
     finished units; the program that finishes the last one zeroes the block's counters: rank d adds
-    to them again only in a later op, after this rank ended this one."""
+    to them again only in a later op, after this rank ended this one. DENSE (the dense layout: rank
+    d's partial row of every token comes back, routed there or not): a block waits for all its tokens
+    from every rank; the sum still adds only the ranks a token went to."""
     comb_addr = my + OFF_COMB
     ctr = (my + OFF_CBLK).to(tl.pointer_type(tl.int64))
     wr = tl.arange(0, WP)
@@ -773,6 +793,8 @@ def _reduce_comb_blocks(out_ptr, send_row_ptr, T, q, nq, my, RANK, PART_ADDR, er
             tm = (t < T) & (t < j * CB + CB)
             sent = tl.load(send_row_ptr + t[:, None] * W + wr[None, :], mask=tm[:, None] & (wr < W)[None, :],
                            other=-1) >= 0
+            if DENSE:
+                sent = tm[:, None] & (wr < W)[None, :]
             need += tl.sum(sent.to(tl.int64), axis=0)
         if LOCAL_ROWS:
             need = tl.where(wr == RANK, 0, need)
@@ -804,7 +826,7 @@ def _add_rank_chunk(acc, dd, wr, row_t, comb_addr, t64, cols, cm, RANK, part_add
     row = tl.sum(tl.where(wr[None, :] == dd, row_t, 0), axis=1)
     sent = row >= 0
     base = comb_addr
-    ri = t64 * W + dd
+    ri = dd * T_MAX + t64
     if LOCAL_ROWS:
         base = tl.where(dd == RANK, part_addr, base)
         ri = tl.where(dd == RANK, RANK * T_MAX + row.to(tl.int64), ri)
@@ -820,7 +842,7 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
                         END: tl.constexpr = False, WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0,
                         pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, PART_ADDR=0, T_MAX: tl.constexpr = 1,
                         LOCAL_ROWS: tl.constexpr = False, BLK: tl.constexpr = False, OFF_CBLK: tl.constexpr = 0,
-                        CB: tl.constexpr = 32, NCB: tl.constexpr = 1):
+                        CB: tl.constexpr = 32, NCB: tl.constexpr = 1, DENSE: tl.constexpr = False):
     """Waits for ``rows_to[d]`` rows back from every rank d, then ``out[t] = sum_d COMB[t, d]``
     over the ranks t was sent to (fp32, one rounding); a token sent nowhere (T = 0 experts) is 0.
     LOCAL_ROWS: the partial row of this rank itself is row ``RANK*T_MAX + send_row[t, RANK]`` of
@@ -834,7 +856,8 @@ def _reduce_recv_kernel(out_ptr, send_row_ptr, rows_to_ptr, peers_ptr, RANK, T,
     err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
     if BLK:
         _reduce_comb_blocks(out_ptr, send_row_ptr, T, pid, nprog, my, RANK, PART_ADDR, err_ptr, W, WP, D, T_MAX,
-                            OFF_COMB, OFF_CBLK, CB, NCB, ACC, DT, BLOCK_T, BLOCK_D, LOCAL_ROWS, TIMEOUT_NS, CLOCK)
+                            OFF_COMB, OFF_CBLK, CB, NCB, ACC, DT, BLOCK_T, BLOCK_D, LOCAL_ROWS, TIMEOUT_NS, CLOCK,
+                            DENSE)
     else:
         for d in range(W):
             _wait_geq((my + OFF_ARRIVE + (W + d) * 8).to(tl.pointer_type(tl.int64)), tl.load(rows_to_ptr + d),

@@ -319,7 +319,7 @@ def _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my
             nj, sj, off_node = _far_row(b, j, rows_from_ptr, peers_ptr, W, T_MAX, BLOCK_R)
             if off_node:
                 tok = tl.load(tok_ptr + nj).to(tl.int64)
-                nv.putmem_block(my + OFF_COMB + (tok * W + RANK) * (D * ES),
+                nv.putmem_block(my + OFF_COMB + (RANK * T_MAX + tok) * (D * ES),
                                 my + OFF_SCOMB + nj.to(tl.int64) * (D * ES),
                                 tl.full([], D * ES, tl.int64), tl.load(pes_ptr + sj))
 

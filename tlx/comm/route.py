@@ -34,7 +34,8 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
                   W: tl.constexpr, WP: tl.constexpr, E_LOCAL: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
                   BLOCK_T: tl.constexpr, OFF_STATE: tl.constexpr, OFF_FLAGS: tl.constexpr,
                   OFF_COUNTS: tl.constexpr, TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr,
-                  pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, AGG_ONLY: tl.constexpr = False):
+                  pes_ptr=None, USE_NVSHMEM: tl.constexpr = False, AGG_ONLY: tl.constexpr = False,
+                  DENSE: tl.constexpr = False):
     """The dispatch's source-side layout and its signal, one launch (see the section comment).
     Block b of BLOCK_T tokens: its histogram (slots per expert, token rows per destination rank),
     its exclusive prefix over blocks 0..b-1 by decoupled look-back, then q / dest / send_row; the
@@ -48,7 +49,9 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     scan assumes); the interpreter runs them in order. Every poll is bounded (``OP_ROUTE``).
     AGG_ONLY (tests): blocks after 0 never mark their inclusive prefix, so every look-back walks the
     aggregates down to block 0 -- the path concurrent blocks take on a GPU, which the in-order
-    interpreter would otherwise never reach."""
+    interpreter would otherwise never reach.
+    DENSE (the copy-engine row form): token t's receive row is t on every rank (``send_row[t, d]`` =
+    t where it has an expert on d, else -1) and the rows counted to each rank are all T tokens."""
     b = tl.program_id(0)
     nb = tl.cdiv(T, BLOCK_T)
     my = tl.load(peers_ptr + RANK)
@@ -70,6 +73,8 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     h_W = tl.zeros([WP], tl.int64)
     for d in range(W):
         sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
+        if DENSE:
+            sent = (t < T).to(tl.int32)
         h_W = tl.where(wi == d, tl.sum(sent).to(tl.int64), h_W)
     x_E = tl.zeros([EP], tl.int64)
     x_W = tl.zeros([WP], tl.int64)
@@ -118,7 +123,10 @@ def _route_kernel(idx_ptr, scratch_ptr, q_ptr, dest_ptr, send_row_ptr, counts_pt
     for d in range(W):
         sent = tl.max((m & (dest == d)).to(tl.int32), axis=1)
         base = tl.sum(tl.where(wi == d, x_W, 0))
-        r = tl.where(sent > 0, base.to(tl.int32) + tl.cumsum(sent, axis=0) - 1, -1)
+        if DENSE:
+            r = tl.where(sent > 0, t, -1)
+        else:
+            r = tl.where(sent > 0, base.to(tl.int32) + tl.cumsum(sent, axis=0) - 1, -1)
         tl.store(send_row_ptr + t * W + d, r, mask=tm)
     if b == tl.maximum(nb, 1) - 1:
         tl.store(counts_ptr + ei, i_E, mask=ei < E)

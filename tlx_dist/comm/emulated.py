@@ -42,14 +42,18 @@ class EmulatedWorld:
     """W virtual ranks of one EP group on one device (``"cpu"`` runs the kernels in the Triton
     interpreter). Methods take and return per-rank lists. ``capacity``: expanded rows per rank,
     as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync). ``ranks_per_node``
-    (interpreter only): nodes of that many ranks, joined by the emulated NVSHMEM route."""
+    (interpreter only): nodes of that many ranks, joined by the emulated NVSHMEM route.
+    ``copy_engine=True``: the copy-engine row form (``symm._ce_mode``; copies in line: ``memmove``
+    on CPU, same-device copies on a GPU) for the row form into a region with a static capacity."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None, row_regions: int = 0):
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0, copy_engine: bool = False):
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
                                             device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node,
                                             row_regions=row_regions)
+        for b in self.buffers:
+            b.copy_engine = bool(copy_engine)
         self.world_size = world_size
         self.num_experts = num_experts
         self.capacity = check_capacity(capacity)

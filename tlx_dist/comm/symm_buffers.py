@@ -297,6 +297,7 @@ class SymmBuffers:
         if odd:
             raise RuntimeError(f"symmetric regions must start 16-byte aligned; (rank, base) {odd} do not")
         self.peers = torch.tensor(ptrs, dtype=torch.int64, device=mem.device)
+        self.peer_ptrs = [int(p) for p in ptrs]  # the same, on the host (the copy-engine row form's copies)
         self.pes = torch.tensor(pes, dtype=torch.int32, device=mem.device)
         # The NVSHMEM variants of the sending kernels run only when a peer has no pointer.
         self.use_nvshmem = 0 in ptrs
@@ -308,6 +309,10 @@ class SymmBuffers:
         # the send's bulk-copy slots (symm._bulk; SymmDispatcher(bulk_send=), parallel.exchange_bulk):
         # 0 = TLX_DIST_EXCHANGE_BULK decides (off when unset)
         self.bulk_send = 0
+        # the copy-engine row form (symm._ce_mode; SymmDispatcher(copy_engine=), parallel.exchange_copy_engine):
+        # "auto" | True | False; None = TLX_DIST_COPY_ENGINE decides (auto when unset)
+        self.copy_engine = None
+        self._ce_sig_stream = None  # its signal kernels' stream (symm._ce_send_partials), made on first use
 
     def nvshmem_meta(self, kernel) -> dict:
         """Extra launch arguments of a kernel that sends to peers (``tlx/comm/exchange.py``): ``{}``
