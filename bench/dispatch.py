@@ -23,7 +23,10 @@ Providers (K = 8, bf16, random top-K routing, gates from a softmax):
               the exchange's own cost in the fused pipeline (the expand and the gate-weighted
               k-sum it leaves out run inside the fused GEMMs there)
   regions_graph  rows_graph into a per-layer receive region (``SymmDispatcher(row_regions=1)``,
-              ``dispatch_rows(region=0)``): the rows stay where they land, no receive-side copy (W > 1)
+              ``dispatch_rows(region=0)``): the rows stay where they land, no receive-side copy (W > 1);
+              SM stores (``copy_engine=False``)
+  regions_ce_graph  the same by copy engines in the dense layout (``copy_engine=True``; what
+              ``"auto"`` picks from T_max >= 8192 where nearly every token reaches every peer)
 Per op: median latency over iterations (rank 0's clock; every op ends with every rank's rows in),
 ``link GB/s`` = bytes this rank sends to *other* ranks per second (token rows once per destination for
 symm, once per (token, k) slot for nccl; combine: one partial row per (token, rank) vs one per slot),
@@ -152,6 +155,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher, SymmDispatcher
+    from tlx_dist.comm.symm_buffers import SymmBuffers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,512,4096,16384")
@@ -213,12 +217,22 @@ def main() -> int:
                 if not args.no_rows:
                     rows_check(symm_g, x, idx, gate, ra, mask_TW.sum(1))
                     provs["rows_graph"] = (*_graphs_rows(symm_g, x, idx, gate), token_rows)
-                symm_r = None
+                symm_r = symm_c = None
                 if not args.no_rows and not args.no_regions and W > 1:
                     # the row form into a per-layer receive region: the rows stay where they land
-                    symm_r = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1)
+                    # SM stores (regions_graph) and copy engines (regions_ce_graph, the dense layout); the
+                    # library's "auto" picks the latter from T_max >= 8192 where nearly every token
+                    # reaches every peer (symm._ce_mode)
+                    symm_r = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1,
+                                            copy_engine=False)
                     rows_check(symm_r, x, idx, gate, ra, mask_TW.sum(1), region=0)
                     provs["regions_graph"] = (*_graphs_rows(symm_r, x, idx, gate, region=0), token_rows)
+                    # (its own buffer set: ep_buffers would hand back symm_r's, whose mode is fixed at first use)
+                    symm_c = SymmDispatcher(E, group, capacity=2.0, validate=False, row_regions=1, copy_engine=True,
+                                            buffers=SymmBuffers(T, D, K, E, x.dtype, group, device=x.device,
+                                                                row_regions=1))
+                    rows_check(symm_c, x, idx, gate, ra, mask_TW.sum(1), region=0)
+                    provs["regions_ce_graph"] = (*_graphs_rows(symm_c, x, idx, gate, region=0), token_rows)
                 res = {}
                 aligned = _aligned_sync(sync, symm_g) if W > 1 else None
                 for name, (fd, fc, link_rows) in provs.items():
@@ -255,6 +269,9 @@ def main() -> int:
                 if symm_r is not None:
                     symm_r.check()
                     symm_r.buffers.close()  # its own buffer set (row regions): free it too
+                if symm_c is not None:
+                    symm_c.check()
+                    symm_c.buffers.close()
                 symm_route = symm.buffers
                 symm.buffers.close()  # shared by both (ep_buffers): free this size before the next
                 del provs, symm, symm_g

@@ -45,7 +45,8 @@ def parse(spec: str) -> dict:
     moves through n shared-memory slots, TLX); ``"send:8x512w4,route:16,..."``
     -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
     mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
-    per SM)."""
+    per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
+    copy-engine combine copy)."""
     if spec == "default":
         return {}
     out = {}
@@ -55,6 +56,16 @@ def parse(spec: str) -> dict:
             if shape not in ("after", "overlap"):
                 raise ValueError(f"--configs: comb:{shape!r} must be after or overlap")
             out["comb"] = shape
+            continue
+        if kind == "ce":  # the copy-engine row form on every rank (symm._ce_mode), between ops
+            if shape not in ("on", "off"):
+                raise ValueError(f"--configs: ce:{shape!r} must be on or off")
+            out["ce_mode"] = shape == "on"
+            continue
+        if kind == "ce_chunk":
+            if not shape.isdigit() or int(shape) < 32 or int(shape) % 32:
+                raise ValueError(f"--configs: ce_chunk:{shape!r} must be a multiple of 32 (rows per copy)")
+            out["ce"] = dict(chunk_rows=int(shape))
             continue
         if kind == "comb_recv":  # the one-launch combine: summing / sending programs per SM
             m = re.match(r"^(\d+)x(\d+)$", shape)
@@ -125,10 +136,11 @@ def main() -> int:
         base = None
         for spec, shape in zip(specs, shapes):
             symm.LAUNCH_OVERRIDES.clear()
-            symm.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k != "comb"})
+            symm.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k not in ("comb", "ce_mode")})
             disp.buffers._comb_mode = None  # resolved again at the next combine (env / default) ...
             if "comb" in shape:  # ... or as the spec says (every rank runs the same specs)
                 disp.buffers._comb_mode = shape["comb"]
+            disp.buffers._ce_mode_v = shape.get("ce_mode")  # (None: resolved again, "auto" by default)
             rows_check(disp, x, idx, gate, ra, mask_TW.sum(1), region=0)
             fd, fc = _graphs_rows(disp, x, idx, gate, region=0)
             td = _median_ms(fd, args.iters, aligned) * 1e3

@@ -50,7 +50,7 @@ def _specs(amd: bool = False):
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
-                   ROWS_REGION=False, PIPE=False, SPLIT=0, BULK=0, BULK_DP=1,
+                   ROWS_REGION=False, PIPE=False, SPLIT=0, BULK=0, BULK_DP=1, DENSE=False,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
                        "OFF_RBLK"))
@@ -58,7 +58,7 @@ def _specs(amd: bool = False):
                      peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
                     USE_NVSHMEM=False, PIPE=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
-                    RR_T=8, RR_D=512, END=False, WP3=32,
+                    RR_T=8, RR_D=512, END=False, WP3=32, DENSE=False,
                     **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS", "OFF_CBLK"))
     # the one-launch combine (symm._comb_mode "overlap"): per-token-block counters, and summing
     # programs that read this rank's partial rows where they are (row form) or from COMB
@@ -67,14 +67,43 @@ def _specs(amd: bool = False):
     rrecv_sig = dict(out_ptr="*bf16", send_row_ptr="*i32", rows_to_ptr="*i64", peers_ptr="*i64", RANK="i32", T="i32",
                      PART_ADDR="i64")
     rrecv_cx = dict(W=W, WP=8, D=D, ACC=tl.float32, BLOCK_T=8, END=True, WP3=32, USE_NVSHMEM=False, T_MAX=T_MAX,
-                    LOCAL_ROWS=False, BLK=False, CB=32, NCB=T_MAX // 32, **tiles, **wait,
+                    LOCAL_ROWS=False, BLK=False, CB=32, NCB=T_MAX // 32, DENSE=False, **tiles, **wait,
                     **o("OFF_STATE", "OFF_ARRIVE", "OFF_COMB", "OFF_FLAGS", "OFF_CBLK"))
     return {
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
             dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # symm._route's
-                 USE_NVSHMEM=False, AGG_ONLY=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
+                 USE_NVSHMEM=False, AGG_ONLY=False, DENSE=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
+        # the copy-engine row form (symm._ce_mode): the dense layout's route, send (META, gates, own rows;
+        # SPLIT=1), combine-backward send with per-block receive copies, block sums; the copies' kernels
+        "_route_kernel[dense]": ("_route_kernel",
+            dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
+                 counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
+            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,
+                 USE_NVSHMEM=False, AGG_ONLY=False, DENSE=True, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
+        "_send_tokens_kernel[split1_dense]": ("_send_tokens_kernel", send_sig,
+                                              dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
+                                                   ROWS_REGION=True, SPLIT=1, DENSE=True)),
+        "_send_tokens_kernel[rows_overlap_dense]": ("_send_tokens_kernel", send_sig,
+                                                    dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, WITH_META=False,
+                                                         BLK_SIGNAL=True, RECV_ROLE=True, DENSE=True)),
+        "_reduce_recv_kernel[rows_blk_dense]": ("_reduce_recv_kernel", rrecv_sig,
+                                                dict(rrecv_cx, LOCAL_ROWS=True, BLK=True, DENSE=True)),
+        "_ce_ready_kernel": ("_ce_ready_kernel", dict(peers_ptr="*i64", RANK="i32"),
+                             dict(W=W, WP=8, **wait, **o("OFF_STATE", "OFF_FLAGS"))),
+        "_ce_signal_kernel[rows]": ("_ce_signal_kernel",
+                                    dict(rows_from_ptr="*i64", peers_ptr="*i64", RANK="i32", LO="i32", HI="i32",
+                                         CNT_OFF="i64"),
+                                    dict(W=W, MODE=0, OFF_CBLK=offs["OFF_CBLK"], CB=32, NCB=T_MAX // 32, NBP=1)),
+        "_ce_signal_kernel[comb]": ("_ce_signal_kernel",
+                                    dict(rows_from_ptr="*i64", peers_ptr="*i64", RANK="i32", LO="i32", HI="i32",
+                                         CNT_OFF="i64"),
+                                    dict(W=W, MODE=1, OFF_CBLK=offs["OFF_CBLK"], CB=32, NCB=T_MAX // 32, NBP=64)),
+        "_ce_fixup_kernel": ("_ce_fixup_kernel",
+                             dict(part_ptr="*bf16", rows_from_ptr="*i64", peers_ptr="*i64", RANK="i32", H="i32"),
+                             dict(W=W, T_MAX=T_MAX, D=D, OFF_COMB=offs["OFF_COMB"], OFF_CBLK=offs["OFF_CBLK"], CB=32,
+                                  NCB=T_MAX // 32, BLOCK_D=256)),
         "_send_tokens_kernel": ("_send_tokens_kernel", send_sig, send_cx),
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),

@@ -139,8 +139,10 @@ def test_moe_layer_fused_ep_vs_all_to_all(group, regions):
     b.dispatcher.check()
 
 
-def test_moe_layer_overlapped_fused_ep(group):
-    """The arrival-driven overlap (``SymmDispatcher(overlap=True)``, issue 9 item 3): the row send
+@pytest.mark.parametrize("copy_engine", [False, True])
+def test_moe_layer_overlapped_fused_ep(group, copy_engine):
+    """``copy_engine=True``: the same with the copy-engine row form (rows and partial rows by
+    cuMemcpyAsync on side streams, the dense layout). The arrival-driven overlap (``SymmDispatcher(overlap=True)``, issue 9 item 3): the row send
     on a side stream while the gate/up GEMM computes the own rows on the other SMs -- three steps
     of forward + backward against the all-to-all layer (output, dx, every parameter gradient), the
     region counters back at zero after each step, then the whole step captured in a CUDA graph
@@ -155,7 +157,7 @@ def test_moe_layer_overlapped_fused_ep(group):
     torch.manual_seed(0)
     a = MoELayer(cfg, group, dispatcher="all_to_all", device="cuda")
     disp = SymmDispatcher(cfg.num_experts, group, validate=False, row_regions=1, capacity=2.0, overlap=True,
-                          max_tokens=512)
+                          max_tokens=512, copy_engine=copy_engine)
     b = MoELayer(cfg, group, dispatcher=disp, pipeline="fused", device="cuda")
     b.load_state_dict(a.state_dict())
     gen = torch.Generator(device="cuda").manual_seed(r)
@@ -181,6 +183,9 @@ def test_moe_layer_overlapped_fused_ep(group):
                                        atol=2e-2 * float(pa.grad.abs().max()), msg=f"step {it}: {name}")
         torch.cuda.synchronize()
         assert int(disp.buffers.region_counters().abs().sum()) == 0, "the rows' waits left counts behind"
+        assert not disp.buffers.comb_block_counters().any(), "a combine counter was left non-zero"
+    from tlx_dist.comm.symm import _ce_mode
+    assert _ce_mode(disp.buffers) == copy_engine
     disp.check()
     # the step in a CUDA graph: side stream forked and joined inside the capture. The eager steps'
     # outputs go first: their autograd graphs hold the parameters' AccumulateGrad nodes, made on the
@@ -381,3 +386,80 @@ def test_rank_that_skips_a_combine_is_an_error_not_a_hang(group):
             assert waited < 30, f"the combine returned after {waited:.1f} s"
     dist.barrier()
     sd.buffers.close()
+
+
+def test_copy_engine_row_form_matches_the_sm_row_form(group):
+    """The copy-engine row form (``copy_engine=True``: dense layout, rows and partial rows by
+    cuMemcpyAsync into the peers' regions) against the SM row form on real ranks, three ops in a row
+    with unequal T per rank (an owner with fewer tokens than a source: the fix-up kernel stores the
+    rest of its partial rows): the expanded rows, gates and offsets, the combine's output and the
+    gradients of x and the gates bit for bit; every counter back at zero after each op; then
+    dispatch + combine captured in CUDA graphs (the copies become memcpy nodes) and replayed."""
+    import torch.distributed as dist
+
+    from tlx_dist.comm import SymmBuffers, SymmDispatcher
+    from tlx_dist.comm.symm import _ce_mode
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    E, K, D, T_max = 8 * W, 8, 2048, 1000
+    res = {}
+    for ce in (False, True):
+        bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group, row_regions=1)
+        sd = SymmDispatcher(E, group, buffers=bufs, capacity=2.0, validate=False, copy_engine=ce)
+        g = torch.Generator(device="cuda").manual_seed(10 + r)
+        got = []
+        for rep in range(3):
+            T = T_max - 37 * r - rep
+            idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            gate = torch.rand(T, K, device="cuda", generator=g)
+            xs, gs = x.clone().requires_grad_(True), gate.clone().requires_grad_(True)
+            recv, src, gate_N, h = sd.dispatch_rows(xs, idx, gs, region=0)
+            assert h.dense == ce and _ce_mode(bufs) == ce
+            n = int(h.offsets_e[-1])
+            rows = recv[src[:n].long()]
+            part = torch.zeros(recv.shape, device="cuda", dtype=torch.float32).index_add(
+                0, src[:n].long(), gate_N[:n, None] * rows.float()).to(torch.bfloat16)
+            out = sd.combine_rows(part, h)
+            gy = torch.randn(out.shape, device="cuda", generator=g).to(torch.bfloat16)
+            (out.float() * gy.float()).sum().backward()
+            torch.cuda.synchronize()
+            got.append((rows.detach().clone(), gate_N.detach()[:n].clone(), h.offsets_e.clone(), out.detach().clone(),
+                        xs.grad.clone(), gs.grad.clone()))
+            for name, c in (("region", bufs.region_counters()), ("CBLK", bufs.comb_block_counters()),
+                            ("RBLK", bufs.recv_block_counters())):
+                assert not c.any(), f"rep {rep}: a {name} counter was left non-zero"
+        sd.check()
+        # graph capture and replay of the no-grad pair
+        T = T_max - 37 * r
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        gate = torch.rand(T, K, device="cuda", generator=g)
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                recv, src, gate_N, h = sd.dispatch_rows(x, idx, gate, region=0)
+                eager = sd.combine_rows(recv, h)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                recv, src, gate_N, h = sd.dispatch_rows(x, idx, gate, region=0)
+                out_g = sd.combine_rows(recv, h)
+            for _ in range(2):
+                torch.cuda.synchronize()
+                dist.barrier()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out_g, eager), "the replayed pair differs from the eager one"
+        got.append((eager,))
+        sd.check()
+        res[ce] = got
+        dist.barrier()
+        bufs.close()
+    names = ("expanded rows", "gates", "offsets", "combine", "dx", "dgate")
+    for i, (a, b) in enumerate(zip(res[False], res[True])):
+        for name, u, v in zip(names, a, b):
+            assert torch.equal(u, v), f"op {i}: {name} of the copy-engine row form differs from the SM one"

@@ -3,12 +3,16 @@
 ``exchange``: the phase kernels every rank runs for one deduplicated exchange (barrier -> send
 token rows once per rank -> expand to expert-major rows; reduce per token -> send partial sums
 home), with bounded waits; ``protocol`` their shared waits and signals, ``route`` a dispatch's
-first phase. ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
+first phase, ``copy_engine`` the ready / signal / fix-up kernels of the copy-engine row form
+(whose copies the host issues). ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
 (peers on other nodes), emulated under the interpreter. Host wrappers, buffer allocation and
 autograd live in ``tlx_dist.comm.symm``.
 """
 
 from .exchange import (  # noqa: F401
+    _ce_fixup_kernel,
+    _ce_ready_kernel,
+    _ce_signal_kernel,
     _expand_kernel,
     _gate_grad_recv_kernel,
     _phase_offsets_kernel,

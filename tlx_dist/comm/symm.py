@@ -1061,7 +1061,7 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
         OFF_COMB=L.off_comb,
         BLOCK_T=br, BLOCK_D=bd, num_warps=warps, sends=end, **_common(bufs), **(_end_meta(bufs) if end else {}),
         **(dict(PART_ADDR=part.data_ptr(), LOCAL_ROWS=True) if part is not None else {}),
-        **(dict(T_MAX=L.max_tokens) if part is not None or blk else {}),
+        T_MAX=L.max_tokens,  # (COMB rows are [W, T_max])
         **(dict(BLK=True, **_comb_meta(bufs)) if blk else {}), **({"DENSE": True} if dense else {}))
     return out
 

@@ -1,0 +1,119 @@
+"""Where the copy-engine row form runs (CPU): ``symm._ce_mode`` by setting, world, route and size;
+the density rule; the copy call on CPU; the argument and config checks that name what is wrong."""
+
+import ctypes
+import types
+
+import pytest
+import torch
+
+from tlx_dist.comm import copy_engine, symm
+from tlx_dist.comm.symm import CE_MIN_DENSITY, CE_MIN_TOKENS, ENV_COPY_ENGINE
+
+
+def _bufs(backend="symm", W=2, T=CE_MIN_TOKENS, E=64, K=8, nvshmem=False, regions=1, setting=None, device="cuda"):
+    return types.SimpleNamespace(use_nvshmem=nvshmem, backend=backend, world_size=W, copy_engine=setting,
+                                 device=torch.device(device),
+                                 layout=types.SimpleNamespace(max_tokens=T, world_size=W, num_experts=E, top_k=K,
+                                                              row_regions=regions))
+
+
+@pytest.fixture
+def cuda_copies(monkeypatch):
+    """As on a CUDA host whose driver loads (this machine has neither)."""
+    monkeypatch.setattr(copy_engine, "available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv(ENV_COPY_ENGINE, raising=False)
+
+
+def test_density_is_the_chance_a_token_reaches_a_peer():
+    L = lambda W, E, K: types.SimpleNamespace(world_size=W, num_experts=E, top_k=K)  # noqa: E731
+    assert symm._ce_density(L(2, 64, 8)) == pytest.approx(0.99762, abs=1e-4)
+    assert symm._ce_density(L(4, 64, 8)) == pytest.approx(0.91475, abs=1e-4)
+    assert symm._ce_density(L(8, 256, 8)) == pytest.approx(0.66, abs=0.01)
+    # brute force over every top-K set at a small size
+    import itertools
+    sets = list(itertools.combinations(range(8), 3))
+    hit = sum(any(g // 4 == 1 for g in s) for s in sets) / len(sets)
+    assert symm._ce_density(L(2, 8, 3)) == pytest.approx(hit)
+
+
+def test_auto(cuda_copies):
+    assert symm._ce_mode(_bufs()) is True
+    assert symm._ce_mode(_bufs(T=CE_MIN_TOKENS - 1)) is False  # small ops keep SM stores
+    assert symm._ce_mode(_bufs(W=4)) is False  # 0.915 < CE_MIN_DENSITY: too many rows would cross for nothing
+    assert symm._ce_mode(_bufs(K=2, E=8)) is False
+    assert CE_MIN_DENSITY > symm._ce_density(types.SimpleNamespace(world_size=4, num_experts=64, top_k=8))
+    assert symm._ce_mode(_bufs(nvshmem=True)) is False
+    assert symm._ce_mode(_bufs(W=1)) is False
+    assert symm._ce_mode(_bufs(regions=0)) is False  # only the row form into a region
+    assert symm._ce_mode(_bufs(backend="emulated")) is False  # the emulated world: only when asked
+
+
+def test_forced(cuda_copies, monkeypatch):
+    assert symm._ce_mode(_bufs(setting=True, T=128, W=8)) is True
+    assert symm._ce_mode(_bufs(setting=False)) is False
+    assert symm._ce_mode(_bufs(setting=True, nvshmem=True)) is False  # the NVSHMEM route keeps SM stores
+    assert symm._ce_mode(_bufs(setting=True, backend="emulated", device="cpu")) is True
+    monkeypatch.setenv(ENV_COPY_ENGINE, "0")
+    assert symm._ce_mode(_bufs()) is False
+    assert symm._ce_mode(_bufs(setting=True)) is True  # the dispatcher's setting wins over the environment
+    monkeypatch.setenv(ENV_COPY_ENGINE, "1")
+    assert symm._ce_mode(_bufs(T=128)) is True
+    monkeypatch.setattr(torch.version, "hip", "6.0")
+    assert symm._ce_mode(_bufs(setting=True)) is False  # ROCm: SM stores
+
+
+def test_resolved_once_per_buffer_set(cuda_copies, monkeypatch):
+    b = _bufs()
+    assert symm._ce_mode(b) is True
+    monkeypatch.setenv(ENV_COPY_ENGINE, "0")
+    assert symm._ce_mode(b) is True  # a live buffer set keeps its mode (every rank resolved the same)
+    assert symm._ce_mode(_bufs()) is False
+
+
+def test_no_driver_no_copies(monkeypatch):
+    monkeypatch.delenv(ENV_COPY_ENGINE, raising=False)
+    assert not copy_engine.available(torch.device("cpu"))
+    monkeypatch.setattr(copy_engine, "available", lambda device: False)
+    assert symm._ce_mode(_bufs(setting=True)) is False
+
+
+def test_bad_env_names_the_variable(cuda_copies, monkeypatch):
+    monkeypatch.setenv(ENV_COPY_ENGINE, "yes")
+    with pytest.raises(ValueError, match=ENV_COPY_ENGINE):
+        symm._ce_mode(_bufs())
+
+
+def test_copy_bytes_on_cpu_moves_exactly_the_bytes():
+    src = torch.arange(16, dtype=torch.int32)
+    dst = torch.full((16,), -1, dtype=torch.int32)
+    copy_engine.copy_bytes(torch.device("cpu"), dst.data_ptr() + 8, src.data_ptr() + 4, 12)
+    assert dst.tolist() == [-1, -1, 1, 2, 3] + [-1] * 11
+    copy_engine.copy_bytes(torch.device("cpu"), dst.data_ptr(), src.data_ptr(), 0)  # nothing
+    assert dst[0] == -1
+    assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_dispatcher_rejects_a_bad_copy_engine(bad):
+    from tlx_dist.comm import SymmDispatcher
+    with pytest.raises(ValueError, match="copy_engine"):
+        SymmDispatcher(8, copy_engine=bad)
+
+
+def test_config_key_is_checked_and_reaches_the_dispatcher(monkeypatch):
+    import os
+
+    from tlx_dist.comm import SymmDispatcher
+    from train.config import load_config
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "h200_2gpu_ep2.toml")
+    assert load_config(recipe).parallel.exchange_copy_engine == "auto"
+    assert load_config(recipe, ["parallel.exchange_copy_engine=off"]).parallel.exchange_copy_engine == "off"
+    with pytest.raises(ValueError, match=r"parallel.exchange_copy_engine='yes' must be auto, on or off"):
+        load_config(recipe, ["parallel.exchange_copy_engine=yes"])
+    made = types.SimpleNamespace(bulk_send=0, copy_engine=None)
+    monkeypatch.setattr(symm, "ep_buffers", lambda *a, **kw: made)
+    d = SymmDispatcher(8, copy_engine=False, max_tokens=16)
+    assert d._buffers_for(types.SimpleNamespace(shape=(16, 64), dtype=None, device="cpu"), 2) is made
+    assert made.copy_engine is False  # set on the buffer set, where _ce_mode reads it
