@@ -48,7 +48,7 @@ def _ce_signal_kernel(rows_from_ptr, peers_ptr, RANK, LO, HI, CNT_OFF, W: tl.con
             base = tl.load(peers_ptr + d)
             if MODE == 0:
                 p = (base + CNT_OFF + RANK * 8).to(tl.pointer_type(tl.int64))
-                tl.atomic_add(p, (HI - LO).to(tl.int64), sem="release", scope="sys")
+                tl.atomic_add(p, tl.zeros([], tl.int64) + HI - LO, sem="release", scope="sys")  # (HI may be a constexpr)
             else:
                 n_s = tl.load(rows_from_ptr + d)
                 j = LO // CB + tl.arange(0, NBP)
