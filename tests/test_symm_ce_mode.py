@@ -117,3 +117,14 @@ def test_config_key_is_checked_and_reaches_the_dispatcher(monkeypatch):
     d = SymmDispatcher(8, copy_engine=False, max_tokens=16)
     assert d._buffers_for(types.SimpleNamespace(shape=(16, 64), dtype=None, device="cpu"), 2) is made
     assert made.copy_engine is False  # set on the buffer set, where _ce_mode reads it
+
+
+def test_a_shared_buffer_set_keeps_one_mode(cuda_copies):
+    b = _bufs()
+    assert symm._ce_mode(b) is True  # "auto" at the first op
+    symm._set_copy_engine(b, True)  # the same: fine
+    with pytest.raises(ValueError, match="copy_engine=False: this buffer set already runs with the copy-engine"):
+        symm._set_copy_engine(b, False)
+    one = _bufs(W=1)
+    assert symm._ce_mode(one) is False
+    symm._set_copy_engine(one, True)  # resolves to off on one rank anyway: no conflict

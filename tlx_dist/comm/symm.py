@@ -544,6 +544,9 @@ CE_MIN_DENSITY = 0.95
 # rows of one combine copy (a multiple of COMB_BLOCK): the summing programs start on a chunk as soon
 # as its signal lands, so the sum trails the last chunk only
 CE_CHUNK_ROWS = 1024
+# summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
+# the chunks' signal kernels, which the summing programs wait for, always find room)
+CE_SUM_PER_SM = 4
 
 
 def _ce_density(L) -> float:
@@ -562,9 +565,12 @@ def _ce_mode(bufs: SymmBuffers) -> bool:
     same-device copies), which runs the whole protocol; never on the NVSHMEM route or ROCm, which
     keep SM stores. Resolved at a buffer set's first use and kept for its life."""
     mode = getattr(bufs, "_ce_mode_v", None)
-    if mode is not None:
-        return mode
-    setting = getattr(bufs, "copy_engine", None)
+    if mode is None:
+        mode = bufs._ce_mode_v = _ce_resolve(bufs, getattr(bufs, "copy_engine", None))
+    return mode
+
+
+def _ce_resolve(bufs: SymmBuffers, setting) -> bool:
     if setting is None:
         env = os.environ.get(ENV_COPY_ENGINE, "auto")
         if env not in ("auto", "0", "1"):
@@ -583,8 +589,19 @@ def _ce_mode(bufs: SymmBuffers) -> bool:
         mode = L.max_tokens >= CE_MIN_TOKENS and _ce_density(L) >= CE_MIN_DENSITY
     else:
         mode = bool(setting)
-    bufs._ce_mode_v = mode
     return mode
+
+
+def _set_copy_engine(bufs: SymmBuffers, setting: bool) -> None:
+    """A dispatcher's ``copy_engine=True / False`` onto its buffer set (shared by every layer of the
+    group, ``ep_buffers``). A set whose mode, fixed at its first op, differs from what this setting
+    gives raises instead of ignoring the request."""
+    mode = getattr(bufs, "_ce_mode_v", None)
+    if mode is not None and _ce_resolve(bufs, setting) != mode:
+        raise ValueError(f"copy_engine={setting}: this buffer set already runs with the copy-engine row form "
+                         f"{'on' if mode else 'off'} (fixed at its first op): give every SymmDispatcher that shares "
+                         "it the same copy_engine, or build it anew")
+    bufs.copy_engine = setting
 
 
 def _ce_ready(bufs: SymmBuffers) -> None:
@@ -1049,12 +1066,17 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
                  blk: bool = False, dense: bool = False) -> torch.Tensor:
     """The last kernel of a reducing op: the per-rank partial rows of each token, summed. ``part``:
     the row form's ``[W*T_max, D]`` partial rows, where this rank's own ones are read. ``blk``: the
-    reduce-send counted its rows into CBLK (wait per token block, not for ARRIVE)."""
+    reduce-send counted its rows into CBLK (wait per token block, not for ARRIVE). ``dense``: the
+    copy-engine row form, whose counts come from one-program signal kernels on another stream: the
+    summing programs, which wait for them, leave room for them on every SM (``CE_SUM_PER_SM``)."""
     L, k = bufs.layout, _kernels(bufs.device)
     T = h.num_tokens
     br, bd, warps, grid = _shape("reduce_recv", L.hidden, T, bufs.device)
     if blk:  # a work unit is one counter's tokens by one column tile: no taller tile than that
         br = min(br, _next_pow2(L.comb_block))
+    if dense:  # (16 programs an SM, the default, filled every SM at T=16384 and starved the signals: x2_s39)
+        per_sm = (LAUNCH_OVERRIDES.get("ce") or {}).get("sum_per_sm", CE_SUM_PER_SM)
+        grid = (max(1, min(grid[0], _num_programs(str(bufs.device), min(per_sm, 8)))),)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
     _send_launch(bufs, k._reduce_recv_kernel, grid,
         out, h.send_row_TW, h.rows_to_W, bufs.peers, bufs.rank, T, WP=_next_pow2(L.world_size), D=L.hidden,
@@ -1356,7 +1378,7 @@ class SymmDispatcher(Dispatcher):
             raise ValueError(f"copy_engine={copy_engine!r} must be 'auto', True or False")
         self.copy_engine = copy_engine
         if buffers is not None and copy_engine != "auto":
-            buffers.copy_engine = copy_engine
+            _set_copy_engine(buffers, copy_engine)
 
     def claim_rows_region(self) -> Optional[int]:
         """The next free per-layer receive region (``row_regions``), or None when none is left (the
@@ -1392,8 +1414,8 @@ class SymmDispatcher(Dispatcher):
                                       device=x_TD.device, timeout_s=self.timeout_s, row_regions=self.row_regions)
             if self.bulk_send:
                 self.buffers.bulk_send = self.bulk_send
-            if self.copy_engine != "auto":
-                self.buffers.copy_engine = self.copy_engine
+        if self.copy_engine != "auto":
+            _set_copy_engine(self.buffers, self.copy_engine)
         return self.buffers
 
     def dispatch(self, x_TD, idx_TK, gate_TK=None):
