@@ -148,3 +148,29 @@ def test_ce_dispatch_of_a_rank_that_skips_is_an_error_naming_it():
     run_steps(dispatch_steps(world.buffers[0], xs[0], idxs[0], gates[0], "worst", rows=True, region=0))
     with pytest.raises(ExchangeError, match=r"rank 0.*(peer|rank) 1"):
         world.buffers[0].check()
+
+
+@pytest.mark.parametrize("Ts", [[7, 5], [5, 7, 0, 3]])
+def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts):
+    """3-token counter blocks and 4-row copy chunks (so 3-row chunks, one signal each; the owner with
+    fewer tokens than a source copies its own count and the fix-up kernel stores the rest): still bit
+    for bit the SM row form, every counter back at zero."""
+    import tlx_dist.comm.symm as symm
+    import tlx_dist.comm.symm_buffers as sb
+    monkeypatch.setattr(sb, "COMB_BLOCK", 3)
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "ce", {"chunk_rows": 4})
+    W, E, K, D, Fe = len(Ts), 8, 2, 8, 4
+    e, dt, T_max = E // W, torch.float64, max(Ts)
+    gen = torch.Generator().manual_seed(6)
+    w13 = torch.randn(E, D, 2 * Fe, generator=gen, dtype=dt) * 0.5
+    w2 = torch.randn(E, Fe, D, generator=gen, dtype=dt) * 0.5
+    ops = _ops(Ts, "random", W, E, K, D, dt, 2, 17)
+    outs = {}
+    for ce in (False, True):
+        world = EmulatedWorld(W, T_max, D, K, E, dt, device="cpu", row_regions=2, capacity="worst", copy_engine=ce)
+        assert world.buffers[0].layout.comb_block == 3
+        outs[ce] = _run(world, ops, w13, w2, e, False, "reference", dt)
+        world.close()
+    for a, b in zip(outs[False], outs[True]):
+        for x, y in zip(a[1:], b[1:]):
+            assert torch.equal(x, y), f"{a[0]}: the copy-engine row form differs from the SM one"

@@ -128,3 +128,15 @@ def test_a_shared_buffer_set_keeps_one_mode(cuda_copies):
     one = _bufs(W=1)
     assert symm._ce_mode(one) is False
     symm._set_copy_engine(one, True)  # resolves to off on one rank anyway: no conflict
+
+
+@pytest.mark.parametrize("H,CB,rows", [(16384, 32, None), (4096, 32, None), (8192, 32, None), (1000, 32, None),
+                                       (1, 32, None), (128, 32, None), (100, 3, 4), (7, 3, 4), (5000, 32, 1024)])
+def test_combine_chunks_cover_the_rows_in_order(H, CB, rows):
+    ch = symm._ce_chunks(H, CB, rows)
+    assert ch[0][0] == 0 and ch[-1][1] == H
+    assert all(a[1] == b[0] for a, b in zip(ch, ch[1:])) and all(lo < hi for lo, hi in ch)
+    assert all(lo % CB == 0 for lo, _ in ch), "every chunk starts on a token block"
+    if rows is None and ch[0][1] - ch[0][0] >= 1024:
+        assert len(ch) <= 10 and ch[-1][1] - ch[-1][0] <= (ch[0][1] - ch[0][0]) // 4, "a short last chunk"
+    assert symm._ce_chunks(0, CB, rows) == []

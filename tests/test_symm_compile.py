@@ -103,7 +103,7 @@ def _specs(amd: bool = False):
         "_ce_fixup_kernel": ("_ce_fixup_kernel",
                              dict(part_ptr="*bf16", rows_from_ptr="*i64", peers_ptr="*i64", RANK="i32", H="i32"),
                              dict(W=W, T_MAX=T_MAX, D=D, OFF_COMB=offs["OFF_COMB"], OFF_CBLK=offs["OFF_CBLK"], CB=32,
-                                  NCB=T_MAX // 32, BLOCK_D=256)),
+                                  NCB=T_MAX // 32, BLOCK_D=256, CBP=32)),
         "_send_tokens_kernel": ("_send_tokens_kernel", send_sig, send_cx),
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),

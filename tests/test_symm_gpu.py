@@ -150,6 +150,51 @@ def test_bulk_send_moves_the_same_rows(W, monkeypatch):
         assert torch.equal(got[4][1][d], got[0][1][d]), f"W={W}: rank {d} combine output"
 
 
+@pytest.mark.parametrize("W", [2, 4])
+def test_copy_engine_row_form_on_one_gpu(W):
+    """The copy-engine row form (``EmulatedWorld(copy_engine=True)``: cuMemcpyAsync between the virtual
+    ranks' regions on one GPU, the dense layout) against the SM row form: the expanded rows, gates
+    and offsets, the combine (copies in chunks with signals) and both backward ops bit for bit, two
+    ops into two regions, T = 1 and counts off every block (an owner with fewer tokens than a source:
+    the fix-up kernel), every counter zero after."""
+    E, K, D = 64, 8, 2048
+    Ts = [1300 - 311 * s if s else 1 for s in range(W)][::-1]
+    T_MAX = max(Ts)
+    g = torch.Generator(device=DEV).manual_seed(17 + W)
+    ops = []
+    for _ in range(2):
+        xs = [torch.randn(T, D, device=DEV, generator=g).to(torch.bfloat16) for T in Ts]
+        ops.append((xs, [_idx(g, T, K, E, W, "random") for T in Ts], [torch.rand(T, K, device=DEV, generator=g) for T in Ts]))
+    got = {}
+    for ce in (False, True):
+        world = EmulatedWorld(W, T_MAX, D, K, E, torch.bfloat16, device=DEV, row_regions=2, copy_engine=ce)
+        res = []
+        for k, (xs, idxs, gates) in enumerate(ops):
+            rows = world.dispatch_rows(xs, idxs, gates, region=k)
+            hs = [r[3] for r in rows]
+            assert all(h.dense == ce for h in hs)
+            exp = [r[0][r[1][:int(r[3].offsets_e[-1])].long()].clone() for r in rows]
+            outs = world.combine_rows([r[0] * 0.5 for r in rows], hs)
+            gp = world.combine_rows_grad([o.clone() for o in outs], hs)
+            gexp = [p[r[1][:int(r[3].offsets_e[-1])].long()].clone() for p, r in zip(gp, rows)]
+            back = world.dispatch_rows_grad([r[0].clone() for r in rows], [None] * W, hs)
+            torch.cuda.synchronize()
+            res.append((exp, [r[2][:int(r[3].offsets_e[-1])].clone() for r in rows], [h.offsets_e.clone() for h in hs],
+                        [o.clone() for o in outs], gexp, [b[0].clone() for b in back]))
+            for d, b in enumerate(world.buffers):
+                for name, c in (("region", b.region_counters()), ("CBLK", b.comb_block_counters()),
+                                ("RBLK", b.recv_block_counters())):
+                    assert not c.any(), f"op {k} rank {d}: a {name} counter was left non-zero"
+        world.check()
+        world.close()
+        got[ce] = res
+    names = ("expanded rows", "gates", "offsets", "combine", "combine grad rows", "dispatch grad")
+    for k, (a, b) in enumerate(zip(got[False], got[True])):
+        for name, u, v in zip(names, a, b):
+            for d, (x, y) in enumerate(zip(u, v)):
+                assert torch.equal(x, y), f"W={W} op {k} rank {d}: {name} of the copy-engine form differs"
+
+
 def test_emulated_odd_shapes():
     """fp16 D = 3 (6-byte rows), fp32 D = 2049, K = 1, E = W; K = E (a token sends K slots to a rank, once)."""
     _check_world(2, 2, 1, 3, [5, 9], "random", torch.float16)

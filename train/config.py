@@ -88,7 +88,7 @@ class ParallelConfig:
     peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK.
     exchange_copy_engine: "auto" (default) | "on" | "off": the copy-engine row form of the layers
     with a receive region (``SymmDispatcher(copy_engine=...)``): their rows cross by copy engines in
-    the dense layout; "auto" turns it on for T >= 8192 tokens a rank where nearly every token reaches
+    the dense layout; "auto" turns it on for T >= 4096 tokens a rank where nearly every token reaches
     every peer (two GPUs a group at E=64, K=8)."""
 
     ep: int = 1

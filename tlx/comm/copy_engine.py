@@ -62,10 +62,10 @@ def _ce_signal_kernel(rows_from_ptr, peers_ptr, RANK, LO, HI, CNT_OFF, W: tl.con
 @triton.jit
 def _ce_fixup_kernel(part_ptr, rows_from_ptr, peers_ptr, RANK, H, W: tl.constexpr, T_MAX: tl.constexpr,
                      D: tl.constexpr, OFF_COMB: tl.constexpr, OFF_CBLK: tl.constexpr, CB: tl.constexpr,
-                     NCB: tl.constexpr, BLOCK_D: tl.constexpr):
+                     NCB: tl.constexpr, BLOCK_D: tl.constexpr, CBP: tl.constexpr):
     """Program p: block j = H // CB + p of every source s != RANK: its rows [max(H, j*CB),
     min(rows_from[s], (j+1)*CB)) of ``part`` (``[W*T_MAX, D]``, row ``s*T_MAX + t``) stored into
-    s's COMB[RANK, t] and added to s's CBLK[RANK, j]."""
+    s's COMB[RANK, t] and added to s's CBLK[RANK, j] (CBP: CB as a power of two)."""
     DT: tl.constexpr = part_ptr.dtype.element_ty
     j = H // CB + tl.program_id(0)
     for s in range(W):
@@ -75,7 +75,7 @@ def _ce_fixup_kernel(part_ptr, rows_from_ptr, peers_ptr, RANK, H, W: tl.constexp
             hi = tl.minimum((j + 1) * CB, n_s)
             if hi > lo:
                 base = tl.load(peers_ptr + s)
-                t = lo + tl.arange(0, CB)
+                t = lo + tl.arange(0, CBP)
                 tm = t < hi
                 src = part_ptr + (s * T_MAX + t).to(tl.int64) * D
                 dst = tl.multiple_of((base + OFF_COMB).to(tl.pointer_type(DT)), 16) + (RANK * T_MAX + t).to(tl.int64) * D

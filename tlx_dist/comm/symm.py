@@ -535,15 +535,18 @@ def _blk_meta(bufs: SymmBuffers) -> dict:
 
 ENV_COPY_ENGINE = "TLX_DIST_COPY_ENGINE"
 # "auto" turns the copy-engine row form on from this many tokens per rank (the buffers' T_max) ...
-CE_MIN_TOKENS = 8192
+CE_MIN_TOKENS = 4096  # (two H200s, x2_s40: T=128 combined in 38-52 us by copy engines, 25 by SM stores)
 # ... where a token reaches each peer with at least this probability under uniform routing
 # (1 - C(E - E/W, K) / C(E, K): every token's row crosses to every peer in the dense layout, so the
 # copy engines' ~7% more bandwidth pays only when nearly every row had to cross anyway; W=2, E=64,
 # K=8: 0.995; W=4: 0.915; W=8: 0.68)
 CE_MIN_DENSITY = 0.95
-# rows of one combine copy (a multiple of COMB_BLOCK): the summing programs start on a chunk as soon
-# as its signal lands, so the sum trails the last chunk only
-CE_CHUNK_ROWS = 1024
+# The combine's copies: chunks of about 1/8 of the rows (a power of two, 512 to 4096 rows), the last
+# chunk's rows split again in 1/2, 1/4, 1/4 (chunks of 1024 rows or more), so the sum, which starts on a
+# chunk as soon as its signal lands, trails the transfer by a quarter chunk. Two H200s, T=16384, D=7168
+# (x2_s40, uniform chunks): 1024 rows combined in 677-686 us, 2048 in 652, 512 in 734 (each chunk a gap
+# of ~3 us on the copy engine); T=4096: 512 / 1024 / 2048 rows 198 / 195-198 / 206 us.
+CE_CHUNK_MIN, CE_CHUNK_MAX = 512, 4096
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
@@ -628,11 +631,32 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
                                                   W=L.world_size, MODE=0, num_warps=1)
 
 
+def _ce_chunks(H: int, CB: int, rows: Optional[int] = None) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of the combine's copies over H rows (``CE_CHUNK_MIN`` .. ``CE_CHUNK_MAX``
+    above); ``rows`` (``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``): uniform chunks of that many rows.
+    Every bound but H is a multiple of CB (a chunk's signal counts whole token blocks but its first
+    and last)."""
+    if H <= 0:
+        return []
+    if rows is not None:
+        c = max(CB, rows // CB * CB)
+        return [(lo, min(H, lo + c)) for lo in range(0, H, c)]
+    c = min(CE_CHUNK_MAX, max(CE_CHUNK_MIN, _next_pow2(-(-H // 8))))
+    c = max(CB, c // CB * CB)
+    out = [(lo, min(H, lo + c)) for lo in range(0, H, c)]
+    lo, hi = out[-1]
+    if hi - lo >= 1024 and len(out) > 1:  # the last chunk in 1/2, 1/4, 1/4 (block-aligned)
+        a = lo + max(CB, (hi - lo) // 2 // CB * CB)
+        b = a + max(CB, (hi - lo) // 4 // CB * CB)
+        out[-1:] = [(lo, a), (a, b), (b, hi)] if b < hi else [(lo, a), (a, hi)]
+    return out
+
+
 def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Optional[torch.cuda.Event]:
     """The copy-engine combine's transfer, after what the current stream enqueued: for every source
     s != RANK, the partial rows ``part_RD[s*T_max + t]`` of t < H (H = this rank's own token count:
     the host's estimate of s's, which it does not know without a sync) go to s's COMB[RANK, t] in
-    ``CE_CHUNK_ROWS`` chunks on the side stream; each chunk's signal (``_ce_signal_kernel`` MODE 1) runs
+    chunks (``_ce_chunks``) on the side stream; each chunk's signal (``_ce_signal_kernel`` MODE 1) runs
     on a second stream as soon as its copy is done, so the copies never wait for a launch. A source
     with more than H tokens gets the rest by ``_ce_fixup_kernel`` (SM stores); rows past a source's
     count are copied and never read. Returns the event to join (None where it ran in line)."""
@@ -641,8 +665,8 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     W, T_max, D, es, CB = L.world_size, L.max_tokens, L.hidden, L.dtype.itemsize, L.comb_block
     k = _kernels(dev)
     H = min(h.num_tokens, T_max)
-    ch = max(CB, (LAUNCH_OVERRIDES.get("ce") or {}).get("chunk_rows", CE_CHUNK_ROWS) // CB * CB)
-    nbp = _next_pow2(ch // CB + 1)
+    chunks = _ce_chunks(H, CB, (LAUNCH_OVERRIDES.get("ce") or {}).get("chunk_rows"))
+    nbp = _next_pow2(max([hi - lo for lo, hi in chunks] + [1]) // CB + 2)
     inline = dev.type != "cuda" or bufs.backend in ("emulated", "local")
     if not inline:
         if bufs._side_stream is None:
@@ -660,8 +684,7 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
         k._ce_signal_kernel[(1,)](h.rows_from_W, bufs.peers, r, lo, hi, 0, W=W, MODE=1, OFF_CBLK=L.off_cblk, CB=CB,
                                   NCB=L.comb_blocks, NBP=nbp, num_warps=1)
 
-    for lo in range(0, H, ch):
-        hi = min(H, lo + ch)
+    for lo, hi in chunks:
         if inline:
             for s in range(W):
                 if s != r:
@@ -683,7 +706,8 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     def fixup():
         k._ce_fixup_kernel[(L.comb_blocks - H // CB,)](part_RD, h.rows_from_W, bufs.peers, r, H, W=W, T_MAX=T_max,
                                                          D=D, OFF_COMB=L.off_comb, OFF_CBLK=L.off_cblk, CB=CB,
-                                                         NCB=L.comb_blocks, BLOCK_D=min(256, _next_pow2(D)))
+                                                         NCB=L.comb_blocks, BLOCK_D=min(256, _next_pow2(D)),
+                                                         CBP=_next_pow2(CB))
     if H < T_max:
         if inline:
             fixup()
@@ -1326,7 +1350,7 @@ class SymmDispatcher(Dispatcher):
             by the GPU's copy engines (``cuMemcpyAsync`` into the peer's region) in the dense
             layout -- every token's row goes to every peer, the routing rides in META -- instead of
             SM stores: ~380-391 GB/s per direction on two H200s against 363-366, and no SM busy
-            with the transfer. ``"auto"``: on over peer pointers on CUDA when ``max_tokens >= 8192``
+            with the transfer. ``"auto"``: on over peer pointers on CUDA when ``max_tokens >= 4096``
             and a token reaches each peer with probability >= 0.95 under uniform routing (W=2 at
             E=64, K=8); ``True``: wherever copies can be issued (also the emulated world); never on
             the NVSHMEM route or ROCm. Set on the buffer set (``TLX_DIST_COPY_ENGINE`` where left
