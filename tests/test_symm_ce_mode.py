@@ -137,6 +137,7 @@ def test_combine_chunks_cover_the_rows_in_order(H, CB, rows):
     assert ch[0][0] == 0 and ch[-1][1] == H
     assert all(a[1] == b[0] for a, b in zip(ch, ch[1:])) and all(lo < hi for lo, hi in ch)
     assert all(lo % CB == 0 for lo, _ in ch), "every chunk starts on a token block"
-    if rows is None and ch[0][1] - ch[0][0] >= 1024:
-        assert len(ch) <= 10 and ch[-1][1] - ch[-1][0] <= (ch[0][1] - ch[0][0]) // 4, "a short last chunk"
+    if rows is None:
+        assert all(hi - lo <= symm.CE_CHUNK_MAX for lo, hi in ch)
+        assert len(ch) <= max(8, -(-H // symm.CE_CHUNK_MAX)), "a few large copies (each costs a gap)"
     assert symm._ce_chunks(0, CB, rows) == []

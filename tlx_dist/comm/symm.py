@@ -541,12 +541,13 @@ CE_MIN_TOKENS = 4096  # (two H200s, x2_s40: T=128 combined in 38-52 us by copy e
 # copy engines' ~7% more bandwidth pays only when nearly every row had to cross anyway; W=2, E=64,
 # K=8: 0.995; W=4: 0.915; W=8: 0.68)
 CE_MIN_DENSITY = 0.95
-# The combine's copies: chunks of about 1/8 of the rows (a power of two, 512 to 4096 rows), the last
-# chunk's rows split again in 1/2, 1/4, 1/4 (chunks of 1024 rows or more), so the sum, which starts on a
-# chunk as soon as its signal lands, trails the transfer by a quarter chunk. Two H200s, T=16384, D=7168
-# (x2_s40, uniform chunks): 1024 rows combined in 677-686 us, 2048 in 652, 512 in 734 (each chunk a gap
-# of ~3 us on the copy engine); T=4096: 512 / 1024 / 2048 rows 198 / 195-198 / 206 us.
-CE_CHUNK_MIN, CE_CHUNK_MAX = 512, 4096
+# The combine's copies: chunks of ~1/8 of the rows, 1024 to 2048 rows (a power of two); the sum starts
+# on a chunk as soon as its signal lands, so it trails the transfer by one chunk, and each chunk costs a
+# gap of ~3 us on the copy engine. Two H200s, D=7168, graph-replayed (x2_s40, x2_s41): T=16384 with
+# 512 / 1024 / 2048 / 4096-row chunks combined in 734 / 677-678 / 652-698 / 697 us (2048 rows with the
+# last chunk split 1/2, 1/4, 1/4: 657-682, no better); T=4096 with 512 / 1024 / 2048 / 4096 in 197-198 /
+# 182-198 / 183-206 / 247 us.
+CE_CHUNK_MIN, CE_CHUNK_MAX = 1024, 2048
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
@@ -632,8 +633,8 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
 
 
 def _ce_chunks(H: int, CB: int, rows: Optional[int] = None) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges of the combine's copies over H rows (``CE_CHUNK_MIN`` .. ``CE_CHUNK_MAX``
-    above); ``rows`` (``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``): uniform chunks of that many rows.
+    """[lo, hi) row ranges of the combine's copies over H rows (chunks of ``CE_CHUNK_MIN`` ..
+    ``CE_CHUNK_MAX`` rows, above); ``rows`` (``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``): chunks of that many.
     Every bound but H is a multiple of CB (a chunk's signal counts whole token blocks but its first
     and last)."""
     if H <= 0:
@@ -643,13 +644,7 @@ def _ce_chunks(H: int, CB: int, rows: Optional[int] = None) -> list[tuple[int, i
         return [(lo, min(H, lo + c)) for lo in range(0, H, c)]
     c = min(CE_CHUNK_MAX, max(CE_CHUNK_MIN, _next_pow2(-(-H // 8))))
     c = max(CB, c // CB * CB)
-    out = [(lo, min(H, lo + c)) for lo in range(0, H, c)]
-    lo, hi = out[-1]
-    if hi - lo >= 1024 and len(out) > 1:  # the last chunk in 1/2, 1/4, 1/4 (block-aligned)
-        a = lo + max(CB, (hi - lo) // 2 // CB * CB)
-        b = a + max(CB, (hi - lo) // 4 // CB * CB)
-        out[-1:] = [(lo, a), (a, b), (b, hi)] if b < hi else [(lo, a), (a, hi)]
-    return out
+    return [(lo, min(H, lo + c)) for lo in range(0, H, c)]
 
 
 def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Optional[torch.cuda.Event]:
