@@ -46,7 +46,7 @@ def parse(spec: str) -> dict:
     -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
     mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
     per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
-    copy-engine combine copy)."""
+    copy-engine combine copy; ``ce_streams:n``: copy streams the combine's chunks take in turn)."""
     if spec == "default":
         return {}
     out = {}
@@ -62,10 +62,15 @@ def parse(spec: str) -> dict:
                 raise ValueError(f"--configs: ce:{shape!r} must be on or off")
             out["ce_mode"] = shape == "on"
             continue
+        if kind == "ce_streams":
+            if shape not in ("1", "2", "3", "4"):
+                raise ValueError(f"--configs: ce_streams:{shape!r} must be 1 to 4 (copy streams of the combine)")
+            out.setdefault("ce", {})["streams"] = int(shape)
+            continue
         if kind == "ce_chunk":
             if not shape.isdigit() or int(shape) < 32 or int(shape) % 32:
                 raise ValueError(f"--configs: ce_chunk:{shape!r} must be a multiple of 32 (rows per copy)")
-            out["ce"] = dict(chunk_rows=int(shape))
+            out.setdefault("ce", {})["chunk_rows"] = int(shape)
             continue
         if kind == "comb_recv":  # the one-launch combine: summing / sending programs per SM
             m = re.match(r"^(\d+)x(\d+)$", shape)

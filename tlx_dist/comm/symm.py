@@ -551,6 +551,8 @@ CE_CHUNK_MIN, CE_CHUNK_MAX = 1024, 2048
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
+# copy streams of the combine's chunks, taken in turn (LAUNCH_OVERRIDES["ce"]["streams"]; up to 4)
+CE_STREAMS = 1
 
 
 def _ce_density(L) -> float:
@@ -668,10 +670,17 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
             bufs._side_stream = torch.cuda.Stream(device=dev)
         if bufs._ce_sig_stream is None:
             bufs._ce_sig_stream = torch.cuda.Stream(device=dev)
+        n_streams = max(1, min(4, int((LAUNCH_OVERRIDES.get("ce") or {}).get("streams", CE_STREAMS))))
+        extra = getattr(bufs, "_ce_more_sides", None)
+        if extra is None:
+            extra = bufs._ce_more_sides = []
+        while len(extra) < n_streams - 1:
+            extra.append(torch.cuda.Stream(device=dev))
+        sides = [bufs._side_stream] + extra[:n_streams - 1]
         cur = torch.cuda.current_stream(dev)
-        side, sig = bufs._side_stream, bufs._ce_sig_stream
-        side.wait_stream(cur)
-        sig.wait_stream(cur)
+        sig = bufs._ce_sig_stream
+        for st in sides + [sig]:
+            st.wait_stream(cur)
     part = part_RD.data_ptr()
     comb = L.off_comb + r * T_max * D * es
 
@@ -679,7 +688,7 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
         k._ce_signal_kernel[(1,)](h.rows_from_W, bufs.peers, r, lo, hi, 0, W=W, MODE=1, OFF_CBLK=L.off_cblk, CB=CB,
                                   NCB=L.comb_blocks, NBP=nbp, num_warps=1)
 
-    for lo, hi in chunks:
+    for i, (lo, hi) in enumerate(chunks):
         if inline:
             for s in range(W):
                 if s != r:
@@ -687,6 +696,7 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
                                            part + (s * T_max + lo) * D * es, (hi - lo) * D * es)
             signal(lo, hi)
             continue
+        side = sides[i % len(sides)]  # (several streams: one chunk's copy starts while the last one's ends)
         with torch.cuda.stream(side):
             for s in range(W):
                 if s != r:
@@ -711,12 +721,13 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
                 fixup()
     if inline:
         return None
-    sig.wait_stream(side)
+    for st in sides:
+        sig.wait_stream(st)
     done = torch.cuda.Event()
     done.record(sig)
     for t in (part_RD, h.rows_from_W):
-        t.record_stream(side)
-        t.record_stream(sig)
+        for st in sides + [sig]:
+            t.record_stream(st)
     return done
 
 
