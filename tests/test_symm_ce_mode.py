@@ -122,7 +122,9 @@ def test_config_key_is_checked_and_reaches_the_dispatcher(monkeypatch):
 def test_a_shared_buffer_set_keeps_one_mode(cuda_copies):
     b = _bufs()
     assert symm._ce_mode(b) is True  # "auto" at the first op
-    symm._set_copy_engine(b, True)  # the same: fine
+    same = _bufs()
+    assert symm._ce_mode(same) is True
+    symm._set_copy_engine(same, True)  # what it runs with anyway: fine
     with pytest.raises(ValueError, match="copy_engine=False: this buffer set already runs with the copy-engine"):
         symm._set_copy_engine(b, False)
     one = _bufs(W=1)
@@ -141,3 +143,11 @@ def test_combine_chunks_cover_the_rows_in_order(H, CB, rows):
         assert all(hi - lo <= symm.CE_CHUNK_MAX for lo, hi in ch)
         assert len(ch) <= max(8, -(-H // symm.CE_CHUNK_MAX)), "a few large copies (each costs a gap)"
     assert symm._ce_chunks(0, CB, rows) == []
+
+
+def test_two_dispatchers_of_one_buffer_set_must_agree(cuda_copies):
+    b = _bufs()
+    symm._set_copy_engine(b, True)
+    symm._set_copy_engine(b, True)
+    with pytest.raises(ValueError, match="another SymmDispatcher of this buffer set asked for copy_engine=True"):
+        symm._set_copy_engine(b, False)

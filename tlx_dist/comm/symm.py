@@ -602,6 +602,12 @@ def _set_copy_engine(bufs: SymmBuffers, setting: bool) -> None:
     """A dispatcher's ``copy_engine=True / False`` onto its buffer set (shared by every layer of the
     group, ``ep_buffers``). A set whose mode, fixed at its first op, differs from what this setting
     gives raises instead of ignoring the request."""
+    prev = getattr(bufs, "copy_engine", None)
+    if prev == setting:  # (every dispatch passes here: nothing to do)
+        return
+    if prev is not None:
+        raise ValueError(f"copy_engine={setting}: another SymmDispatcher of this buffer set asked for "
+                         f"copy_engine={prev}; every dispatcher that shares a buffer set must ask the same")
     mode = getattr(bufs, "_ce_mode_v", None)
     if mode is not None and _ce_resolve(bufs, setting) != mode:
         raise ValueError(f"copy_engine={setting}: this buffer set already runs with the copy-engine row form "
