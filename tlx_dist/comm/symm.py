@@ -634,8 +634,7 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
     row0 = L.off_rows + region * L.rows_region_bytes + r * L.max_tokens * D * es
     for d in range(L.world_size):
         if d != r:
-            copy_bytes = copy_engine.copy_bytes
-            copy_bytes(bufs.device, bufs.peer_ptrs[d] + row0, x_TD.data_ptr(), T * D * es)
+            copy_engine.copy_bytes(bufs.device, bufs.peer_ptrs[d] + row0, x_TD.data_ptr(), T * D * es)
     _kernels(bufs.device)._ce_signal_kernel[(1,)](bufs.peers, bufs.peers, r, 0, T, _rcnt_off(L, region),
                                                   W=L.world_size, MODE=0, num_warps=1)
 
