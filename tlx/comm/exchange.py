@@ -75,6 +75,16 @@ before the next, so no kernel waits on a signal raised by a later launch):
     combine:   _reduce_send on the side stream as soon as the peers' partial rows are final (the
                down GEMM's peers' runs) | _reduce_recv (after joining the side stream; ends the op)
   RCNT [row_regions, W] int64 sits after the row regions; no op end touches it.
+  Copy-engine row form (``symm._ce_mode``; per-layer regions over peer pointers, static capacity;
+  ``copy_engine.py``): the dense layout -- token t of source s at receive row s*T_MAX + t everywhere,
+  every token counted to every rank (DENSE variants of _route, _send_tokens, the block sums) -- so a
+  rank's rows are one run per peer, which the host copies with cuMemcpyAsync:
+    dispatch:  _ce_ready | side stream: copies of x to every peer's region, _ce_signal (RCNT adds) ||
+               _route DENSE | _send_tokens SPLIT=1 DENSE (META, gates, own rows) | _expand (ends the
+               op) | _rows_wait (in the op, or before the GEMMs that read the peers' rows)
+    combine:   _ce_ready | side stream: chunked copies of the partial rows to every source's COMB[RANK],
+               each followed by a _ce_signal (CBLK adds) on a second stream; _ce_fixup where a source
+               has more tokens than the copies' extent || _reduce_recv BLK DENSE (ends the op)
 Every wait is bounded (``_wait_geq``): after TIMEOUT_NS it records ``op << 16 | peer`` in the
 error word, and later waits on that rank return at once; the host raises ExchangeError naming the
 op, the rank and the peer (``SymmBuffers.check``). Expanded rows past N_EXP are not stored, raise
