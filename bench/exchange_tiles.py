@@ -46,7 +46,7 @@ def parse(spec: str) -> dict:
     -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
     mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
     per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
-    copy-engine combine copy; ``ce_streams:n``: copy streams the combine's chunks take in turn)."""
+    copy-engine combine copy)."""
     if spec == "default":
         return {}
     out = {}
@@ -61,11 +61,6 @@ def parse(spec: str) -> dict:
             if shape not in ("on", "off"):
                 raise ValueError(f"--configs: ce:{shape!r} must be on or off")
             out["ce_mode"] = shape == "on"
-            continue
-        if kind == "ce_streams":
-            if shape not in ("1", "2", "3", "4"):
-                raise ValueError(f"--configs: ce_streams:{shape!r} must be 1 to 4 (copy streams of the combine)")
-            out.setdefault("ce", {})["streams"] = int(shape)
             continue
         if kind == "ce_chunk":
             if not shape.isdigit() or int(shape) < 32 or int(shape) % 32:

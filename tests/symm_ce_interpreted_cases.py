@@ -40,7 +40,6 @@ def _ops(Ts, kind, W, E, K, D, dt, n_ops, seed):
 def _run(world, ops, w13, w2, e, overlap, backend, dt):
     """Per op: dispatch into region k, the fused expert math, combine, then both backward ops.
     Returns what must not depend on the layout, and checks every counter is back to zero."""
-    W = world.world_size
     got = []
     gen = torch.Generator().manual_seed(99)
     for k, (xs, idxs, gates) in enumerate(ops):

@@ -35,6 +35,7 @@ straight through; the emulated world (``emulated.py``) advances W ranks' generat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -45,6 +46,7 @@ from typing import Generator, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import copy_engine
 from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args
 from .symm_buffers import SymmBuffers
 
@@ -551,8 +553,6 @@ CE_CHUNK_MIN, CE_CHUNK_MAX = 1024, 2048
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
-# copy streams of the combine's chunks, taken in turn (LAUNCH_OVERRIDES["ce"]["streams"]; up to 4)
-CE_STREAMS = 1
 
 
 def _ce_density(L) -> float:
@@ -583,7 +583,6 @@ def _ce_resolve(bufs: SymmBuffers, setting) -> bool:
             raise ValueError(f"{ENV_COPY_ENGINE}={env!r}: expected auto, 0 or 1")
         setting = "auto" if env == "auto" else env == "1"
     L = bufs.layout
-    from . import copy_engine
     emulated = bufs.backend in ("emulated", "local")
     if bufs.use_nvshmem or L.world_size == 1 or L.row_regions == 0 or torch.version.hip is not None:
         mode = False
@@ -628,7 +627,6 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
     """The copy-engine dispatch's rows (on the stream it is called on): this rank's T token rows,
     one copy per peer d, to rows ``[RANK*T_max, RANK*T_max + T)`` of d's region ``region``; then one
     program adds T to d's region counter RCNT[region, RANK] (``_rows_wait`` waits for it)."""
-    from . import copy_engine
     L, r = bufs.layout, bufs.rank
     T, D, es = x_TD.shape[0], L.hidden, L.dtype.itemsize
     row0 = L.off_rows + region * L.rows_region_bytes + r * L.max_tokens * D * es
@@ -661,8 +659,8 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     chunks (``_ce_chunks``) on the side stream; each chunk's signal (``_ce_signal_kernel`` MODE 1) runs
     on a second stream as soon as its copy is done, so the copies never wait for a launch. A source
     with more than H tokens gets the rest by ``_ce_fixup_kernel`` (SM stores); rows past a source's
-    count are copied and never read. Returns the event to join (None where it ran in line)."""
-    from . import copy_engine
+    count are copied and never read. Returns the event to join (None where it ran in line: the
+    emulated world and the interpreter, whose ranks run one after another)."""
     L, r, dev = bufs.layout, bufs.rank, bufs.device
     W, T_max, D, es, CB = L.world_size, L.max_tokens, L.hidden, L.dtype.itemsize, L.comb_block
     k = _kernels(dev)
@@ -670,69 +668,47 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     chunks = _ce_chunks(H, CB, (LAUNCH_OVERRIDES.get("ce") or {}).get("chunk_rows"))
     nbp = _next_pow2(max([hi - lo for lo, hi in chunks] + [1]) // CB + 2)
     inline = dev.type != "cuda" or bufs.backend in ("emulated", "local")
+    side = sig = None
     if not inline:
         if bufs._side_stream is None:
             bufs._side_stream = torch.cuda.Stream(device=dev)
         if bufs._ce_sig_stream is None:
             bufs._ce_sig_stream = torch.cuda.Stream(device=dev)
-        n_streams = max(1, min(4, int((LAUNCH_OVERRIDES.get("ce") or {}).get("streams", CE_STREAMS))))
-        extra = getattr(bufs, "_ce_more_sides", None)
-        if extra is None:
-            extra = bufs._ce_more_sides = []
-        while len(extra) < n_streams - 1:
-            extra.append(torch.cuda.Stream(device=dev))
-        sides = [bufs._side_stream] + extra[:n_streams - 1]
         cur = torch.cuda.current_stream(dev)
-        sig = bufs._ce_sig_stream
-        for st in sides + [sig]:
-            st.wait_stream(cur)
+        side, sig = bufs._side_stream, bufs._ce_sig_stream
+        side.wait_stream(cur)
+        sig.wait_stream(cur)
+    on = (lambda stream: contextlib.nullcontext()) if inline else torch.cuda.stream
     part = part_RD.data_ptr()
     comb = L.off_comb + r * T_max * D * es
 
-    def signal(lo, hi):
-        k._ce_signal_kernel[(1,)](h.rows_from_W, bufs.peers, r, lo, hi, 0, W=W, MODE=1, OFF_CBLK=L.off_cblk, CB=CB,
-                                  NCB=L.comb_blocks, NBP=nbp, num_warps=1)
-
-    for i, (lo, hi) in enumerate(chunks):
-        if inline:
+    for lo, hi in chunks:
+        with on(side):
             for s in range(W):
                 if s != r:
                     copy_engine.copy_bytes(dev, bufs.peer_ptrs[s] + comb + lo * D * es,
                                            part + (s * T_max + lo) * D * es, (hi - lo) * D * es)
-            signal(lo, hi)
-            continue
-        side = sides[i % len(sides)]  # (several streams: one chunk's copy starts while the last one's ends)
-        with torch.cuda.stream(side):
-            for s in range(W):
-                if s != r:
-                    copy_engine.copy_bytes(dev, bufs.peer_ptrs[s] + comb + lo * D * es,
-                                           part + (s * T_max + lo) * D * es, (hi - lo) * D * es)
+        if not inline:
             ev = torch.cuda.Event()
             ev.record(side)
-        sig.wait_event(ev)
-        with torch.cuda.stream(sig):
-            signal(lo, hi)
-
-    def fixup():
-        k._ce_fixup_kernel[(L.comb_blocks - H // CB,)](part_RD, h.rows_from_W, bufs.peers, r, H, W=W, T_MAX=T_max,
-                                                         D=D, OFF_COMB=L.off_comb, OFF_CBLK=L.off_cblk, CB=CB,
-                                                         NCB=L.comb_blocks, BLOCK_D=min(256, _next_pow2(D)),
-                                                         CBP=_next_pow2(CB))
+            sig.wait_event(ev)
+        with on(sig):
+            k._ce_signal_kernel[(1,)](h.rows_from_W, bufs.peers, r, lo, hi, 0, W=W, MODE=1, OFF_CBLK=L.off_cblk,
+                                      CB=CB, NCB=L.comb_blocks, NBP=nbp, num_warps=1)
     if H < T_max:
-        if inline:
-            fixup()
-        else:
-            with torch.cuda.stream(sig):
-                fixup()
+        with on(sig):
+            k._ce_fixup_kernel[(L.comb_blocks - H // CB,)](part_RD, h.rows_from_W, bufs.peers, r, H, W=W,
+                                                             T_MAX=T_max, D=D, OFF_COMB=L.off_comb,
+                                                             OFF_CBLK=L.off_cblk, CB=CB, NCB=L.comb_blocks,
+                                                             BLOCK_D=min(256, _next_pow2(D)), CBP=_next_pow2(CB))
     if inline:
         return None
-    for st in sides:
-        sig.wait_stream(st)
+    sig.wait_stream(side)
     done = torch.cuda.Event()
     done.record(sig)
     for t in (part_RD, h.rows_from_W):
-        for st in sides + [sig]:
-            t.record_stream(st)
+        t.record_stream(side)
+        t.record_stream(sig)
     return done
 
 
@@ -932,10 +908,7 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     ce_done = None
     if ce:
         _ce_ready(bufs)
-        if region is not None:
-            prev = bufs._overlap_plans.pop(region, None)  # (see below: an abandoned overlapped dispatch)
-            if prev is not None and not prev.joined:
-                prev.finish()
+        _finish_abandoned(bufs, region)
         x_ce = x_TD.contiguous()
         ce_done = _on_side(bufs, lambda: _ce_send_rows(bufs, x_ce, region), x_ce)
     q_TK, send_row_TW, counts_C = _route(bufs, idx, dense=ce)  # + the signal
@@ -959,14 +932,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # and the expand kernel, which waits for them, computes the layout; "exact" needs the layout on
     # the host before expand, so there the send waits for the counts and computes it.
     ovl = bool(overlap) and rows and region is not None and raw and W > 1
-    if region is not None and not ce:
-        # An overlapped dispatch into this region whose rows were never waited for (its forward was
-        # abandoned before the GEMMs): take its rows off the region counters now, or this dispatch's
-        # wait would count them as its own. (The counters are additive and each wait subtracts
-        # exactly its dispatch's rows, so the order of the two waits does not matter.)
-        prev = bufs._overlap_plans.pop(region, None)
-        if prev is not None and not prev.joined:
-            prev.finish()
+    if region is not None and not ce:  # (with ce: done above, before the copies)
+        _finish_abandoned(bufs, region)
     _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
                  own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region,
                  split=1 if ovl or ce else 0, dense=ce)
@@ -1015,6 +982,16 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     if rows:
         return x_exp, src_N, gate_N, handle
     return x_exp, handle
+
+
+def _finish_abandoned(bufs: SymmBuffers, region: int) -> None:
+    """An overlapped dispatch into this region whose rows were never waited for (its forward was
+    abandoned before the GEMMs): take its rows off the region counters now, or the next dispatch's
+    wait would count them as its own. (The counters are additive and each wait subtracts exactly its
+    dispatch's rows, so the order of the two waits does not matter.)"""
+    prev = bufs._overlap_plans.pop(region, None)
+    if prev is not None and not prev.joined:
+        prev.finish()
 
 
 def _rows_overlap(h: SymmHandle, region: int, starts: torch.Tensor, lay: torch.Tensor, cap: int, side_sms: int,
