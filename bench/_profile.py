@@ -182,3 +182,65 @@ def round_ratios(times: dict, num: str, den: str) -> tuple[float, float, float]:
 
     r = [b / a for a, b in zip(times[num], times[den])]
     return statistics.median(r), min(r), max(r)
+
+
+def gpu_timeline(step, reps: int, sync, top: int = 40) -> str:
+    """The GPU's timeline of ``step()`` (kernels, copies, memsets on every stream), ``reps`` times, each
+    after ``sync()`` (profiled too: where it ends in a device-side barrier kernel, the step's events are
+    those after it, so the ranks start together on the device as in the timed runs): for the median rep by span, each event's start and end in us from the rep's first
+    event, its stream and name; then, for every stream, its busy time and the idle gaps between its
+    events inside the span. Shows where an op's time goes when its parts run on several streams
+    (a per-kernel total does not: waits overlap work)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    reps_ev = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sync()
+            step()
+            torch.cuda.synchronize()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        finally:
+            os.unlink(path)
+        gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+        bars = [e["ts"] + e["dur"] for e in gpu if "barrier" in e["name"].lower()]
+        if bars:
+            gpu = [e for e in gpu if e["ts"] >= max(bars)]
+        if gpu:
+            reps_ev.append(gpu)
+    if not reps_ev:
+        return "  (no GPU events in the trace)"
+    spans = [max(e["ts"] + e["dur"] for e in g) - g[0]["ts"] for g in reps_ev]
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    g = reps_ev[order[len(order) // 2]]
+    t0 = g[0]["ts"]
+    span = max(e["ts"] + e["dur"] for e in g) - t0
+    out = [f"  spans of {len(spans)} reps (us): " + ", ".join(f"{s:.1f}" for s in sorted(spans)),
+           f"  median rep, span {span:.1f} us:", f"  {'start':>8} {'end':>8} {'dur':>7} stream  event"]
+    for e in g[:top]:
+        st = e.get("args", {}).get("stream", "?")
+        out.append(f"  {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f} {e['dur']:7.1f} {st!s:>6}  {e['name'][:70]}")
+    if len(g) > top:
+        out.append(f"  ... {len(g) - top} more events")
+    by_stream = {}
+    for e in g:
+        by_stream.setdefault(e.get("args", {}).get("stream", "?"), []).append(e)
+    for st, es in by_stream.items():
+        busy = sum(e["dur"] for e in es)
+        gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(es, es[1:])]
+        gaps = [x for x in gaps if x > 0]
+        out.append(f"  stream {st}: {len(es)} events, busy {busy:.1f} us, from {es[0]['ts'] - t0:.1f} to "
+                   f"{es[-1]['ts'] + es[-1]['dur'] - t0:.1f}; gaps {sum(gaps):.1f} us "
+                   f"(largest {max(gaps) if gaps else 0:.1f})")
+    return "\n".join(out)

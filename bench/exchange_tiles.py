@@ -28,6 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _profile import gpu_timeline  # noqa: E402
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
 _SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?(?:B(\d+))?$")
@@ -107,6 +108,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--configs", default=";".join(GRID))
     ap.add_argument("--json", default="bench_exchange_tiles.json")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print rank 0's GPU timeline (every stream) of one dispatch and one combine per config")
     args = ap.parse_args()
     specs = args.configs.split(";")
     shapes = [parse(s) for s in specs]  # bad specs fail before any process group exists
@@ -146,6 +149,11 @@ def main() -> int:
             td = _median_ms(fd, args.iters, aligned) * 1e3
             tc = _median_ms(fc, args.iters, aligned) * 1e3
             disp.check()
+            if args.timeline:
+                for name, fn in (("dispatch", fd), ("combine", fc)):
+                    text = gpu_timeline(fn, 7, aligned)
+                    if r == 0:
+                        print(f"-- {spec} T={T} {name} timeline\n{text}", flush=True)
             row = dict(config=spec, W=W, T=T, D=D, E=E, K=K, dispatch_us=td, combine_us=tc,
                        dispatch_GBps=token_rows * D * 2 / td / 1e3, combine_GBps=token_rows * D * 2 / tc / 1e3)
             base = base or row

@@ -27,7 +27,10 @@ chunks of 4 consecutive 2048-element blocks with all 4 loads issued before the 4
 per SM at 16 warps with 8192-element blocks -- whether a wider, deeper or fewer-program copy moves more per
 direction when both GPUs send.
 
-    python bench/p2p_copy.py [--mb 64,235] [--reps 9] [--sm] [--programs 4] [--ce-raw] [--sm-variants]
+``--mixed`` splits each direction between a copy engine and the SM push kernel running at once (copy-engine
+shares 1.0 down to 0.0): whether the two together move more than either alone.
+
+    python bench/p2p_copy.py [--mb 64,235] [--reps 9] [--sm] [--programs 4] [--ce-raw] [--sm-variants] [--mixed]
 """
 
 from __future__ import annotations
@@ -114,13 +117,16 @@ def main() -> int:
     ap.add_argument("--ce-raw", action="store_true",
                     help="also copy-engine copies by cuMemcpyPeerAsync (driver API) on dedicated streams, "
                          "write and read")
+    ap.add_argument("--mixed", action="store_true",
+                    help="also each direction split between a copy engine (cuMemcpyPeerAsync) and the SM push kernel "
+                         "at once, at several copy-engine shares")
     ap.add_argument("--sm-variants", action="store_true",
                     help="also other SM push kernels (wider blocks, 4-block unrolled, one program per SM)")
     args = ap.parse_args()
-    if (args.sm or args.sm_variants) and triton is None:
-        print(("--sm" if args.sm else "--sm-variants") + " needs triton")
+    if (args.sm or args.sm_variants or args.mixed) and triton is None:
+        print("--sm, --sm-variants and --mixed need triton")
         return 1
-    sm_rows, ce_rows, var_rows, drv = [], [], [], None
+    sm_rows, ce_rows, var_rows, mix_rows, drv = [], [], [], [], None
     if torch.cuda.device_count() < 2:
         print("needs two GPUs")
         return 1
@@ -161,6 +167,9 @@ def main() -> int:
             ce_rows.append((mb, _ce_raw_rows(drv, src, dst, n, args.reps)))
         if args.sm_variants:
             var_rows.append((mb, _sm_variant_rows(src, dst, n, args)))
+        if args.mixed:
+            drv = drv or _Driver()
+            mix_rows.append((mb, _mixed_rows(drv, src, dst, n, args)))
     if sm_rows:
         print(f"\nSM kernels ({args.programs} programs per SM, 4096-element blocks): GB/s per direction")
         print("| MB | push one way | push both ways | pull one way | pull both ways |")
@@ -174,6 +183,14 @@ def main() -> int:
         print("|---|---|---|---|---|")
         for mb, r in ce_rows:
             print(f"| {mb} | " + " | ".join(f"{r[k]:.1f}" for k in ("write1", "write2", "read1", "read2")) + " |")
+    if mix_rows:
+        print(f"\nEach direction split: the first share by a copy engine (cuMemcpyPeerAsync on the source's stream), the "
+              f"rest by the SM push kernel ({args.programs} programs per SM) on a second stream, at once: GB/s per direction")
+        print("| MB | copy-engine share | one way | both ways |")
+        print("|---|---|---|---|")
+        for mb, rows in mix_rows:
+            for share, g1, g2 in rows:
+                print(f"| {mb} | {share:.3f} | {g1:.1f} | {g2:.1f} |")
     if var_rows:
         print("\nSM push kernel variants: GB/s per direction")
         print("| MB | variant | push one way | push both ways |")
@@ -199,7 +216,7 @@ def _run_dirs(ev, dirs, streams, on, issue):
     return ev[:len(dirs)]
 
 
-def _held_pair(src, dst, streams, on, issue, reps) -> tuple[float, float]:
+def _held_pair(src, dst, streams, on, issue, reps, hold=None) -> tuple[float, float]:
     """GB/s per direction of GPU 0 -> 1 alone and of both directions at once (``issue(d)`` moves
     ``src[d]`` into ``dst[1 - d]`` on ``streams[on(d)]``), each run held behind the spin kernels; the
     destinations are zeroed first and checked against the sources after."""
@@ -210,7 +227,7 @@ def _held_pair(src, dst, streams, on, issue, reps) -> tuple[float, float]:
     runs = [functools.partial(_run_dirs, dirs=dirs, streams=streams, on=on, issue=issue) for dirs in ((0,), (0, 1))]
     for fn in runs:  # compile and warm up
         fn([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2)])
-    t1, t2 = (_time(fn, reps, hold=streams) for fn in runs)
+    t1, t2 = (_time(fn, reps, hold=hold or streams) for fn in runs)
     assert torch.equal(dst[0], src[1].to("cuda:0")) and torch.equal(dst[1], src[0].to("cuda:1"))
     gb = src[0].numel() * src[0].element_size() / 1e9
     return gb / t1 * 1e3, gb / t2 * 1e3
@@ -277,6 +294,33 @@ def _ce_raw_rows(drv, src, dst, n, reps) -> dict:
 
         out[orient + "1"], out[orient + "2"] = _held_pair(src, dst, streams, on, issue, reps)
     return out
+
+
+def _mixed_rows(drv, src, dst, n, args) -> list:
+    """(copy-engine share, GB/s one way, GB/s both ways): direction d moves its first ``share`` of the
+    elements by cuMemcpyPeerAsync on GPU d's copy stream and the rest by the SM push kernel on GPU d's
+    kernel stream, both at once; the direction ends when both have (the copy stream waits for the kernel
+    stream before its end event)."""
+    ce = [torch.cuda.Stream(device=d) for d in range(2)]
+    sm = [torch.cuda.Stream(device=d) for d in range(2)]
+    grid = [(torch.cuda.get_device_properties(d).multi_processor_count * args.programs,) for d in range(2)]
+    rows = []
+    for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.0):
+        n_ce = int(n * share) // 4096 * 4096
+
+        def issue(d, n_ce=n_ce):
+            with torch.cuda.device(d):
+                if n_ce:
+                    drv.call("cuMemcpyPeerAsync", dst[1 - d].data_ptr(), drv.ctx[1 - d], src[d].data_ptr(), drv.ctx[d],
+                             n_ce * 2, ce[d].cuda_stream)
+                if n - n_ce:
+                    with torch.cuda.stream(sm[d]):
+                        _sm_copy_kernel[grid[d]](src[d].data_ptr() + n_ce * 2, dst[1 - d].data_ptr() + n_ce * 2,
+                                                 n - n_ce, BLOCK=4096)
+                    ce[d].wait_stream(sm[d])
+
+        rows.append((n_ce / n, *_held_pair(src, dst, ce, lambda d: d, issue, args.reps, hold=ce + sm)))
+    return rows
 
 
 def _sm_variant_rows(src, dst, n, args) -> list:
