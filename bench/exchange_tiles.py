@@ -63,10 +63,15 @@ def parse(spec: str) -> dict:
                 raise ValueError(f"--configs: ce:{shape!r} must be on or off")
             out["ce_mode"] = shape == "on"
             continue
-        if kind == "ce_chunk":
+        if kind in ("ce_chunk", "ce_tail"):
             if not shape.isdigit() or int(shape) < 32 or int(shape) % 32:
-                raise ValueError(f"--configs: ce_chunk:{shape!r} must be a multiple of 32 (rows per copy)")
-            out.setdefault("ce", {})["chunk_rows"] = int(shape)
+                raise ValueError(f"--configs: {kind}:{shape!r} must be a multiple of 32 (rows per copy)")
+            out.setdefault("ce", {})["chunk_rows" if kind == "ce_chunk" else "tail_rows"] = int(shape)
+            continue
+        if kind == "ce_sum":
+            if not shape.isdigit() or not 1 <= int(shape) <= 8:
+                raise ValueError(f"--configs: ce_sum:{shape!r} must be 1 to 8 (summing programs per SM)")
+            out.setdefault("ce", {})["sum_per_sm"] = int(shape)
             continue
         if kind == "comb_recv":  # the one-launch combine: summing / sending programs per SM
             m = re.match(r"^(\d+)x(\d+)$", shape)

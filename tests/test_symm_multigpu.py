@@ -431,6 +431,10 @@ def test_copy_engine_row_form_matches_the_sm_row_form(group):
             for name, c in (("region", bufs.region_counters()), ("CBLK", bufs.comb_block_counters()),
                             ("RBLK", bufs.recv_block_counters())):
                 assert not c.any(), f"rep {rep}: a {name} counter was left non-zero"
+            # no rank starts the next op before every rank has read its counters: a peer's next dispatch
+            # adds to them as soon as this rank's GPU ended its last op (x2_s45: rank 0, ahead by its
+            # compile skew in a cold process, had added its rows before rank 1 read them)
+            dist.barrier()
         sd.check()
         # graph capture and replay of the no-grad pair
         T = T_max - 37 * r

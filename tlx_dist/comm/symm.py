@@ -550,6 +550,8 @@ CE_MIN_DENSITY = 0.95
 # last chunk split 1/2, 1/4, 1/4: 657-682, no better); T=4096 with 512 / 1024 / 2048 / 4096 in 197-198 /
 # 182-198 / 183-206 / 247 us.
 CE_CHUNK_MIN, CE_CHUNK_MAX = 1024, 2048
+# the last chunk cut down to this many rows (``_ce_chunks``; None: not cut)
+CE_TAIL_ROWS = None
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
@@ -637,19 +639,29 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
                                                   W=L.world_size, MODE=0, num_warps=1)
 
 
-def _ce_chunks(H: int, CB: int, rows: Optional[int] = None) -> list[tuple[int, int]]:
+def _ce_chunks(H: int, CB: int, rows: Optional[int] = None, tail: Optional[int] = None) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of the combine's copies over H rows (chunks of ``CE_CHUNK_MIN`` ..
     ``CE_CHUNK_MAX`` rows, above); ``rows`` (``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``): chunks of that many.
+    ``tail`` (``LAUNCH_OVERRIDES["ce"]["tail_rows"]``): the last chunk is cut in halves, each half's second
+    half again, down to ``tail`` rows (the sum that trails the last copy is then a short one).
     Every bound but H is a multiple of CB (a chunk's signal counts whole token blocks but its first
     and last)."""
     if H <= 0:
         return []
     if rows is not None:
         c = max(CB, rows // CB * CB)
-        return [(lo, min(H, lo + c)) for lo in range(0, H, c)]
-    c = min(CE_CHUNK_MAX, max(CE_CHUNK_MIN, _next_pow2(-(-H // 8))))
-    c = max(CB, c // CB * CB)
-    return [(lo, min(H, lo + c)) for lo in range(0, H, c)]
+    else:
+        c = min(CE_CHUNK_MAX, max(CE_CHUNK_MIN, _next_pow2(-(-H // 8))))
+        c = max(CB, c // CB * CB)
+    out = [(lo, min(H, lo + c)) for lo in range(0, H, c)]
+    if tail:
+        lo, hi = out.pop()
+        while hi - lo > 2 * max(tail, CB):
+            mid = lo + (hi - lo) // 2 // CB * CB
+            out.append((lo, mid))
+            lo = mid
+        out.append((lo, hi))
+    return out
 
 
 def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Optional[torch.cuda.Event]:
@@ -665,7 +677,8 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     W, T_max, D, es, CB = L.world_size, L.max_tokens, L.hidden, L.dtype.itemsize, L.comb_block
     k = _kernels(dev)
     H = min(h.num_tokens, T_max)
-    chunks = _ce_chunks(H, CB, (LAUNCH_OVERRIDES.get("ce") or {}).get("chunk_rows"))
+    o = LAUNCH_OVERRIDES.get("ce") or {}
+    chunks = _ce_chunks(H, CB, o.get("chunk_rows"), o.get("tail_rows", CE_TAIL_ROWS))
     nbp = _next_pow2(max([hi - lo for lo, hi in chunks] + [1]) // CB + 2)
     inline = dev.type != "cuda" or bufs.backend in ("emulated", "local")
     side = sig = None
