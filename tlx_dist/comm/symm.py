@@ -656,7 +656,7 @@ def _ce_chunks(H: int, CB: int, rows: Optional[int] = None, tail: Optional[int] 
     out = [(lo, min(H, lo + c)) for lo in range(0, H, c)]
     if tail:
         lo, hi = out.pop()
-        while hi - lo > 2 * max(tail, CB):
+        while hi - lo > max(tail, CB) and (hi - lo) // 2 // CB > 0:
             mid = lo + (hi - lo) // 2 // CB * CB
             out.append((lo, mid))
             lo = mid
