@@ -71,17 +71,26 @@ def _median_ms(fn, iters: int, sync) -> float:
     return statistics.median(times)
 
 
+_ALIGN_HOLD_CYCLES = 200_000  # ~100 us at an H200's 1.98 GHz
+
+
 def _aligned_sync(sync, symm_disp):
     """``sync`` followed by a device-side barrier of the ranks (torch symmetric memory's barrier
     kernel on the current stream), so a per-op timing starts when every rank's GPU is there: the
     per-op medians otherwise count the ranks' host launch skew after the host barrier (tens of us)
-    as the op's own waiting. None where the buffers have no such handle (the emulated world)."""
+    as the op's own waiting. A spin kernel ahead of the barrier holds the stream until the host has
+    queued what follows, so both ranks' ops start when the barrier ends. None where the buffers have no
+    such handle (the emulated world)."""
     handle = getattr(getattr(symm_disp, "buffers", None), "_handle", None)
     if handle is None or not hasattr(handle, "barrier"):
         return None
 
     def run():
         sync()
+        # the stream is held (~100 us) while the host queues the barrier, the timing's start event and the
+        # op: without it the barrier could end before the later rank's host had queued its op, which then
+        # started that much after the other rank's (x2_s45: 672-735 us spans of one CE combine)
+        torch.cuda._sleep(_ALIGN_HOLD_CYCLES)
         handle.barrier(channel=1)
     return run
 

@@ -151,3 +151,16 @@ def test_two_dispatchers_of_one_buffer_set_must_agree(cuda_copies):
     symm._set_copy_engine(b, True)
     with pytest.raises(ValueError, match="another SymmDispatcher of this buffer set asked for copy_engine=True"):
         symm._set_copy_engine(b, False)
+
+
+def test_a_summing_tile_too_large_for_the_copy_engine_combine_is_refused(monkeypatch):
+    """``LAUNCH_OVERRIDES["reduce_recv"]`` with a tile that would take the registers the chunks' signal
+    kernels need (x2_s46: 16 x 512 at 4 warps hung both ranks until the wait timed out) raises before
+    anything is launched, naming the override."""
+    monkeypatch.setattr(symm, "_num_programs", lambda device_str, per_sm=4: 132 * per_sm)
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "reduce_recv", dict(BLOCK_ROWS=16, BLOCK_D=512, num_warps=4))
+    bufs = types.SimpleNamespace(device=torch.device("cuda"),
+                                 layout=types.SimpleNamespace(hidden=7168, comb_block=32, max_tokens=16384))
+    h = types.SimpleNamespace(num_tokens=16384)
+    with pytest.raises(ValueError, match=r"LAUNCH_OVERRIDES\['reduce_recv'\]: a 16 x 512 tile at 4 warps"):
+        symm._reduce_recv(bufs, h, part=None, blk=True, dense=True)

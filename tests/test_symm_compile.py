@@ -90,6 +90,9 @@ def _specs(amd: bool = False):
                                                          BLK_SIGNAL=True, RECV_ROLE=True, DENSE=True)),
         "_reduce_recv_kernel[rows_blk_dense]": ("_reduce_recv_kernel", rrecv_sig,
                                                 dict(rrecv_cx, LOCAL_ROWS=True, BLK=True, DENSE=True)),
+        # what "auto" runs (W = 2): its summing programs wait for signal kernels that need room on the SMs
+        "_reduce_recv_kernel[rows_blk_dense_w2]": ("_reduce_recv_kernel", rrecv_sig,
+                                                   dict(rrecv_cx, W=2, WP=2, LOCAL_ROWS=True, BLK=True, DENSE=True)),
         "_ce_ready_kernel": ("_ce_ready_kernel", dict(peers_ptr="*i64", RANK="i32"),
                              dict(W=W, WP=8, **wait, **o("OFF_STATE", "OFF_FLAGS"))),
         "_ce_signal_kernel[rows]": ("_ce_signal_kernel",
@@ -351,6 +354,12 @@ def test_kernels_compile_with_signal_semantics(compiled):
                      "_reduce_send_kernel[rows_recv_w8]", "_reduce_send_kernel[rows_recv_fp16]"):
             regs = compiled[name]["regs"]
             assert regs <= 64, f"one-launch combine {name}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
+    # The copy-engine combine's summing programs (symm.CE_SUM_PER_SM = 4 an SM, 4 warps) wait for the
+    # chunks' one-warp signal kernels: at W = 2 (where "auto" turns the copy engines on) they must leave
+    # room for them. <= 120 registers a thread: 4 x 4 warps x 32 x 120 = 61,440 of an SM's 65,536.
+    if "regs" in compiled["_reduce_recv_kernel[rows_blk_dense_w2]"]:
+        regs = compiled["_reduce_recv_kernel[rows_blk_dense_w2]"]["regs"]
+        assert regs <= 120, f"copy-engine combine sum at W=2: {regs} registers a thread (<= 120 leaves room)"
     rb = compiled["_reduce_recv_kernel[rows_blk]"]
     assert rb["acquire"] > 0 and rb["timer"] > 0, "the per-block sum must wait (bounded) for its rows"
     # The overlapped row form: its first half opens the op with the bounded barrier and publishes

@@ -1100,6 +1100,10 @@ def _reduce_recv(bufs: SymmBuffers, h: SymmHandle, end: bool = True, part: Optio
     if blk:  # a work unit is one counter's tokens by one column tile: no taller tile than that
         br = min(br, _next_pow2(L.comb_block))
     if dense:  # (16 programs an SM, the default, filled every SM at T=16384 and starved the signals: x2_s39)
+        if br * bd > 1024 * warps:  # (x2_s46: a 16 x 512 tile at 4 warps took every register and hung)
+            raise ValueError(f"LAUNCH_OVERRIDES['reduce_recv']: a {br} x {bd} tile at {warps} warps is too large for "
+                             "the copy-engine combine, whose summing programs must leave room on every SM for the "
+                             "signal kernels they wait for (at most 1024 elements a warp)")
         per_sm = (LAUNCH_OVERRIDES.get("ce") or {}).get("sum_per_sm", CE_SUM_PER_SM)
         grid = (max(1, min(grid[0], _num_programs(str(bufs.device), min(per_sm, 8)))),)
     out = torch.empty(T, L.hidden, dtype=L.dtype, device=bufs.device)
