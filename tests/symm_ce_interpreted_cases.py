@@ -149,15 +149,19 @@ def test_ce_dispatch_of_a_rank_that_skips_is_an_error_naming_it():
         world.buffers[0].check()
 
 
-@pytest.mark.parametrize("Ts", [[7, 5], [5, 7, 0, 3]])
-def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts):
+@pytest.mark.parametrize("Ts,chunks", [([7, 5], {"chunk_rows": 4}), ([5, 7, 0, 3], {"chunk_rows": 4}),
+                                       ([7, 5], {"chunk_rows": 12, "tail_rows": 3})], ids=["W2", "W4", "W2_tail"])
+def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts, chunks):
     """3-token counter blocks and 4-row copy chunks (so 3-row chunks, one signal each; the owner with
-    fewer tokens than a source copies its own count and the fix-up kernel stores the rest): still bit
+    fewer tokens than a source copies its own count and the fix-up kernel stores the rest), or one
+    12-row chunk cut down (the default's shape: a last copy cut in halves; here 3 + 4 rows): still bit
     for bit the SM row form, every counter back at zero."""
     import tlx_dist.comm.symm as symm
     import tlx_dist.comm.symm_buffers as sb
     monkeypatch.setattr(sb, "COMB_BLOCK", 3)
-    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "ce", {"chunk_rows": 4})
+    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "ce", chunks)
+    if "tail_rows" in chunks:
+        assert symm._ce_chunks(7, 3, 12, 3) == [(0, 3), (3, 7)]
     W, E, K, D, Fe = len(Ts), 8, 2, 8, 4
     e, dt, T_max = E // W, torch.float64, max(Ts)
     gen = torch.Generator().manual_seed(6)

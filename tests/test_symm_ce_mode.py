@@ -140,9 +140,21 @@ def test_combine_chunks_cover_the_rows_in_order(H, CB, rows):
     assert all(a[1] == b[0] for a, b in zip(ch, ch[1:])) and all(lo < hi for lo, hi in ch)
     assert all(lo % CB == 0 for lo, _ in ch), "every chunk starts on a token block"
     if rows is None:
-        assert all(hi - lo <= symm.CE_CHUNK_MAX for lo, hi in ch)
-        assert len(ch) <= max(8, -(-H // symm.CE_CHUNK_MAX)), "a few large copies (each costs a gap)"
+        assert all(hi - lo <= symm.CE_CHUNK_ROWS for lo, hi in ch)
+        assert len(ch) <= -(-H // symm.CE_CHUNK_ROWS) + 4, "a few large copies (each costs a gap)"
+        if H > 2 * symm.CE_TAIL_ROWS:
+            assert ch[-1][1] - ch[-1][0] <= symm.CE_TAIL_ROWS + CB, "the last copy is a short one"
+            sizes = [hi - lo for lo, hi in ch]
+            assert sizes == sorted(sizes, reverse=True), "large copies first"
     assert symm._ce_chunks(0, CB, rows) == []
+
+
+def test_combine_chunks_at_the_measured_sizes():
+    """The default copies (x2_s48's best): 4096-row chunks, the last cut in halves down to 512 rows."""
+    assert [hi - lo for lo, hi in symm._ce_chunks(16384, 32)] == [4096, 4096, 4096, 2048, 1024, 512, 512]
+    assert [hi - lo for lo, hi in symm._ce_chunks(4096, 32)] == [2048, 1024, 512, 512]
+    assert [hi - lo for lo, hi in symm._ce_chunks(5000, 32, tail=0)] == [4096, 904]
+    assert [hi - lo for lo, hi in symm._ce_chunks(300, 32)] == [300]
 
 
 def test_two_dispatchers_of_one_buffer_set_must_agree(cuda_copies):

@@ -543,15 +543,15 @@ CE_MIN_TOKENS = 4096  # (two H200s, x2_s40: T=128 combined in 38-52 us by copy e
 # copy engines' ~7% more bandwidth pays only when nearly every row had to cross anyway; W=2, E=64,
 # K=8: 0.995; W=4: 0.915; W=8: 0.68)
 CE_MIN_DENSITY = 0.95
-# The combine's copies: chunks of ~1/8 of the rows, 1024 to 2048 rows (a power of two); the sum starts
-# on a chunk as soon as its signal lands, so it trails the transfer by one chunk, and each chunk costs a
-# gap of ~3 us on the copy engine. Two H200s, D=7168, graph-replayed (x2_s40, x2_s41): T=16384 with
-# 512 / 1024 / 2048 / 4096-row chunks combined in 734 / 677-678 / 652-698 / 697 us (2048 rows with the
-# last chunk split 1/2, 1/4, 1/4: 657-682, no better); T=4096 with 512 / 1024 / 2048 / 4096 in 197-198 /
-# 182-198 / 183-206 / 247 us.
-CE_CHUNK_MIN, CE_CHUNK_MAX = 1024, 2048
-# the last chunk cut down to this many rows (``_ce_chunks``; None: not cut)
-CE_TAIL_ROWS = None
+# The combine's copies: chunks of CE_CHUNK_ROWS rows, the last one cut in halves down to CE_TAIL_ROWS
+# (H = 16384: 4096 x 3, 2048, 1024, 512, 512; H = 4096: 2048, 1024, 512, 512). The sum starts on a chunk
+# as soon as its signal lands; each copy costs a gap of ~2.3 us on the copy engine and a slower start, so
+# few large copies, and small ones last, so that the sum left after the last copy is a short one. Two
+# H200s, D=7168, graph-replayed, ranks aligned (x2_s48), T=16384 / 4096 combined in: 2048-row chunks
+# (the earlier default) 672.2-672.8 / 192.4-193.4 us; 4096 uncut 689.6-690.5 / 233.3-234.1; 3072
+# 661.0-662.3 / 197.2-198.9; 4096 cut to 1024 648.0-648.8 / 189.1-190.1; 4096 cut to 512 645.5-647.2
+# (362-363 GB/s) / 187.4-188.2.
+CE_CHUNK_ROWS, CE_TAIL_ROWS = 4096, 512
 # summing programs of the copy-engine combine per SM (at most 8: half of what an SM holds at 4 warps, so
 # the chunks' signal kernels, which the summing programs wait for, always find room)
 CE_SUM_PER_SM = 4
@@ -640,19 +640,16 @@ def _ce_send_rows(bufs: SymmBuffers, x_TD: torch.Tensor, region: int) -> None:
 
 
 def _ce_chunks(H: int, CB: int, rows: Optional[int] = None, tail: Optional[int] = None) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges of the combine's copies over H rows (chunks of ``CE_CHUNK_MIN`` ..
-    ``CE_CHUNK_MAX`` rows, above); ``rows`` (``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``): chunks of that many.
-    ``tail`` (``LAUNCH_OVERRIDES["ce"]["tail_rows"]``): the last chunk is cut in halves, each half's second
-    half again, down to ``tail`` rows (the sum that trails the last copy is then a short one).
-    Every bound but H is a multiple of CB (a chunk's signal counts whole token blocks but its first
-    and last)."""
+    """[lo, hi) row ranges of the combine's copies over H rows: chunks of ``rows`` (default
+    ``CE_CHUNK_ROWS``; ``LAUNCH_OVERRIDES["ce"]["chunk_rows"]``), the last one cut in halves, each
+    half's second half again, down to ``tail`` rows (default ``CE_TAIL_ROWS``;
+    ``LAUNCH_OVERRIDES["ce"]["tail_rows"]``, 0: not cut), so the sum that trails the last copy is a
+    short one. Every bound but H is a multiple of CB (a chunk's signal counts whole token blocks but
+    its first and last)."""
     if H <= 0:
         return []
-    if rows is not None:
-        c = max(CB, rows // CB * CB)
-    else:
-        c = min(CE_CHUNK_MAX, max(CE_CHUNK_MIN, _next_pow2(-(-H // 8))))
-        c = max(CB, c // CB * CB)
+    c = max(CB, (CE_CHUNK_ROWS if rows is None else rows) // CB * CB)
+    tail = CE_TAIL_ROWS if tail is None else tail
     out = [(lo, min(H, lo + c)) for lo in range(0, H, c)]
     if tail:
         lo, hi = out.pop()
@@ -678,7 +675,7 @@ def _ce_send_partials(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -
     k = _kernels(dev)
     H = min(h.num_tokens, T_max)
     o = LAUNCH_OVERRIDES.get("ce") or {}
-    chunks = _ce_chunks(H, CB, o.get("chunk_rows"), o.get("tail_rows", CE_TAIL_ROWS))
+    chunks = _ce_chunks(H, CB, o.get("chunk_rows"), o.get("tail_rows"))
     nbp = _next_pow2(max([hi - lo for lo, hi in chunks] + [1]) // CB + 2)
     inline = dev.type != "cuda" or bufs.backend in ("emulated", "local")
     side = sig = None
