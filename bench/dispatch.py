@@ -89,7 +89,7 @@ def _aligned_sync(sync, symm_disp):
         sync()
         # the stream is held (~100 us) while the host queues the barrier, the timing's start event and the
         # op: without it the barrier could end before the later rank's host had queued its op, which then
-        # started that much after the other rank's (x2_s45: 672-735 us spans of one CE combine)
+        # started that much after the other rank's
         torch.cuda._sleep(_ALIGN_HOLD_CYCLES)
         handle.barrier(channel=1)
     return run

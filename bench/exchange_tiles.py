@@ -15,6 +15,8 @@ against the all-to-all anchor (same rows, same combine), so a shape that breaks 
 loudly instead of timing garbage; ``x first`` = the first candidate's dispatch + combine time over
 this one's (the grid starts with ``default``). ``--configs "send:8x512w4p4,reduce_send:8x1024w8p2;..."`` sets
 the shapes to try (``;`` between candidates, ``default`` for none); without it a built-in grid.
+``--timeline`` also prints rank 0's GPU timeline (kernels and copies on every stream, ``_profile.gpu_timeline``)
+of one dispatch and one combine per candidate: where an op's time goes when its parts run on several streams.
 """
 
 from __future__ import annotations
