@@ -187,10 +187,11 @@ def round_ratios(times: dict, num: str, den: str) -> tuple[float, float, float]:
 def gpu_timeline(step, reps: int, sync, top: int = 40) -> str:
     """The GPU's timeline of ``step()`` (kernels, copies, memsets on every stream), ``reps`` times, each
     after ``sync()`` (profiled too: where it ends in a device-side barrier kernel, the step's events are
-    those after it, so the ranks start together on the device as in the timed runs): for the median rep by span, each event's start and end in us from the rep's first
-    event, its stream and name; then, for every stream, its busy time and the idle gaps between its
-    events inside the span. Shows where an op's time goes when its parts run on several streams
-    (a per-kernel total does not: waits overlap work)."""
+    those after it, so the ranks start together on the device as in the timed runs): for the median
+    rep by span, each event's start and end in us from the rep's first event, its stream and name; then,
+    for every stream, its busy time and the idle gaps between its events inside the span. Shows where
+    an op's time goes when its parts run on several streams (a per-kernel total does not: waits overlap
+    work). The text comes from :func:`timeline_text`."""
     import json
     import os
     import tempfile
@@ -209,9 +210,17 @@ def gpu_timeline(step, reps: int, sync, top: int = 40) -> str:
         try:
             prof.export_chrome_trace(path)
             with open(path) as f:
-                events = json.load(f)["traceEvents"]
+                reps_ev.append(json.load(f)["traceEvents"])
         finally:
             os.unlink(path)
+    return timeline_text(reps_ev, top)
+
+
+def timeline_text(reps_events: list, top: int = 40) -> str:
+    """:func:`gpu_timeline`'s text from each rep's chrome-trace events (``traceEvents``): the GPU
+    events (``cat`` kernel / gpu_memcpy / gpu_memset) after the last barrier kernel of the rep."""
+    reps_ev = []
+    for events in reps_events:
         gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
         bars = [e["ts"] + e["dur"] for e in gpu if "barrier" in e["name"].lower()]

@@ -61,3 +61,30 @@ def test_interleaved_times_rotate_and_ratios_pair_rounds():
     assert len(t["fast"]) == len(t["slow"]) == 4
     med, lo, hi = round_ratios(t, "fast", "slow")
     assert lo <= med <= hi and abs(med - 3.0) < 0.05 and hi - lo < 0.07
+
+
+def test_timeline_text_takes_the_median_rep_after_the_barrier():
+    """``gpu_timeline``'s text (bench/exchange_tiles.py --timeline) from synthetic traces: events before
+    the rep's barrier kernel dropped, times from the rep's first event, the median rep by span, and per
+    stream its busy time and gaps."""
+    from _profile import timeline_text
+
+    def ev(name, ts, dur, stream, cat="kernel"):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=dict(stream=stream))
+
+    def rep(t0, span_extra):
+        return [ev("_sleep_kernel", t0 - 200, 100, 7), ev("barrier_kernel", t0 - 90, 90, 7),
+                ev("ready", t0, 2, 7), ev("sum", t0 + 2, 100 + span_extra, 7),
+                ev("Memcpy PtoP", t0 + 10, 40, 9, cat="gpu_memcpy"), ev("Memcpy PtoP", t0 + 55, 40, 9, cat="gpu_memcpy"),
+                dict(ph="X", cat="cpu_op", name="aten::empty", ts=t0, dur=1)]
+
+    text = timeline_text([rep(1000, 30), rep(5000, 0), rep(9000, 10)])
+    lines = text.splitlines()
+    assert lines[0] == "  spans of 3 reps (us): 102.0, 112.0, 132.0"
+    assert lines[1] == "  median rep, span 112.0 us:"
+    names = [ln.split()[-1] for ln in lines[3:7]]
+    assert names == ["ready", "sum", "PtoP", "PtoP"], "the sleep and barrier before the op are not its events"
+    assert lines[3].split()[:3] == ["0.0", "2.0", "2.0"]
+    s9 = next(ln for ln in lines if ln.startswith("  stream 9:"))
+    assert "2 events, busy 80.0 us, from 10.0 to 95.0; gaps 5.0 us (largest 5.0)" in s9
+    assert timeline_text([[dict(ph="X", cat="cpu_op", name="x", ts=0, dur=1)]]) == "  (no GPU events in the trace)"
