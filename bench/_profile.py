@@ -90,16 +90,28 @@ def host_profile(fwd, bwd, iters: int, sync, top: int = 20, top_self: int = 12) 
     return "\n".join(out)
 
 
+def _trace_events(prof) -> list:
+    """The chrome-trace events (``traceEvents``) of a finished ``torch.profiler`` run."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+
+
 def gap_profile(step, sync, min_gap_us: float = 10.0, top: int = 12) -> str:
     """Where the GPU waits for the host in one eager ``step()`` started on an idle GPU: the time from
     the step's start (host) to its first kernel, then every idle interval of at least ``min_gap_us``
     between consecutive kernels, each with the kernel that ended it and the innermost host ops
     (``torch.profiler`` CPU ops, Python stack off) that were running when that kernel was launched.
     The step's wall time = lead-in + kernel time + idle time."""
-    import json
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -107,14 +119,7 @@ def gap_profile(step, sync, min_gap_us: float = 10.0, top: int = 12) -> str:
         with torch.profiler.record_function("## step ##"):
             step()
         sync()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
+    events = _trace_events(prof)
     xs = [e for e in events if e.get("ph") == "X"]
     kernels = sorted((e for e in xs if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in xs
@@ -192,10 +197,6 @@ def gpu_timeline(step, reps: int, sync, top: int = 40) -> str:
     for every stream, its busy time and the idle gaps between its events inside the span. Shows where
     an op's time goes when its parts run on several streams (a per-kernel total does not: waits overlap
     work). The text comes from :func:`timeline_text`."""
-    import json
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     reps_ev = []
@@ -205,14 +206,7 @@ def gpu_timeline(step, reps: int, sync, top: int = 40) -> str:
             sync()
             step()
             torch.cuda.synchronize()
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                reps_ev.append(json.load(f)["traceEvents"])
-        finally:
-            os.unlink(path)
+        reps_ev.append(_trace_events(prof))
     return timeline_text(reps_ev, top)
 
 
