@@ -12,7 +12,17 @@ from _interp import run_interpreted_suite
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="already interpreted: pytest collects the case file directly")
-def test_symm_hier_interpreted_suite():
+_SKIP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                           reason="already interpreted: pytest collects the case files directly")
+
+
+# one child per case file, each under its own limit (W = 8 worlds of every op, each rank's kernels
+# interpreted: minutes on a two-core machine)
+@_SKIP
+def test_symm_hier_worlds_interpreted_suite():
     run_interpreted_suite("symm_hier_interpreted_cases.py")
+
+
+@_SKIP
+def test_symm_hier_more_interpreted_suite():
+    run_interpreted_suite("symm_hier_more_interpreted_cases.py")

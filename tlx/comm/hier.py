@@ -215,9 +215,10 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                         nv.putmem_block(my + OFF_HCNT + RANK * 8, my + OFF_SHCNT + m * 8, tl.full([], 8, tl.int64),
                                         tl.load(pes_ptr + rr))
             tl.debug_barrier()
+            hflag_off = tl.full([], OFF_HFLAG, tl.int64) + RANK * 8  # (int64: the regions lie past 2**31 bytes)
             for m in range(N):
                 if m != node:
-                    _release_to_peer(tl.load(peers_ptr + m * L + l), OFF_HFLAG + RANK * 8, epoch, True, USE_NVSHMEM)
+                    _release_to_peer(tl.load(peers_ptr + m * L + l), hflag_off, epoch, True, USE_NVSHMEM)
             if USE_NVSHMEM:
                 relay_w = ((wr % L) == l) & ((wr // L) != node) & (wr < W)
                 _nvshmem_signal(tl.where(relay_w, epoch, 0), peers_ptr, pes_ptr, my + OFF_HFLAG + RANK * 8, W, WP,
@@ -293,7 +294,7 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                                     nv.putmem_block(my + OFF_GATES + dst * (K * ES),
                                                     my + OFF_SGATES + tj64 * (K * ES),
                                                     tl.full([], K * ES, tl.int64), pe)
-    _publish(hist, peers_ptr, OFF_HARRIVE + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    _publish(hist, peers_ptr, tl.full([], OFF_HARRIVE, tl.int64) + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
     rows = tl.sum(hist)
     if rows > 0:
         tl.atomic_add(ctr_ptr, rows, sem="relaxed")

@@ -183,7 +183,8 @@ def _same_node_W(bufs: SymmBuffers) -> torch.Tensor:
     return (w // L) == (bufs.rank // L)
 
 
-def _node_route(bufs: SymmBuffers, idx_TK: torch.Tensor, send_row_TW: torch.Tensor, counts_C: torch.Tensor) -> HierRoute:
+def _node_route(bufs: SymmBuffers, idx_TK: torch.Tensor, send_row_TW: torch.Tensor,
+                counts_C: torch.Tensor) -> HierRoute:
     L, H = bufs.layout, bufs.hier.layout
     T, K = idx_TK.shape
     W, N, dev = L.world_size, H.num_nodes, idx_TK.device
@@ -195,8 +196,11 @@ def _node_route(bufs: SymmBuffers, idx_TK: torch.Tensor, send_row_TW: torch.Tens
     _hkernels(dev)._node_route_kernel[(1,)](
         idx_TK, send_row_TW, counts_C, nrow, near, comb_row, ncnt, comb_to, T, bufs.rank, K=K, KP=_next_pow2(K),
         E=L.num_experts, E_LOCAL=L.num_experts // W, W=W, WP=_next_pow2(W), L=H.ranks_per_node, N=N,
-        NP=_next_pow2(N), BLOCK_T=min(256, _next_pow2(max(1, T))))
+        NP=_next_pow2(N), BLOCK_T=_NODE_ROUTE_BLOCK_T or min(256, _next_pow2(max(1, T))))
     return HierRoute(nrow, near, comb_row, ncnt, comb_to)
+
+
+_NODE_ROUTE_BLOCK_T = 0  # tests: tokens per block of the node route's walk (a power of two; 0 = automatic)
 
 
 def _count(bufs: SymmBuffers, slot: int, rows: torch.Tensor) -> None:
@@ -250,8 +254,8 @@ def _relay_forward(bufs: SymmBuffers, route: HierRoute, from_region: bool) -> No
     br, bd, warps, grid = _shape("expand", L.hidden, L.max_tokens, bufs.device)
     k._relay_forward_kernel[grid](
         route.hmeta_RM, route.hcnt_W, route.hexp_W, bufs.hier.counters, bufs.peers, bufs.rank, **_hier_meta(bufs),
-        LP=_next_pow2(H.ranks_per_node), META_W=L.meta_words, DT=_tl_dtype(L.dtype), OFF_STATE=L.off_state, OFF_RECV=L.off_recv,
-        OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_ARRIVE=L.off_arrive, OFF_HMETA=H.off_hmeta,
+        LP=_next_pow2(H.ranks_per_node), META_W=L.meta_words, DT=_tl_dtype(L.dtype), OFF_STATE=L.off_state,
+        OFF_RECV=L.off_recv, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_ARRIVE=L.off_arrive, OFF_HMETA=H.off_hmeta,
         OFF_HFLAG=H.off_hflag, OFF_HCNT=H.off_hcnt, OFF_HARRIVE=H.off_harrive, OFF_HDONE=H.off_hdone,
         FROM_REGION=from_region, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(), BLOCK_R=br, BLOCK_D=bd,
         num_warps=warps)
@@ -320,7 +324,8 @@ def hier_dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Ten
     _count(bufs, 2, _near_send_rows(bufs, route))
     yield
     R, HM = L.recv_rows, bufs.hier.layout.hmeta_words
-    route = dataclasses.replace(route, hmeta_RM=torch.full((R, HM), -1, dtype=torch.int32, device=dev),
+    # (hmeta rows past a source's hcnt are never read)
+    route = dataclasses.replace(route, hmeta_RM=torch.empty(R, HM, dtype=torch.int32, device=dev),
                                 hcnt_W=torch.zeros(W, dtype=torch.int64, device=dev),
                                 hexp_W=torch.zeros(W, dtype=torch.int64, device=dev))
     _relay_forward(bufs, route, from_region=True)

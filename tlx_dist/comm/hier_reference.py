@@ -162,7 +162,7 @@ def hier_dispatch_reference(xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[tor
                     got_rows = got_rows.clone()  # an NVLink store
                     nvl[holder] += got_tok.numel()
                 if s in held[d]:
-                    raise AssertionError(f"rank {d} got source {s}'s rows twice")
+                    raise RuntimeError(f"hier reference: rank {d} got source {s}'s rows twice")
                 held[d][s] = (got_tok, got_rows)
     # Expert-major on every rank, from the rows it holds.
     recv = []
@@ -178,8 +178,9 @@ def hier_dispatch_reference(xs_TD: Sequence[torch.Tensor], idxs_TK: Sequence[tor
                     continue
                 tok, rows = held[d].get(s, (torch.zeros(0, dtype=torch.long), None))
                 pos = torch.searchsorted(tok, t_sel)
-                if rows is None or bool((pos >= tok.numel()).any()) or not torch.equal(tok[pos.clamp_max(tok.numel() - 1)], t_sel):
-                    raise AssertionError(f"rank {d} lacks a row of source {s} for expert {g}")
+                found = rows is not None and bool((pos < tok.numel()).all()) and torch.equal(tok[pos], t_sel)
+                if not found:
+                    raise RuntimeError(f"hier reference: rank {d} lacks a row of source {s} for expert {g}")
                 rows_out.append(rows.index_select(0, pos.to(dev)))
                 counts[j] += t_sel.numel()
         D = xs_TD[0].shape[1]
