@@ -19,14 +19,14 @@ def check_measurements(cal: Calibration, extra: Optional[list] = None) -> list[d
     """Measured vs predicted for every measured point (calibration JSON + ``extra`` harness
     results in the same format). ``use`` says whether the point was a calibration input; points
     with ``phases_ms`` also get ``measured_phases_ms`` (summed into the model's categories). A point
-    is projected with the layout it ran with (``layout``, ``grad_accum``, default: FSDP2 full
+    is projected with the layout it ran with (``sharding``, ``grad_accum``; default: FSDP2 full
     sharding, one micro-batch) and the flat exchange (every measured run was on one node)."""
     rows = []
     for m in list(cal.measurements) + list(extra or []):
         cfg = load_recipe(m["recipe"], m["overrides"])
         ep = cfg.parallel.ep
         sc = Scenario(m["hardware"], int(m["gpus"]), ep, m["preset"], exchange="flat",
-                      layout=m.get("layout", "fsdp"), grad_accum=int(m.get("grad_accum", 1)))
+                      sharding=m.get("sharding", "full"), grad_accum=int(m.get("grad_accum", 1)))
         pr = project(cfg, sc, cal)
         T = cfg.data.batch_size * cfg.data.seq_len * sc.grad_accum
         meas_ms = T / m["tokens_per_s_per_gpu"] * 1e3
@@ -43,7 +43,7 @@ def scaling_rows(recipe: str, hardware: str, cal: Calibration, presets=tuple(PRE
                  layout: str = "recipe", **scenario) -> list[Projection]:
     """Projections of ``recipe`` on ``hardware`` for each G and preset. ``layout``: "recipe" (the
     recipe's ep) or "wide" (ep = gcd(G, E): experts spread over up to G GPUs, tokens cross nodes).
-    ``scenario``: further ``Scenario`` fields (exchange, node_limit, layout, grad_accum, ...), the
+    ``scenario``: further ``Scenario`` fields (exchange, node_limit, sharding, grad_accum, ...), the
     recipe's own values where left out."""
     if layout not in ("recipe", "wide"):
         raise ValueError(f"layout={layout!r} must be 'recipe' or 'wide'")

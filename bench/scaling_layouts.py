@@ -9,20 +9,21 @@ Parameter sets (global counts, ``Workload``): dense P_d = attention, norms, embe
 FFN layers (FSDP2 units: one per block + the root); MoE P_m = per MoE layer the experts (E/ep of
 them on a rank) and the router + shared experts (replicated over ep).
 
-Layouts:
-  fsdp   FSDP2 full sharding (``train/parallelize.py`` today). Dense units sharded over all G
-         ranks; each MoE layer's module (its E/ep experts, router, shared experts) over EDP.
-         Per micro-batch and unit: all-gather of the bf16 weights in forward and again in backward
-         (resharded after forward), reduce-scatter of the fp32 gradients -- over the NICs as soon as
-         the group leaves the node. Per optimizer step: the all-reduce of the router / shared
-         gradients over ep (``finish_grads``). Nothing amortizes over micro-batches but that.
-  hsdp   hybrid sharding: shard inside the node, replicate across nodes. Dense units (+ router and
-         shared experts) sharded over the s ranks of the node, replicated over G / s nodes; experts
-         sharded over EP and over the part of EDP inside the node (s_e = s / ep when ep < s, else 1),
-         replicated over the R_e = EDP / s_e copies on other nodes. Per micro-batch: the in-node
-         all-gathers and reduce-scatters (NVLink; none for experts when s_e = 1); per optimizer step,
-         on the last micro-batch only: the all-reduce of each GPU's gradient shard across the
-         replicas (NIC) -- FSDP2's ``set_requires_all_reduce(False)`` on the other micro-batches.
+Shardings (``parallel.sharding``; ``train/mesh.py`` builds the meshes, ``train/parallelize.py``
+``set_gradient_sync`` the micro-batch rule):
+  full    FSDP2 over every data-parallel rank: the dense units over all G ranks, each MoE layer's
+          module (its E/ep experts, router, shared experts) over EDP -- across the NICs as soon as
+          the job leaves the node. Every micro-batch all-gathers the bf16 weights in forward and
+          again in backward (resharded after forward); the gradients are reduce-scattered on the
+          last micro-batch only (``set_requires_gradient_sync(False)`` before it).
+  hybrid  HSDP: shard inside the node, replicate across nodes. Dense units sharded over the s ranks
+          of the node, replicated over G / s nodes; each MoE module sharded over the ranks of its
+          EDP group inside the node (s_e = s / ep when ep < s, else 1) and replicated over the
+          R_e = EDP / s_e copies on other nodes. Every micro-batch: the in-node all-gathers and
+          reduce-scatters (NVLink); the last one also all-reduces each GPU's gradient shard across
+          the replicas (NIC) -- ``set_requires_all_reduce(False)`` before it.
+Either way, once a step (``finish_grads``): the router / shared-expert gradient shards are summed
+over ep, and the rest of the step (norm, optimizer) runs on the shard a GPU holds.
 Gradients are reduced in fp32 (FSDP2's ``reduce_dtype`` in ``train/parallelize.py``) unless
 ``reduce_dtype="bf16"``.
 
@@ -49,10 +50,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["LAYOUTS", "Unit", "LayoutPlan", "plan_layout", "node_size", "ring_ag_rs_s", "all_reduce_s",
+__all__ = ["SHARDINGS", "Unit", "LayoutPlan", "plan_layout", "node_size", "ring_ag_rs_s", "all_reduce_s",
            "exposed_comm_s"]
 
-LAYOUTS = ("fsdp", "hsdp")
+SHARDINGS = ("full", "hybrid")     # train.config ParallelConfig.sharding
 BF16, FP32 = 2, 4
 
 
@@ -102,7 +103,7 @@ class LayoutPlan:
     persistent bf16 copies) and ``held_experts``.
     """
 
-    layout: str
+    sharding: str
     node: int
     held_params: float
     fsdp_params: float
@@ -118,17 +119,17 @@ class LayoutPlan:
         return sum(u.nbytes * per[u.when] for u in self.units if u.link == link)
 
 
-def plan_layout(layout: str, G: int, ep: int, domain: int, params: dict, bw: dict, hop: dict,
+def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: dict, hop: dict,
                 reduce_dtype: str = "fp32") -> LayoutPlan:
-    """The collectives of ``layout`` (module docstring) for G GPUs, EP degree ``ep``.
+    """The collectives of ``sharding`` (module docstring) for G GPUs, EP degree ``ep``.
 
     params: {"dense_units": [params of each dense unit], "moe_layers": L_moe, "experts": all routed
     expert parameters, "replicated": router + shared experts of all MoE layers}. bw / hop:
     {"nvlink": bytes/s, "nic": bytes/s} per GPU at link efficiency / hop latencies in seconds.
     reduce_dtype: "fp32" | "bf16", the dtype gradients are reduced in.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}")
     if reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(f"reduce_dtype={reduce_dtype!r} must be 'fp32' or 'bf16'")
     RED = FP32 if reduce_dtype == "fp32" else BF16
@@ -139,63 +140,53 @@ def plan_layout(layout: str, G: int, ep: int, domain: int, params: dict, bw: dic
         raise ValueError(f"ep={ep} spans nodes of {s} GPUs unevenly")
     edp, Lm = G // ep, params["moe_layers"]
     dense_units = list(params["dense_units"])
-    exp_layer = params["experts"] / ep / Lm          # one MoE layer's experts on one rank
-    rep_layer = params["replicated"] / Lm
+    moe_layer = params["experts"] / ep / Lm + params["replicated"] / Lm   # one MoE module on one rank
     units: list[Unit] = []
+    hybrid = sharding == "hybrid"
+    # (shard ranks, do they span nodes, replicas across nodes) of the dense and the MoE meshes
+    if hybrid:
+        dense_mesh = (s, False, G // s)
+        s_e = s // ep if ep < s else 1
+        moe_mesh = (s_e, False, edp // s_e)
+    else:
+        dense_mesh = (G, G > s, 1)
+        moe_mesh = (edp, G > s, 1)
 
-    def link_of(spans_nodes: bool) -> str:
-        return "nic" if spans_nodes else "nvlink"
-
-    def shard_collectives(what: str, p: float, n: int, spans: bool) -> None:
-        """FSDP2 over n ranks: AG bf16 fwd + AG bf16 bwd + RS (reduce dtype), per micro-batch."""
-        if n <= 1:
-            return
-        ln = link_of(spans)
-        for when, nbytes in (("fwd", BF16 * p), ("bwd", BF16 * p), ("bwd", RED * p)):
-            units.append(Unit(what, when, ln, nbytes * (n - 1) / n, ring_ag_rs_s(nbytes, n, bw[ln], hop[ln])))
-
-    if layout == "fsdp":
-        dense_p = sum(dense_units)
-        for p in dense_units:
-            shard_collectives("dense", p, G, G > s)
-        moe_p = exp_layer + rep_layer
-        for _ in range(Lm):
-            shard_collectives("moe", moe_p, edp, G > s)
-        if ep > 1:   # finish_grads: router / shared gradients summed over ep, fp32
-            ln = link_of(ep > s)
-            units.append(Unit("replicated all-reduce over ep", "post", ln, 2 * RED * params["replicated"] / edp
-                              * (ep - 1) / ep, all_reduce_s(RED * params["replicated"] / edp, ep, bw[ln], hop[ln])))
-        held = dense_p / G + Lm * moe_p / edp
-        fsdp_p = (dense_p if G > 1 else 0.0) + (Lm * moe_p if edp > 1 else 0.0)
-        return LayoutPlan(layout, s, held, fsdp_p, tuple(units), {
-            "dense_shard": G, "expert_shard": edp, "dense_replicas": 1, "expert_replicas": 1,
-            "local_dense": 0.0 if G > 1 else dense_p, "local_moe": 0.0 if edp > 1 else Lm * moe_p,
-            "held_experts": Lm * exp_layer / edp})
-
-    # hsdp: dense (+ router / shared experts) sharded over the node, replicated across nodes
-    R = G // s
-    s_e = s // ep if ep < s else 1
-    R_e = edp // s_e
-    dense_all = dense_units + [rep_layer] * Lm
-    for p in dense_all:
-        shard_collectives("dense", p, s, False)
+    def unit(what: str, p: float, mesh: tuple) -> None:
+        """One FSDP2 unit of p parameters: bf16 all-gathers in forward and backward (every
+        micro-batch), the gradient reduce-scatter (every micro-batch under HSDP, whose no-sync
+        micro-batches skip only the all-reduce; the last one only under full sharding), and under
+        HSDP the all-reduce of the shard across the replicas (the last micro-batch)."""
+        n, spans, R = mesh
+        if n > 1:
+            ln = "nic" if spans else "nvlink"
+            for when, nbytes in (("fwd", BF16 * p), ("bwd", BF16 * p), ("bwd" if hybrid else "step", RED * p)):
+                units.append(Unit(what, when, ln, nbytes * (n - 1) / n, ring_ag_rs_s(nbytes, n, bw[ln], hop[ln])))
         if R > 1:
-            shard = RED * p / s
-            units.append(Unit("dense all-reduce across nodes", "step", "nic", 2 * shard * (R - 1) / R,
+            shard = RED * p / n
+            units.append(Unit(f"{what} all-reduce across nodes", "step", "nic", 2 * shard * (R - 1) / R,
                               all_reduce_s(shard, R, bw["nic"], hop["nic"])))
+
+    for p in dense_units:
+        unit("dense", p, dense_mesh)
     for _ in range(Lm):
-        shard_collectives("experts", exp_layer, s_e, False)
-        if R_e > 1:
-            shard = RED * exp_layer / s_e
-            units.append(Unit("expert all-reduce across nodes", "step", "nic", 2 * shard * (R_e - 1) / R_e,
-                              all_reduce_s(shard, R_e, bw["nic"], hop["nic"])))
-    dense_p = sum(dense_all)
-    held = dense_p / s + Lm * exp_layer / s_e
-    fsdp_p = (dense_p if s > 1 else 0.0) + (Lm * exp_layer if s_e > 1 else 0.0)
-    return LayoutPlan(layout, s, held, fsdp_p, tuple(units), {
-        "dense_shard": s, "expert_shard": s_e, "dense_replicas": R, "expert_replicas": R_e,
-        "local_dense": 0.0 if s > 1 else dense_p, "local_moe": 0.0 if s_e > 1 else Lm * exp_layer,
-        "held_experts": Lm * exp_layer / s_e})
+        unit("moe", moe_layer, moe_mesh)
+    n_moe = moe_mesh[0]
+    if ep > 1:   # finish_grads: the router / shared-expert gradient shards summed over ep, once a step
+        ln = "nic" if ep > s else "nvlink"
+        shard = RED * params["replicated"] / n_moe
+        units.append(Unit("router/shared all-reduce over ep", "post", ln, 2 * shard * (ep - 1) / ep,
+                          all_reduce_s(shard, ep, bw[ln], hop[ln])))
+    dense_p = sum(dense_units)
+    held = dense_p / dense_mesh[0] + Lm * moe_layer / n_moe
+    # FSDP2 manages every parameter of a mesh of more than one rank; one-rank meshes stay outside it
+    # (train/parallelize.py: W = 1 for the dense units, dp = 1 for the MoE layers)
+    fsdp_p = (dense_p if G > 1 else 0.0) + (Lm * moe_layer if edp > 1 else 0.0)
+    return LayoutPlan(sharding, s, held, fsdp_p, tuple(units), {
+        "dense_shard": dense_mesh[0], "expert_shard": n_moe, "dense_replicas": dense_mesh[2],
+        "expert_replicas": moe_mesh[2], "local_dense": 0.0 if G > 1 else dense_p,
+        "local_moe": 0.0 if edp > 1 else Lm * moe_layer, "held_experts": params["experts"] / ep / n_moe,
+        "reduce_scatter_every_micro_batch": hybrid})
 
 
 def exposed_comm_s(plan: LayoutPlan, grad_accum: int, fwd_s: float, bwd_s: float, busy_fwd: dict,

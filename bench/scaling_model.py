@@ -4,7 +4,7 @@ plus link parameters (issues 11 and 35). Pure Python + torch on a CPU, from
 
 What it predicts: for a training recipe (``configs/*.toml``), a device (``HARDWARE``), a GPU count G,
 an expert-parallel degree ``ep``, an exchange design (``PRESETS``; flat or hierarchical across nodes),
-a parameter layout (``fsdp`` | ``hsdp``, ``bench/scaling_layouts.py``) and ``grad_accum``
+a parameter sharding (``full`` | ``hybrid``, ``bench/scaling_layouts.py``) and ``grad_accum``
 micro-batches, the time of one optimizer step of one GPU, split into the phases the harness
 measures (``bench/scaling.py``; ``HARNESS_PHASES`` maps its labels onto these categories):
 
@@ -19,9 +19,10 @@ measures (``bench/scaling.py``; ``HARNESS_PHASES`` maps its labels onto these ca
                     of ``scaling_layouts``; the harness sees FSDP2's waits inside fwd/bwd)
     optimizer       parameters this GPU holds (its shard) · bytes/param / HBM, once per optimizer step
     rest            embedding, head, loss (T·(D + V) elements) + the refresh of parameters kept outside FSDP2
-    FSDP copies     casts, copy-in/out and chunk_cat of the parameters FSDP2 shards, per micro-batch
+    FSDP copies     casts and copy-in/out of the parameters FSDP2 manages, per micro-batch, and the
+                    chunk_cat of each reduce-scatter
 Every per-token category runs once per micro-batch (``grad_accum`` times a step); optimizer, norm
-and the cross-node all-reduces of ``hsdp`` once per step. Weak scaling: tokens per GPU fixed by the
+and the gradient reductions the sharding defers once per step. Weak scaling: tokens per GPU fixed by the
 recipe.
 
 Calibration (``Calibration``; every input is marked measured or assumed in the JSON; the device
@@ -80,7 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from scaling_layouts import LAYOUTS, exposed_comm_s, node_size, plan_layout
+from scaling_layouts import SHARDINGS, exposed_comm_s, node_size, plan_layout
 from scaling_traffic import TRAFFIC, Legs, Routing, exchange_rows, hit_probabilities, ranks_per_node
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "scaling_calibration.jso
 
 __all__ = ["Hardware", "HARDWARE", "PRESETS", "EXCHANGES", "RECIPE_HARDWARE", "HARNESS_PHASES", "CATEGORIES",
            "Calibration", "load_calibration", "group_phases", "load_recipe", "Workload", "workload", "Scenario",
-           "Projection", "project", "row_op_fit", "GPU_COUNTS", "LINK_EFFICIENCY_OUT_MAX", "TRAFFIC", "LAYOUTS"]
+           "Projection", "project", "row_op_fit", "GPU_COUNTS", "LINK_EFFICIENCY_OUT_MAX", "TRAFFIC", "SHARDINGS"]
 
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 LINK_EFFICIENCY_OUT_MAX = 0.8    # DeepEP and UCCL-EP's reported RDMA throughput / NIC line rate
@@ -446,8 +447,8 @@ class Scenario:
     ``traffic`` / ``overlap`` override it. exchange: ``EXCHANGES`` ("auto": hierarchical once the EP
     group spans nodes, as ``SymmDispatcher`` picks; None: the recipe's ``parallel.exchange`` or
     "auto"). node_limit: M -- node-limited routing with groups = the EP group's nodes, a token
-    using at most M of them (None: the recipe's own routing). layout: ``LAYOUTS`` (None: the
-    recipe's, else "fsdp"). grad_accum: micro-batches per optimizer step (None: the recipe's, else 1).
+    using at most M of them (None: the recipe's own routing). sharding: ``SHARDINGS`` (None: the
+    recipe's ``parallel.sharding``, else "full"). grad_accum: micro-batches per optimizer step (None: the recipe's, else 1).
     nic_scale: NIC line rate x this (what-if rows; 1 = the datasheet). reduce_dtype: "fp32" (FSDP2's
     policy in ``train/parallelize.py``) or "bf16" gradient reduce-scatters and all-reduces.
     """
@@ -460,7 +461,7 @@ class Scenario:
     overlap: Optional[bool] = None
     node_limit: Optional[int] = None
     exchange: Optional[str] = None
-    layout: Optional[str] = None
+    sharding: Optional[str] = None
     grad_accum: Optional[int] = None
     nic_scale: float = 1.0
     reduce_dtype: str = "fp32"
@@ -634,7 +635,7 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     exchange = sc.exchange or _recipe_default(cfg, "parallel", "exchange", "auto")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
-    layout = sc.layout or _recipe_default(cfg, "parallel", "layout", "fsdp")
+    sharding = sc.sharding or _recipe_default(cfg, "parallel", "sharding", "full")
     A = sc.grad_accum if sc.grad_accum is not None else _recipe_default(cfg, "train", "grad_accum", 1)
     if not isinstance(A, int) or isinstance(A, bool) or A < 1:
         raise ValueError(f"grad_accum={A!r} must be a positive integer")
@@ -671,7 +672,7 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     # --- who holds what, and the collectives that move it (scaling_layouts)
     bw = {"nvlink": r.link_efficiency_up * hw.up_bandwidth(s - 1), "nic": eff_out * hw.out_gb_s * 1e9}
     hop = {"nvlink": hw.up_latency_us * 1e-6, "nic": hw.out_latency_us * 1e-6}
-    plan = plan_layout(layout, G, ep, hw.domain, {
+    plan = plan_layout(sharding, G, ep, hw.domain, {
         "dense_units": [w.block_params] * cfg.model.n_layers + [w.root_params], "moe_layers": Lm,
         "experts": w.params_expert, "replicated": w.params_rep}, bw, hop, sc.reduce_dtype)
     cast = cal.value("local_cast_bytes_per_param") / copy
@@ -722,8 +723,10 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     ph["grad reduction"] = plan.held_params * r.norm_bytes_per_param / hbm + div + norm_ar + exposed["total"]
     ph["optimizer"] = plan.held_params * r.opt_bytes_per_param / hbm
     ph["rest"] = A * w.rest_elems * r.rest_bytes_per_elem / hbm + (local_dense + local_moe) * cast
-    fsdp_b = cal.value("fsdp_copy_bytes_per_param") + cal.value("fsdp_chunk_cat_bytes_per_param")
-    ph["FSDP copies"] = A * plan.fsdp_params * fsdp_b / copy
+    # casts and copy-in/out every micro-batch; the reduce-scatter's chunk_cat where it runs
+    rs_runs = A if plan.detail["reduce_scatter_every_micro_batch"] else 1
+    ph["FSDP copies"] = plan.fsdp_params * (A * cal.value("fsdp_copy_bytes_per_param")
+                                            + rs_runs * cal.value("fsdp_chunk_cat_bytes_per_param")) / copy
 
     step = sum(ph.values())
     tps = A * T / step
@@ -736,7 +739,7 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
               "exchange_link_hidden_ms": A * Lm * hidden * 1e3,
               "rows_per_token_nvlink": legs.nvlink, "rows_per_token_nic": legs.nic, "nodes_hit": legs.nodes_hit,
               "collectives_ms": exposed["comm"] * 1e3, "collectives_exposed_ms": exposed["total"] * 1e3,
-              "traffic": kind, "overlap": overlap, "layout": layout, "grad_accum": A, "node": s,
+              "traffic": kind, "overlap": overlap, "sharding": sharding, "grad_accum": A, "node": s,
               "ep_nodes": n, "routing": routing, "tokens_per_step": A * T} | plan.detail
     return Projection(sc, {k: v * 1e3 for k, v in ph.items()}, step * 1e3, tps, tps * w.flops_per_token / peak,
                       4 * (op_gb["nvlink"] + op_gb["nic"]), legs_gb, state, detail)

@@ -37,34 +37,34 @@ class Target:
 
 # The recipe parameters of each target (module docstring of scaling_layouts for the layouts).
 TARGETS = (
-    Target("H200", "h200_8gpu_ep8", 0.35, dict(ep=8, layout="hsdp", grad_accum=1, preset="fused"),
+    Target("H200", "h200_8gpu_ep8", 0.35, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
            "EP=8 inside the NVLink node keeps every token row off the NICs; HSDP leaves one all-reduce of a "
            "1/8 parameter shard per step on them, hidden in the backward; one micro-batch: 16k tokens per GPU "
            "already make 17M-token batches at 1024 GPUs"),
-    Target("B200", "b200_multinode", 0.30, dict(ep=32, layout="hsdp", grad_accum=1, node_limit=2, preset="fused"),
+    Target("B200", "b200_multinode", 0.30, dict(ep=32, sharding="hybrid", grad_accum=1, node_limit=2, preset="fused"),
            "EP=8 would replicate 3.5B expert parameters per GPU across nodes (28 GB of fp32 all-reduce a "
            "step over 400 Gb/s); EP=32 over 4 nodes cuts that 4x, node-limited routing (groups = nodes, a "
            "token uses 2 of 4: DeepSeek-V3's half of the nodes) bounds the NIC rows, the hierarchical "
            "exchange sends one row per (token, node); one micro-batch (17M-token batches)"),
-    Target("GB200-NVL72", "b200_multinode", 0.30, dict(ep=8, layout="hsdp", grad_accum=1, preset="fused"),
+    Target("GB200-NVL72", "b200_multinode", 0.30, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
            "the rack is the node: HSDP shards dense and expert parameters over 64 GPUs of the NVLink domain, "
            "so the cross-rack all-reduce carries 1/64 of the parameters; EP=8 keeps the exchange on NVLink"),
-    Target("MI300X", "mi300x_multinode", 0.35, dict(ep=8, layout="hsdp", grad_accum=1, preset="fused"),
+    Target("MI300X", "mi300x_multinode", 0.35, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
            "as H200: EP=8 over the xGMI mesh, HSDP, one micro-batch (24k tokens per GPU: 25M-token batches)"),
 )
 
 # Rows of the choice table at 1024 GPUs: the layouts and EP degrees a user would weigh.
 CHOICES = (
-    dict(ep=8, layout="fsdp", grad_accum=1),
-    dict(ep=8, layout="hsdp", grad_accum=1),
-    dict(ep=8, layout="hsdp", grad_accum=2),
-    dict(ep=8, layout="hsdp", grad_accum=4),
-    dict(ep=16, layout="hsdp", grad_accum=1),
-    dict(ep=32, layout="hsdp", grad_accum=1),
-    dict(ep=32, layout="hsdp", grad_accum=1, node_limit=2),
-    dict(ep=32, layout="hsdp", grad_accum=2, node_limit=2),
-    dict(ep=64, layout="hsdp", grad_accum=1, node_limit=4),
-    dict(ep=64, layout="hsdp", grad_accum=1, node_limit=2),
+    dict(ep=8, sharding="full", grad_accum=1),
+    dict(ep=8, sharding="hybrid", grad_accum=1),
+    dict(ep=8, sharding="hybrid", grad_accum=2),
+    dict(ep=8, sharding="hybrid", grad_accum=4),
+    dict(ep=16, sharding="hybrid", grad_accum=1),
+    dict(ep=32, sharding="hybrid", grad_accum=1),
+    dict(ep=32, sharding="hybrid", grad_accum=1, node_limit=2),
+    dict(ep=32, sharding="hybrid", grad_accum=2, node_limit=2),
+    dict(ep=64, sharding="hybrid", grad_accum=1, node_limit=4),
+    dict(ep=64, sharding="hybrid", grad_accum=1, node_limit=2),
 )
 WIDE_VARIANTS = (("per_slot", None), ("rank_dedup", None), ("node_dedup", None), ("rank_dedup", 2), ("node_dedup", 2))
 
@@ -76,7 +76,7 @@ def _compared(phases_ms: dict) -> dict:
 
 
 def _fmt_params(params: dict) -> str:
-    names = {"ep": "EP", "layout": "", "grad_accum": "accum", "node_limit": "nodes/token", "exchange": "exchange",
+    names = {"ep": "EP", "sharding": "", "grad_accum": "accum", "node_limit": "nodes/token", "exchange": "exchange",
              "nic_scale": "NIC x", "reduce_dtype": "reduce"}
     return ", ".join(f"{names[k]} {v}".strip() if names[k] else str(v) for k, v in params.items() if k != "preset")
 
@@ -138,7 +138,7 @@ def target_series(t: Target, cal: Calibration, gpus=GPU_COUNTS) -> dict:
         out["chosen"].append(project(cfg, _scenario(t, G), cal))
         out["overlap"].append(project(cfg, _scenario(t, G, preset="fused+overlap"), cal))
         out["today"].append(project(cfg, Scenario(t.hardware, G, min(cfg.parallel.ep, G), "fused", exchange="flat",
-                                                  layout="fsdp", grad_accum=1), cal))
+                                                  sharding="full", grad_accum=1), cal))
         out["reference"].append(project(cfg, _scenario(t, G, preset="reference"), cal))
     return out
 
@@ -158,7 +158,7 @@ def format_target(t: Target, cal: Calibration, series: dict) -> list[str]:
            "",
            f"Why: {t.why}.",
            "",
-           "| GPUs | EP | nodes/EP group | MFU fused | fused+overlap | today's layout (fsdp, flat) | reference (NCCL) | "
+           "| GPUs | EP | nodes/EP group | MFU fused | fused+overlap | today's layout (full, flat) | reference (NCCL) | "
            "tokens/s/GPU | step ms | largest category (ms) | grew most since the first row |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(ch):
@@ -220,13 +220,13 @@ def format_what_if(t: Target, cal: Calibration, G: int = 1024) -> list[str]:
 def format_wide(recipe: str, hardware: str, cal: Calibration, gpus=(16, 64, 256)) -> list[str]:
     cfg = load_recipe(recipe)
     E = cfg.model.moe.num_experts
-    out = [f"{recipe} on {hardware}, wide EP (ep = gcd(G, E={E}) across nodes, HSDP): exchange by design",
+    out = [f"{recipe} on {hardware}, wide EP (ep = gcd(G, E={E}) across nodes, hybrid sharding): exchange by design",
            "| GPUs | EP | traffic | nodes/token limit | NVLink rows/token | NIC rows/token | NIC GB/step | MFU fused | "
            "fused+overlap |", "|---|---|---|---|---|---|---|---|---|"]
     for G in gpus:
         ep = math.gcd(G, E)
         for kind, M in WIDE_VARIANTS:
-            kw = dict(traffic=kind, node_limit=M, layout="hsdp", grad_accum=1)
+            kw = dict(traffic=kind, node_limit=M, sharding="hybrid", grad_accum=1)
             a = project(cfg, Scenario(hardware, G, ep, "fused", **kw), cal)
             b = project(cfg, Scenario(hardware, G, ep, "fused+overlap", **kw), cal)
             nic = sum(a.legs_gb[k]["nic"] for k in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"))
@@ -254,7 +254,7 @@ def plot_projection(cal: Calibration, path: str, series: dict, measured: Optiona
     import matplotlib.pyplot as plt
 
     styles = {"chosen": ("-", "fused EP, recipe parameters"), "overlap": ("-.", "+ exchange-GEMM overlap"),
-              "today": (":", "today's layout (FSDP2 full sharding, flat exchange)")}
+              "today": (":", "today's layout (full sharding, flat exchange)")}
     colors = {"H200": "tab:green", "B200": "tab:blue", "GB200-NVL72": "tab:purple", "MI300X": "tab:red"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
     for t in TARGETS:

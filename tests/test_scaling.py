@@ -238,40 +238,42 @@ def test_collective_formulas():
 
 
 def test_layouts_one_node_keep_off_the_nic():
-    for layout in sl.LAYOUTS:
+    for layout in sl.SHARDINGS:
         for ep in (1, 2, 8):
             plan = sl.plan_layout(layout, 8, ep, 8, _PARAMS, _BW, _HOP)
             assert plan.bytes_per_step("nic", 4) == 0.0 and all(u.link == "nvlink" for u in plan.units)
-    # one node, EP over all of it: the layouts differ only in where the router / shared experts
-    # live (fsdp: in the MoE module, unsharded at EDP = 1; hsdp: with the dense units, over the node)
-    f, h = (sl.plan_layout(x, 8, 8, 8, _PARAMS, _BW, _HOP) for x in ("fsdp", "hsdp"))
-    assert math.isclose(f.held_params - h.held_params, _PARAMS["replicated"] * (1 - 1 / 8))
+    # one node: both shardings hold the same shards (hybrid = full inside a node)
+    f, h = (sl.plan_layout(x, 8, 8, 8, _PARAMS, _BW, _HOP) for x in sl.SHARDINGS)
+    assert math.isclose(f.held_params, h.held_params) and f.fsdp_params == h.fsdp_params
 
 
-def test_hsdp_amortizes_over_grad_accum_and_fsdp_does_not():
+def test_hybrid_amortizes_over_grad_accum_and_full_does_not():
     for ep in (8, 16, 64):
-        h = sl.plan_layout("hsdp", 256, ep, 8, _PARAMS, _BW, _HOP)
-        f = sl.plan_layout("fsdp", 256, ep, 8, _PARAMS, _BW, _HOP)
-        # HSDP's cross-node traffic is one all-reduce a step; FSDP2's rings cross nodes every micro-batch
+        h = sl.plan_layout("hybrid", 256, ep, 8, _PARAMS, _BW, _HOP)
+        f = sl.plan_layout("full", 256, ep, 8, _PARAMS, _BW, _HOP)
+        # hybrid: what crosses nodes is the all-reduce of the last micro-batch (and finish_grads);
+        # full: the all-gathers cross nodes every micro-batch, the reduce-scatter on the last
         assert h.bytes_per_step("nic", 1) == h.bytes_per_step("nic", 8) > 0
-        post = sum(u.nbytes for u in f.units if u.link == "nic" and u.when == "post")   # finish_grads, once a step
-        assert math.isclose(f.bytes_per_step("nic", 8) - post, 8 * (f.bytes_per_step("nic", 1) - post), rel_tol=1e-12)
+        assert all(u.when in ("step", "post") for u in h.units if u.link == "nic")
+        gathers = sum(u.nbytes for u in f.units if u.link == "nic" and u.when in ("fwd", "bwd"))
+        per = {w: sum(1 for u in f.units if u.when == w) for w in ("fwd", "bwd", "step")}
+        assert gathers > 0 and per["fwd"] == per["bwd"] == per["step"]   # AG fwd, AG bwd, RS last
+        assert math.isclose(f.bytes_per_step("nic", 8) - f.bytes_per_step("nic", 1), 7 * gathers, rel_tol=1e-12)
         assert h.bytes_per_step("nic", 1) < f.bytes_per_step("nic", 1)
-        assert all(u.when == "step" for u in h.units if u.link == "nic")
     # experts: sharded over EP and the in-node part of EDP; the all-reduce carries that shard
-    h8 = sl.plan_layout("hsdp", 256, 8, 8, _PARAMS, _BW, _HOP)
-    h64 = sl.plan_layout("hsdp", 256, 64, 8, _PARAMS, _BW, _HOP)
+    h8 = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP)
+    h64 = sl.plan_layout("hybrid", 256, 64, 8, _PARAMS, _BW, _HOP)
     assert h8.detail["expert_shard"] == 1 and h8.detail["expert_replicas"] == 32
     assert math.isclose(h8.detail["held_experts"], 8e8 / 8) and math.isclose(h64.detail["held_experts"], 8e8 / 64)
-    h2 = sl.plan_layout("hsdp", 256, 2, 8, _PARAMS, _BW, _HOP)
+    h2 = sl.plan_layout("hybrid", 256, 2, 8, _PARAMS, _BW, _HOP)
     assert h2.detail["expert_shard"] == 4 and math.isclose(h2.detail["held_experts"], 8e8 / 8)
-    bf = sl.plan_layout("hsdp", 256, 8, 8, _PARAMS, _BW, _HOP, "bf16")
+    bf = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bf16")
     assert math.isclose(bf.bytes_per_step("nic", 1), h8.bytes_per_step("nic", 1) / 2)
 
 
 def test_exposed_rule():
     u = sl.Unit
-    plan = sl.LayoutPlan("hsdp", 8, 1.0, 0.0, (u("a", "fwd", "nvlink", 1, 0.2), u("a", "fwd", "nvlink", 1, 0.3),
+    plan = sl.LayoutPlan("hybrid", 8, 1.0, 0.0, (u("a", "fwd", "nvlink", 1, 0.2), u("a", "fwd", "nvlink", 1, 0.3),
                                                u("b", "bwd", "nvlink", 1, 0.5), u("c", "step", "nic", 1, 1.0),
                                                u("d", "post", "nvlink", 1, 0.05)))
     idle = {"nvlink": 0.0, "nic": 0.0}
@@ -289,12 +291,12 @@ def test_exposed_rule():
 
 
 def test_layout_bad_input():
-    with pytest.raises(ValueError, match="layout='zero3'"):
+    with pytest.raises(ValueError, match="sharding='zero3'"):
         sl.plan_layout("zero3", 8, 8, 8, _PARAMS, _BW, _HOP)
     with pytest.raises(ValueError, match="gpus=12 must be a multiple of ep=8"):
-        sl.plan_layout("hsdp", 12, 8, 8, _PARAMS, _BW, _HOP)
+        sl.plan_layout("hybrid", 12, 8, 8, _PARAMS, _BW, _HOP)
     with pytest.raises(ValueError, match="reduce_dtype='fp16'"):
-        sl.plan_layout("hsdp", 16, 8, 8, _PARAMS, _BW, _HOP, "fp16")
+        sl.plan_layout("hybrid", 16, 8, 8, _PARAMS, _BW, _HOP, "fp16")
 
 
 # ------------------------------------------------------------------------------ projection
@@ -376,9 +378,9 @@ def test_projection_calibration_identity(cal):
     # one GPU, either layout: nothing over a link; one micro-batch is the profile, more only spread
     # the per-step costs (optimizer, norm, parameter refresh) over more tokens
     one = sm.project(cfg, sm.Scenario(cal.hardware, 1, 1, "fused"), cal)
-    for layout in sm.LAYOUTS:
+    for layout in sm.SHARDINGS:
         for A in (1, 3):
-            q = sm.project(cfg, sm.Scenario(cal.hardware, 1, 1, "fused", layout=layout, grad_accum=A), cal)
+            q = sm.project(cfg, sm.Scenario(cal.hardware, 1, 1, "fused", sharding=layout, grad_accum=A), cal)
             assert q.exchange_gb == 0.0 and q.legs_gb["grad_sync"] == {"nvlink": 0.0, "nic": 0.0}
             if A == 1:
                 assert math.isclose(q.step_ms, one.step_ms, rel_tol=1e-12)
@@ -407,8 +409,8 @@ def test_route_rows_match_the_profile():
 
 # the design points the monotonicity tests sweep: (recipe, device, G, scenario fields)
 _SWEEP = [(t.recipe, t.hardware, G, kw) for t in rep.TARGETS for G in (64, 1024) for kw in (
-    dict(ep=8, layout="fsdp"), dict(ep=8, layout="hsdp", grad_accum=2), dict(ep=32, layout="hsdp", node_limit=2),
-    dict(ep=64, layout="hsdp"))]
+    dict(ep=8, sharding="full"), dict(ep=8, sharding="hybrid", grad_accum=2), dict(ep=32, sharding="hybrid", node_limit=2),
+    dict(ep=64, sharding="hybrid"))]
 
 
 def _proj(cal, recipe, hw, G, preset="fused", **kw):
@@ -444,11 +446,11 @@ def test_projection_hierarchical_vs_flat(cal):
 
 
 def test_projection_grad_accum_amortizes(cal):
-    # hsdp: per-step costs (optimizer, the cross-node all-reduce, the norm) spread over more
+    # hybrid: per-step costs (optimizer, the cross-node all-reduce, the norm) spread over more
     # micro-batches, per-micro-batch costs stay: tokens/s never drops as grad_accum grows
     for recipe, hw, G, kw in _SWEEP:
         kw = {k: v for k, v in kw.items() if k != "grad_accum"}
-        if kw["layout"] != "hsdp":
+        if kw["sharding"] != "hybrid":
             continue
         mfu = [_proj(cal, recipe, hw, G, grad_accum=A, **kw).mfu for A in (1, 2, 4)]
         assert mfu == sorted(mfu), (recipe, hw, G, kw, mfu)
@@ -457,9 +459,9 @@ def test_projection_grad_accum_amortizes(cal):
 def test_projection_is_a_function_of_its_inputs(cal):
     # the node-limited routing's hits come from a seeded Monte Carlo: recomputed from scratch they
     # are the same numbers, so is every projection
-    a = _proj(cal, "b200_multinode", "B200", 1024, ep=32, layout="hsdp", node_limit=2)
+    a = _proj(cal, "b200_multinode", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
     st._router_hits.cache_clear()
-    b = _proj(cal, "b200_multinode", "B200", 1024, ep=32, layout="hsdp", node_limit=2)
+    b = _proj(cal, "b200_multinode", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
     assert a.step_ms == b.step_ms and a.legs_gb == b.legs_gb
 
 
@@ -469,8 +471,8 @@ def test_projection_invariants(cal):
         cfg = sm.load_recipe(t.recipe)
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         for G in (8, 64, 1024):
-            for layout in sm.LAYOUTS:
-                proj = {p: sm.project(cfg, sm.Scenario(t.hardware, G, 8, p, layout=layout), cal) for p in sm.PRESETS}
+            for layout in sm.SHARDINGS:
+                proj = {p: sm.project(cfg, sm.Scenario(t.hardware, G, 8, p, sharding=layout), cal) for p in sm.PRESETS}
                 # The deduplicated exchange never moves more than per-slot traffic and its local
                 # kernels are cheaper than the measured one-rank all-to-all; overlap only hides time.
                 assert proj["dedup"].step_ms <= proj["reference"].step_ms, (t.recipe, t.hardware, G)
@@ -502,8 +504,8 @@ def test_projection_bad_input(cal, tmp_path):
         sm.project(cfg, sm.Scenario("H200", 8, 8, "fast"), cal)
     with pytest.raises(ValueError, match="exchange='ring'"):
         sm.project(cfg, sm.Scenario("H200", 8, 8, exchange="ring"), cal)
-    with pytest.raises(ValueError, match="layout='zero3'"):
-        sm.project(cfg, sm.Scenario("H200", 8, 8, layout="zero3"), cal)
+    with pytest.raises(ValueError, match="sharding='zero3'"):
+        sm.project(cfg, sm.Scenario("H200", 8, 8, sharding="zero3"), cal)
     with pytest.raises(ValueError, match="grad_accum=0"):
         sm.project(cfg, sm.Scenario("H200", 8, 8, grad_accum=0), cal)
     with pytest.raises(ValueError, match="nic_scale=0"):
