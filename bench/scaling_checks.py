@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from scaling_model import (GPU_COUNTS, HARDWARE, PRESETS, Calibration, Projection, Scenario, _rates, group_phases,
+from scaling_model import (GPU_COUNTS, HARDWARE, PRESETS, ROOT, Calibration, Projection, Scenario, _rates, group_phases,
                            load_recipe, project, row_op_fit)
 
 __all__ = ["check_measurements", "scaling_rows", "describe_assumptions", "measured_from_harness"]
@@ -62,25 +62,29 @@ def scaling_rows(recipe: str, hardware: str, cal: Calibration, presets=tuple(PRE
 def describe_assumptions(cal: Calibration) -> list[str]:
     """Every input of the model, marked measured or assumed with its source, and the rates derived."""
     p, x, rx = cal.profile, cal.exchange, cal.row_exchange
-    lines = [f"calibration: {cal.path}",
-             f"  profile [{p['status']}] {p['recipe']} {' '.join(p['overrides'])} on {cal.hardware}: fused = "
+    try:
+        where = Path(cal.path).resolve().relative_to(ROOT)
+    except ValueError:
+        where = cal.path
+    lines = [f"- calibration: {where}",
+             f"- profile [{p['status']}] {p['recipe']} {' '.join(p['overrides'])} on {cal.hardware}: fused = "
              f"{p['fused']}, separate = {p['separate']}; {p['source']}",
-             f"  exchange_profile [{x['status']}] W={x['world']} T={x['tokens']} D={x['dim']} E={x['experts']} "
+             f"- exchange_profile [{x['status']}] W={x['world']} T={x['tokens']} D={x['dim']} E={x['experts']} "
              f"K={x['top_k']}, us per pair: " + ", ".join(f"{k} {v}" for k, v in x["kernels_us"].items())
              + f"; {x['source']}",
-             f"  row_exchange_profile [{rx['status']}] W={rx['world']} D={rx['dim']} E={rx['experts']} K={rx['top_k']}, "
+             f"- row_exchange_profile [{rx['status']}] W={rx['world']} D={rx['dim']} E={rx['experts']} K={rx['top_k']}, "
              "us per op (dispatch / combine): " + ", ".join(f"T={pt['tokens']} {pt['dispatch_us']} / {pt['combine_us']} "
                                                            f"({pt['use']})" for pt in rx["points"]) + f"; {rx['source']}"]
     for k, a in cal.assumptions.items():
-        lines.append(f"  {k} = {a['value']} [{a['status']}] {a['source']}")
+        lines.append(f"- {k} = {a['value']} [{a['status']}] {a['source']}")
     for hw in HARDWARE.values():
-        lines.append(f"  device {hw.name} [assumed: vendor datasheet] peak {hw.peak_tflops:g} TFLOP/s bf16, HBM "
+        lines.append(f"- device {hw.name} [assumed: vendor datasheet] peak {hw.peak_tflops:g} TFLOP/s bf16, HBM "
                      f"{hw.hbm_tb_s:g} TB/s, {hw.hbm_gb:g} GB, scale-up {hw.up_gb_s:g} GB/s per direction "
                      f"({hw.up_topology}, {hw.domain} GPUs), NIC {hw.out_gb_s:g} GB/s; hop latency "
                      f"{hw.up_latency_us:g} / {hw.out_latency_us:g} us [assumed: typical NCCL LL hops]; {hw.source}")
     r = _rates(cal)
     hbm = HARDWARE[cal.hardware].hbm_tb_s
-    lines.append(f"  derived on {cal.hardware}: routed experts at {r.eta_fused:.1%} of peak with the fused pipeline, "
+    lines.append(f"- derived on {cal.hardware}: routed experts at {r.eta_fused:.1%} of peak with the fused pipeline, "
                  f"{r.eta_sep:.1%} as separate ops; attention blocks {r.eta_attn:.1%}; backward share of attention "
                  f"{r.bwd_share_attn:.1%}, of experts {r.bwd_share_experts:.1%}; route {r.route_bytes_per_elem:.1f} "
                  f"and rest {r.rest_bytes_per_elem:.1f} B per element; optimizer {r.opt_bytes_per_param:.1f} B/param, "
@@ -91,7 +95,7 @@ def describe_assumptions(cal: Calibration) -> list[str]:
                  f"{r.barrier_s * 1e6:.0f} us per op; row form: dispatch {r.row_fixed_s[0] * 1e6:.1f} us + payload at "
                  f"{r.row_eff_up[0]:.3f} of NVLink, combine {r.row_fixed_s[1] * 1e6:.1f} us + {r.row_eff_up[1]:.3f}")
     for tokens, op, use, meas, fit in row_op_fit(cal)["checks"]:
-        lines.append(f"  row form {op} T={tokens} [{use}]: measured {meas:.1f} us, model {fit:.1f} us "
+        lines.append(f"- row form {op} T={tokens} [{use}]: measured {meas:.1f} us, model {fit:.1f} us "
                      f"({100 * (fit / meas - 1):+.1f}%)")
     return lines
 
