@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from scaling_checks import check_measurements, describe_assumptions, measured_from_harness, scaling_rows
+from scaling_checks import check_measurements, describe_assumptions, measured_from_harness
 from scaling_model import (CATEGORIES, GPU_COUNTS, HARNESS_PHASES, Calibration, Projection, Scenario,
                            load_calibration, load_recipe, project)
 
@@ -331,5 +331,4 @@ def _projection_dict(p: Projection) -> dict:
     return d
 
 
-__all__ = ["TARGETS", "Target", "CHOICES", "project_main", "target_series", "first_bottleneck", "plot_projection",
-           "scaling_rows"]
+__all__ = ["TARGETS", "Target", "CHOICES", "project_main", "target_series", "first_bottleneck", "plot_projection"]
