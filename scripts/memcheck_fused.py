@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import torch
 
     from tlx_dist.fused import fused_experts_rows
-    from tlx_dist.fused.backends import get_fused_backend
+    from tlx_dist.fused import get_fused_backend
     from tlx_dist.testing import memcheck_mismatch
 
     if not cpu and not torch.cuda.is_available():

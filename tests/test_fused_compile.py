@@ -235,7 +235,8 @@ def _portable_launches(arch: str) -> dict:
     import torch
 
     import tlx.portable.fused_moe as kernels
-    from tlx_dist.fused.backends import _Portable, get_fused_backend
+    from tlx_dist.fused import get_fused_backend
+    from tlx_dist.fused.backends import _Portable
 
     calls = []
 

@@ -9,7 +9,8 @@ Backends: ``tlx`` (Hopper / Blackwell TLX kernels), ``triton`` (portable Triton 
 """
 
 from .api import check_fused_args, expert_major_layout, expert_major_slots, fused_experts, fused_experts_rows, fused_tlx_supports
-from .backends import FusedBackend, get_fused_backend, select_fused_backend
+from .backends import FusedBackend
+from .selection import get_fused_backend, select_fused_backend
 from .reference import fused_backward_ref, fused_experts_ref, fused_forward_ref
 
 __all__ = ["fused_experts", "fused_experts_rows", "expert_major_slots", "expert_major_layout", "check_fused_args",

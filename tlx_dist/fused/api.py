@@ -31,7 +31,8 @@ import torch
 
 from tlx import triton_available
 
-from .backends import SCHED_BM, get_fused_backend, sched_order_offset, select_fused_backend
+from .backends import SCHED_BM, sched_order_offset
+from .selection import get_fused_backend, select_fused_backend
 
 __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots",
            "expert_major_layout"]

@@ -33,8 +33,7 @@ from tlx import triton_available
 
 from .reference import fused_backward_ref, fused_forward_ref
 
-__all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
-           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "ENV_FUSED_DOUT", "ENV_FUSED_X", "SCHED_BM", "sched_order_offset"]
+__all__ = ["FusedBackend", "register_fused_backend", "registered_fused_backends", "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "ENV_FUSED_DOUT", "ENV_FUSED_X", "SCHED_BM", "sched_order_offset"]
 
 ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
 # How the backward reads the upstream gradient's rows (dSwiGLU's A operand, dW2's B operand):
@@ -131,41 +130,9 @@ def register_fused_backend(b: FusedBackend) -> None:
     _BACKENDS[b.name] = b
 
 
-_loaded = False
-
-
-def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import tlx_backend  # noqa: F401  (registers "tlx" where TLX runs on sm_90 / sm_100)
-
-
-def get_fused_backend(name: str) -> FusedBackend:
-    _ensure_loaded()
-    if name not in _BACKENDS:
-        raise ValueError(f"backend={name!r} is not one of {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
-
-
-def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor,
-                         backend: Optional[str] = None) -> FusedBackend:
-    """The pinned backend (argument, then ``TLX_DIST_FUSED_BACKEND``) -- an error if it cannot run
-    these operands -- or the first in preference order that can."""
-    name = backend or os.environ.get(ENV_FUSED_BACKEND) or None
-    if name is not None:
-        b = get_fused_backend(name)
-        why = b.supports(x_RD, w13_EDF2, w2_EFD)
-        if why is not None:
-            raise ValueError(f"fused backend={name!r} cannot run these operands: {why}")
-        return b
-    _ensure_loaded()
-    for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
-        if x_RD.device.type == "cpu" and not b.auto_on_cpu:
-            continue
-        if b.supports(x_RD, w13_EDF2, w2_EFD) is None:
-            return b
-    raise AssertionError("the reference backend supports every input")  # pragma: no cover
+def registered_fused_backends() -> dict[str, FusedBackend]:
+    """The backends registered so far, by name (``selection.py`` imports the kernel modules first)."""
+    return dict(_BACKENDS)
 
 
 # --- the composition shared by the kernel backends ---------------------------------------------------

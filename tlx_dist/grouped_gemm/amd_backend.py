@@ -35,7 +35,7 @@ import torch
 
 import tlx
 
-from .backends import Backend, register_backend
+from .registry import Backend, register_backend
 from .tlx_backend import (GroupedGemmConfig, TileSpec, _dw_schedule, _lpt_order, _num_sms, _tma_2d_reason,
                           operand_reason, pick_config)
 from .host import max_m_tiles, prep_tile_cum, search_steps

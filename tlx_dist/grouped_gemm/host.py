@@ -13,9 +13,11 @@ import os
 
 import torch
 
-from .reference import check_num_experts
+from .guard import offsets_flag
+from .reference import check_num_experts, safe_offsets_ref
 
-__all__ = ["prep_offsets", "prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
+__all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
+           "interpret_mode"]
 
 
 def interpret_mode() -> bool:
@@ -45,8 +47,6 @@ def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0, phase: 
 
     from tlx.common.scheduler import _grouped_tile_prep_kernel
 
-    from .guard import offsets_flag
-
     E = offsets_E.shape[0]
     check_num_experts(E, "offsets_E")
     dev = offsets_E.device
@@ -62,6 +62,22 @@ def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.T
     """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding),
     over the safe offsets (``prep_offsets``, whose ``safe_E`` the kernel should also be given)."""
     return prep_offsets(offsets_E, n_rows, block_m)[1]
+
+
+def guard_offsets(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``safe_E`` (int32, contiguous, on ``offsets_E``'s device) for a backend, the offsets flag
+    updated (``guard.py``); no host sync. On a GPU with Triton one tiny kernel (the scheduler's prep
+    kernel) does it; elsewhere a few torch ops."""
+    check_num_experts(offsets_E.shape[0], "offsets_E")
+    flag = offsets_flag(offsets_E.device)
+    if offsets_E.is_cuda:
+        from tlx import triton_available
+
+        if triton_available():
+            return prep_offsets(offsets_E, n_rows)[0]
+    safe, bits = safe_offsets_ref(offsets_E, n_rows)
+    flag.bitwise_or_(bits)
+    return safe
 
 
 def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import tlx
 
-from .backends import Backend, register_backend, register_unavailable
+from .registry import Backend, register_backend, register_unavailable
 
 __all__ = ["GroupedGemmConfig", "TileSpec", "CANDIDATES", "pick_config", "operand_reason", "kernel_signature",
            "ENV_CONFIG", "ENV_AUTOTUNE", "ENV_DW_SCHED"]

@@ -15,7 +15,7 @@ import torch
 
 from tlx import triton_available
 
-from .backends import Backend, register_backend, register_unavailable
+from .registry import Backend, register_backend, register_unavailable
 from .host import interpret_mode, max_m_tiles, prep_offsets, search_steps
 from .reference import check_num_experts
 
