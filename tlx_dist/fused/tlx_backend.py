@@ -388,9 +388,9 @@ class _TlxFused:
 
     @staticmethod
     def wgrad_order(offsets_E):
-        from ..grouped_gemm.tlx_backend import _lpt_order
+        from ..grouped_gemm.host import lpt_order
 
-        return _lpt_order(offsets_E)  # experts by row count, longest first (tlx/common/scheduler.py)
+        return lpt_order(offsets_E)  # experts by row count, longest first (tlx/common/scheduler.py)
 
     @classmethod
     def _mm(cls, form, epilogue, a, src, w_desc_args, offsets, tile_cum, n_rows, K, nn, f_off, b_kmajor,

@@ -6,7 +6,8 @@ A backend provides two device functions with one contract (see ``reference.py`` 
 * ``wgrad(x_ND, dy_NF, offsets_E) -> dw_EDF`` -- the varlen-K weight gradient;
 
 and ``supports(x_ND, w_EDF) -> str | None`` -- ``None`` when it can run these operands, else the
-reason it cannot (used in error messages when a backend is forced).
+reason it cannot (used in error messages when a backend is forced). The TLX backends (``tiled``)
+also take ``config=``, a tile config (``config.py``).
 
 Order of preference: ``tlx`` (TLX kernels: sm_90 / sm_100 in ``tlx_backend.py``, gfx942 / gfx950 in
 ``amd_backend.py``) -> ``torch`` (``torch._grouped_mm``, sm_90+ bf16, not on ROCm) -> ``triton``
@@ -14,9 +15,8 @@ Order of preference: ``tlx`` (TLX kernels: sm_90 / sm_100 in ``tlx_backend.py``,
 than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends register
 themselves (``registry.py``) when this module first imports them; a name may have one implementation
 per GPU generation (``Backend.archs``), and the one for ``tlx.gpu_arch()`` -- detected, or forced with
-``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
-``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
-silent fallback.
+``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. The ``backend=`` argument pins one, and pinning
+one that cannot run the operands is an error, not a silent fallback.
 
 Every backend runs on the guarded offsets (``guard.py``): clamped into ``[0, N]`` and made
 non-decreasing on the device, with a device flag recording out-of-range ones.
@@ -24,7 +24,6 @@ non-decreasing on the device, with a device flag recording out-of-range ones.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -37,9 +36,6 @@ from .registry import Backend, current, register_backend, register_unavailable, 
 
 __all__ = ["Backend", "register_backend", "register_unavailable", "get_backend", "available_backends",
            "select_backend"]
-
-ENV_BACKEND = "TLX_DIST_GROUPED_MM_BACKEND"
-
 
 def _load_kernel_backends() -> None:
     # Imported lazily so that `import tlx_dist` never compiles or touches a GPU. Each module
@@ -93,9 +89,9 @@ def get_backend(name: str) -> Backend:
 
 
 def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[str] = None) -> Backend:
-    """The backend that runs these operands: the pinned one (argument, then environment) or the
-    first of the preference order that supports them."""
-    name = backend or os.environ.get(ENV_BACKEND) or None
+    """The backend that runs these operands: the pinned one (``backend``) or the first of the
+    preference order that supports them."""
+    name = backend or None
     if name is not None:
         b = get_backend(name)
         why = b.supports(x_ND, w_EDF)

@@ -22,7 +22,10 @@ __all__ = ["Backend", "register_backend", "register_unavailable", "current", "re
 class Backend:
     """One grouped-GEMM implementation (the contract: ``backends.py``): ``mm(x_ND, w_EDF,
     offsets_E) -> y_NF``, ``wgrad(x_ND, dy_NF, offsets_E) -> dw_EDF``, ``supports(x_ND, w_EDF)``
-    (None when it runs these operands, else why not)."""
+    (None when it runs these operands, else why not). A ``tiled`` backend (the TLX kernels) also
+    takes ``config=`` (a :class:`~tlx_dist.grouped_gemm.config.GroupedGemmConfig`, None: the
+    default for the call) in ``mm`` and ``wgrad``, and ``tune(form, a, b, offsets_E) -> config``
+    times its candidates."""
 
     name: str
     mm: Callable[..., torch.Tensor]
@@ -34,6 +37,8 @@ class Backend:
     auto_on_cpu: bool = False
     # The GPU generations (``tlx.ARCHS``) this implementation is for; None: any (or none).
     archs: Optional[tuple[str, ...]] = None
+    tiled: bool = False
+    tune: Optional[Callable[..., object]] = None
 
 
 _BACKENDS: dict[str, list[Backend]] = {}
