@@ -8,12 +8,11 @@ tlx_dist`` compiles nothing) and picks one.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .backends import ENV_FUSED_BACKEND, FusedBackend, registered_fused_backends
+from .backends import FusedBackend, registered_fused_backends
 
 __all__ = ["get_fused_backend", "select_fused_backend"]
 
@@ -37,9 +36,9 @@ def get_fused_backend(name: str) -> FusedBackend:
 
 def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor,
                          backend: Optional[str] = None) -> FusedBackend:
-    """The pinned backend (argument, then ``TLX_DIST_FUSED_BACKEND``) -- an error if it cannot run
-    these operands -- or the first in preference order that can."""
-    name = backend or os.environ.get(ENV_FUSED_BACKEND) or None
+    """The pinned ``backend`` -- an error if it cannot run these operands -- or the first in
+    preference order that can."""
+    name = backend or None
     if name is not None:
         b = get_fused_backend(name)
         why = b.supports(x_RD, w13_EDF2, w2_EFD)
