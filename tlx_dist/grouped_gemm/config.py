@@ -33,7 +33,7 @@ PRECISIONS = ("bf16",)
 # The dW tile walk (Hopper and AMD kernels; Blackwell's dW has the static walk only): "lpt" claims
 # tiles longest expert first from an atomic counter, so the heavy experts of imbalanced routing start
 # first and the other SMs fill in around them; "static" walks them round-robin, which is faster on
-# balanced routing with short tiles (bench/RESULTS.md, "grouped GEMM issue 3": the dW walk's A/B).
+# balanced routing with short tiles (docs/decisions.md).
 # Both are deterministic: each tile is summed whole by one CTA in K order.
 DW_ORDERS = ("lpt", "static")
 
@@ -77,6 +77,8 @@ class GroupedGemmConfig:
             raise ValueError(f"GroupedGemmConfig.dw_order={self.dw_order!r} must be one of {DW_ORDERS}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"GroupedGemmConfig.precision={self.precision!r} must be one of {PRECISIONS}")
+        # the custom op's string argument, made once here: torch.compile then reads a constant
+        object.__setattr__(self, "_json", json.dumps(dataclasses.asdict(self), sort_keys=True))
 
     def smem_bytes(self, cc: int) -> int:
         """Shared memory of one CTA of the NVIDIA kernels (``cc`` 90 or 100): the operand ring and the
@@ -87,16 +89,11 @@ class GroupedGemmConfig:
 
     def to_json(self) -> str:
         """The fields as JSON (how the config travels through the ``tlx_dist::grouped_mm`` custom op)."""
-        return _to_json(self)
+        return self._json
 
     @staticmethod
     def from_json(text: str) -> "GroupedGemmConfig":
         return _from_json(text)
-
-
-@functools.lru_cache(maxsize=256)
-def _to_json(cfg: GroupedGemmConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=256)
