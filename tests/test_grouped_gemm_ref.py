@@ -95,9 +95,7 @@ def test_auto_backend_on_cpu_and_alignment_fallback():
         assert order.index("torch") < order.index("triton")
 
 
-def test_argument_pins_backend(monkeypatch):
-    # the argument alone pins a backend: an environment variable of the old name no longer does
-    monkeypatch.setenv("TLX_DIST_GROUPED_MM_BACKEND", "reference")
+def test_argument_pins_backend():
     assert select_backend(torch.randn(4, 16), torch.randn(2, 16, 8)).name == "torch"
     assert select_backend(torch.randn(4, 16), torch.randn(2, 16, 8), "reference").name == "reference"
     with pytest.raises(ValueError, match="backend='nope'"):

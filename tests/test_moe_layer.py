@@ -201,7 +201,7 @@ def test_forward_does_not_keep_the_last_steps_graph(coef):
     outputs are gone: the layer's own ``last_stats`` (logits and losses, in the graph) must not keep
     the old AccumulateGrad node alive into the next forward. Autograd would reuse that node with the
     stream it was made on, and a CUDA-graph capture after one eager step on the default stream then
-    fails in its backward (cudaErrorStreamCaptureImplicit; session 7's benchmark captures)."""
+    fails in its backward (cudaErrorStreamCaptureImplicit, as the benchmark's captures once did)."""
     torch.manual_seed(0)
     layer = MoELayer(make_cfg(aux_loss_coef=coef, z_loss_coef=coef))
     x = torch.randn(6, layer.cfg.dim)
