@@ -51,6 +51,23 @@ def token_batches(n: int, B: int = 2, S: int = 16, seed: int = 0) -> list:
             for _ in range(n)]
 
 
+def full_tensor(t, expert: bool, pd):
+    """Inside a rank: the global value of a parameter, gradient or optimizer state ``t`` -- a DTensor
+    gathered over its mesh, then, for an expert weight (``expert``), concatenated over the ep group
+    in global expert order. A detached copy."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    t = t.detach().clone()
+    if expert and pd.ep > 1 and t.dim() > 0:
+        parts = [torch.empty_like(t) for _ in range(pd.ep)]
+        dist.all_gather(parts, t.contiguous(), group=pd.ep_group)
+        t = torch.cat(parts)
+    return t
+
+
 def _env(threads: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

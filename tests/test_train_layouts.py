@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from _dist import run_world
-from _train import DEBUG, TINY
+from _train import DEBUG, TINY, full_tensor
 
 GLOBAL_BATCH = 8
 WORLD = 4
@@ -51,20 +51,6 @@ def _cfg(overrides, batch: int, accum: int):
     return load_config(DEBUG, TINY + NODES + overrides + [f"data.batch_size={batch}", f"train.grad_accum={accum}"])
 
 
-def _full(t: torch.Tensor, expert: bool, pd) -> torch.Tensor:
-    """The global tensor: a DTensor gathered over its mesh, then (experts) concatenated over ep."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    t = t.detach().clone()
-    if expert and pd.ep > 1:
-        parts = [torch.empty_like(t) for _ in range(pd.ep)]
-        dist.all_gather(parts, t.contiguous(), group=pd.ep_group)
-        t = torch.cat(parts)
-    return t
-
-
 def _mesh(t):
     from torch.distributed.tensor import DTensor
     return t.device_mesh.mesh.tolist() if isinstance(t, DTensor) else None
@@ -87,7 +73,7 @@ def _layout_grads(rank, world, overrides):
         ce, _, _ = accumulate_grads(model, pd, loader, accum)
         finish_grads(model, pd)
         experts = expert_param_names(model)
-        grads = {n: _full(p.grad, n in experts, pd) for n, p in model.named_parameters()}
+        grads = {n: full_tensor(p.grad, n in experts, pd) for n, p in model.named_parameters()}
         meshes = {n: _mesh(p.grad) for n, p in model.named_parameters()}
         ce = ce.clone()
         dist.all_reduce(ce)
@@ -120,7 +106,10 @@ def reference():
     return _reference_grads()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# EP across nodes and full sharding on 2 "nodes" are the slow tier (the latter is also covered by the
+# torchrun loopback test of tests/test_train_dist.py).
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in ("hybrid_ep4", "full_ep2") else k
+                                    for k in LAYOUTS])
 def test_layout_grads_equal_single_process(layout, reference):
     overrides, expert_mesh, dense_mesh = LAYOUTS[layout]
     res = run_world(_layout_grads, WORLD, overrides, start_method="forkserver")
