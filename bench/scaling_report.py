@@ -15,10 +15,10 @@ from scaling_model import (CATEGORIES, GPU_COUNTS, HARNESS_PHASES, PRESETS, Cali
                            check_measurements, describe_assumptions, load_calibration, load_recipe,
                            measured_from_harness, project, scaling_rows)
 
-REPORT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_multinode", "B200"), ("b200_multinode", "GB200-NVL72"),
-                  ("mi300x_multinode", "MI300X"))
-PLOT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_multinode", "B200"), ("mi300x_multinode", "MI300X"))
-WIDE_RECIPES = PLOT_RECIPES + (("b200_multinode", "GB200-NVL72"),)
+REPORT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_16x8", "B200"), ("b200_16x8", "GB200-NVL72"),
+                  ("mi300x_16x8", "MI300X"))
+PLOT_RECIPES = (("h200_8gpu_ep8", "H200"), ("b200_16x8", "B200"), ("mi300x_16x8", "MI300X"))
+WIDE_RECIPES = PLOT_RECIPES + (("b200_16x8", "GB200-NVL72"),)
 WIDE_VARIANTS = (("per_slot", None), ("rank_dedup", None), ("rank_dedup", 4), ("node_dedup", 4))
 # Categories as the harness can see them: "FSDP copies" runs inside its fwd/bwd, so it joins "rest".
 COMPARED = tuple(c for c in CATEGORIES if c != "FSDP copies")
