@@ -68,6 +68,84 @@ def full_tensor(t, expert: bool, pd):
     return t
 
 
+GLOBAL_BATCH = 8   # sequences per optimizer step in the layout tests, whatever the layout
+
+
+def _mesh_of(t):
+    from torch.distributed.tensor import DTensor
+    return t.device_mesh.mesh.tolist() if isinstance(t, DTensor) else None
+
+
+def step_grads(overrides, world: int, accum: int, device: str) -> dict:
+    """Inside a rank of an initialised group: one step's gradients (``train.pretrain.accumulate_grads``
+    over ``accum`` micro-batches of GLOBAL_BATCH / (world * accum) sequences, then ``finish_grads``)
+    of the TINY debug model at ``overrides``, as global tensors on the CPU, with the meshes they live
+    on (``DeviceMesh.mesh.tolist()``, None off FSDP2), the mean loss over all ranks, the loader's
+    position and this rank's EP group."""
+    import torch
+    import torch.distributed as dist
+
+    from train.config import load_config
+    from train.data import ByteLoader
+    from train.parallelize import build_mesh, build_model, expert_param_names, finish_grads
+    from train.pretrain import accumulate_grads
+
+    cfg = load_config(DEBUG, TINY + list(overrides) + ["train.dtype=fp32", f"train.grad_accum={accum}",
+                                                       f"data.batch_size={GLOBAL_BATCH // (world * accum)}"])
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    pd = build_mesh(cfg, dev.type)
+    model = build_model(cfg, pd, dev, bf16=False)
+    loader = ByteLoader(cfg.data, pd.rank, pd.world, dev, grad_accum=accum)
+    ce, _, _ = accumulate_grads(model, pd, loader, accum)
+    finish_grads(model, pd)
+    experts = expert_param_names(model)
+    grads = {n: full_tensor(p.grad, n in experts, pd).cpu() for n, p in model.named_parameters()}
+    meshes = {n: _mesh_of(p.grad) for n, p in model.named_parameters()}
+    ce = ce.clone()
+    dist.all_reduce(ce)
+    return dict(grads=grads, meshes=meshes, ce=float(ce) / world, samples=loader.samples_seen,
+                ep_group=dist.get_process_group_ranks(pd.ep_group) if pd.ep > 1 else [dist.get_rank()])
+
+
+def reference_grads(batch: int) -> dict:
+    """``{"32": (grads, ce), "64": (grads, ce)}``: one process, no FSDP, the TINY debug model on the
+    first ``batch`` sequences of the data, in float32 and in float64 (same initial weights); grads
+    fp64 on the CPU."""
+    import dataclasses
+
+    from train.config import load_config
+    from train.data import ByteLoader
+    from train.model import Transformer
+
+    cfg = load_config(DEBUG, TINY + [f"data.batch_size={batch}"])
+    x, y = ByteLoader(cfg.data, 0, 1).next_batch()
+    m32 = Transformer(cfg.model, seed=cfg.train.seed)
+    m64_cfg = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, dtype="float64"))
+    m64 = Transformer(m64_cfg, seed=cfg.train.seed).double()
+    m64.load_state_dict(m32.state_dict())
+    out = {}
+    for name, m in (("32", m32), ("64", m64)):
+        ce = m(x, y)
+        (ce + m.aux_loss()).backward()
+        out[name] = ({n: p.grad.double() for n, p in m.named_parameters()}, float(ce.detach()))
+    return out
+
+
+def assert_grads_match(res: dict, reference: dict, what: str) -> None:
+    """``res`` (from ``step_grads``) against ``reference_grads``: per parameter
+    ``max|ours - ref64| <= 2 * max|ref32 - ref64| + atol`` (STYLE 6; the reason is in
+    tests/test_train_layouts.py's docstring), atol = 2^-20 of the tensor's largest gradient."""
+    import pytest
+    (g32, _), (g64, ce64) = reference["32"], reference["64"]
+    assert res["ce"] == pytest.approx(ce64, rel=1e-5), what
+    assert res["grads"].keys() == g64.keys(), what
+    for n, g in res["grads"].items():
+        ref, err32 = g64[n], (g32[n] - g64[n]).abs().max().item()
+        err = (g.double() - ref).abs().max().item()
+        atol = 2.0 ** -20 * ref.abs().max().item()
+        assert err <= 2 * err32 + atol, f"{what} {n}: max|ours-ref64|={err:.3e} > 2*{err32:.3e} + {atol:.1e}"
+
+
 def _env(threads: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -19,15 +19,12 @@ exact. A gradient reduced over the wrong group (an expert averaged with another 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from _dist import run_world
-from _train import DEBUG, TINY, full_tensor
+from _train import DEBUG, GLOBAL_BATCH, assert_grads_match, reference_grads, step_grads
 
-GLOBAL_BATCH = 8
 WORLD = 4
 NODES = ["parallel.ranks_per_node=2"]
 
@@ -46,64 +43,13 @@ LAYOUTS = {
 }
 
 
-def _cfg(overrides, batch: int, accum: int):
-    from train.config import load_config
-    return load_config(DEBUG, TINY + NODES + overrides + [f"data.batch_size={batch}", f"train.grad_accum={accum}"])
-
-
-def _mesh(t):
-    from torch.distributed.tensor import DTensor
-    return t.device_mesh.mesh.tolist() if isinstance(t, DTensor) else None
-
-
 def _layout_grads(rank, world, overrides):
-    """One step's gradients at grad_accum 1 and 2, as full tensors, with the meshes they live on."""
-    import torch.distributed as dist
-
-    from train.data import ByteLoader
-    from train.parallelize import build_mesh, build_model, expert_param_names, finish_grads
-    from train.pretrain import accumulate_grads
-
-    out = {}
-    for accum in (1, 2):
-        cfg = _cfg(overrides, GLOBAL_BATCH // (world * accum), accum)
-        pd = build_mesh(cfg, "cpu")
-        model = build_model(cfg, pd, torch.device("cpu"), bf16=False)
-        loader = ByteLoader(cfg.data, pd.rank, pd.world, grad_accum=accum)
-        ce, _, _ = accumulate_grads(model, pd, loader, accum)
-        finish_grads(model, pd)
-        experts = expert_param_names(model)
-        grads = {n: full_tensor(p.grad, n in experts, pd) for n, p in model.named_parameters()}
-        meshes = {n: _mesh(p.grad) for n, p in model.named_parameters()}
-        ce = ce.clone()
-        dist.all_reduce(ce)
-        out[accum] = dict(grads=grads, meshes=meshes, ce=float(ce) / world, samples=loader.samples_seen,
-                          ep_group=dist.get_process_group_ranks(pd.ep_group) if pd.ep > 1 else [rank])
-    return out
-
-
-def _reference_grads():
-    """fp32 and fp64 single-process gradients of the global batch (one rank, no FSDP)."""
-    from train.data import ByteLoader
-    from train.model import Transformer
-
-    cfg = _cfg([], GLOBAL_BATCH, 1)
-    x, y = ByteLoader(cfg.data, 0, 1).next_batch()
-    m32 = Transformer(cfg.model, seed=cfg.train.seed)
-    m64_cfg = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, dtype="float64"))
-    m64 = Transformer(m64_cfg, seed=cfg.train.seed).double()
-    m64.load_state_dict(m32.state_dict())
-    out = {}
-    for name, m in (("32", m32), ("64", m64)):
-        ce = m(x, y)
-        (ce + m.aux_loss()).backward()
-        out[name] = ({n: p.grad.double() for n, p in m.named_parameters()}, float(ce.detach()))
-    return out
+    return {accum: step_grads(NODES + overrides, world, accum, "cpu") for accum in (1, 2)}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference_grads()
+    return reference_grads(GLOBAL_BATCH)
 
 
 # EP across nodes and full sharding on 2 "nodes" are the slow tier (the latter is also covered by the
@@ -113,17 +59,10 @@ def reference():
 def test_layout_grads_equal_single_process(layout, reference):
     overrides, expert_mesh, dense_mesh = LAYOUTS[layout]
     res = run_world(_layout_grads, WORLD, overrides, start_method="forkserver")
-    (g32, ce32), (g64, ce64) = reference["32"], reference["64"]
     for accum in (1, 2):
         r0 = res[0][accum]
         assert r0["samples"] == GLOBAL_BATCH, "a step must consume the global batch, whatever grad_accum"
-        assert r0["ce"] == pytest.approx(ce64, rel=1e-5)
-        for n, g in r0["grads"].items():
-            ref, err32 = g64[n], (g32[n] - g64[n]).abs().max().item()
-            err = (g.double() - ref).abs().max().item()
-            atol = 2.0 ** -20 * ref.abs().max().item()
-            assert err <= 2 * err32 + atol, (f"{layout} grad_accum={accum} {n}: max|ours-ref64|={err:.3e} > "
-                                             f"2*{err32:.3e} + {atol:.1e}")
+        assert_grads_match(r0, reference, f"{layout} grad_accum={accum}")
         # every rank holds the same global gradient (a rank-dependent reduction would not)
         for r in res[1:]:
             assert all(torch.equal(r[accum]["grads"][n], g) for n, g in r0["grads"].items())
@@ -164,3 +103,13 @@ def test_layout_errors_name_the_field():
                      (["train.grad_accum=0"], "train.grad_accum=0 must be positive")):
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             load_config(DEBUG, bad)
+
+
+def test_one_rank_grad_accum_matches_one_big_batch(reference):
+    """One process, nothing FSDP-wrapped (gradients accumulate in the parameters' .grad): 4
+    micro-batches of 2 sequences give the gradients of the 8 at once."""
+    from _train import one_rank_group
+    with one_rank_group():
+        res = step_grads([], 1, 4, "cpu")
+    assert res["samples"] == GLOBAL_BATCH and all(m is None for m in res["meshes"].values())
+    assert_grads_match(res, reference, "one rank, grad_accum=4")
