@@ -52,10 +52,10 @@ def reference():
     return reference_grads(GLOBAL_BATCH)
 
 
-# EP across nodes and full sharding on 2 "nodes" are the slow tier (the latter is also covered by the
-# torchrun loopback test of tests/test_train_dist.py).
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in ("hybrid_ep4", "full_ep2") else k
-                                    for k in LAYOUTS])
+# EP across nodes and full sharding on 2 "nodes" run with -m release (the latter is also covered by
+# the torchrun loopback test of tests/test_train_dist.py).
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.release) if k in ("hybrid_ep4", "full_ep2")
+                                    else k for k in LAYOUTS])
 def test_layout_grads_equal_single_process(layout, reference):
     overrides, expert_mesh, dense_mesh = LAYOUTS[layout]
     res = run_world(_layout_grads, WORLD, overrides, start_method="forkserver")
