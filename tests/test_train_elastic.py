@@ -142,3 +142,57 @@ def test_resume_at_another_layout(src, dst, tmp_path_factory):
 @pytest.mark.parametrize("src,dst", WIDE, ids=[f"{a}-{b}" for a, b in WIDE])
 def test_resume_matrix(src, dst, tmp_path_factory):
     _check(src, dst, tmp_path_factory)
+
+
+def test_checkpoint_with_mesh_split_groups_loads(tmp_path):
+    """A checkpoint written before the groups were by role -- two AdamW groups at one rank (no decay,
+    decay), the scheduler saved with one entry per group -- loads into this run's three groups:
+    parameters, Adam moments and steps as saved, each group's weight decay its own, every group's
+    learning rate the saved schedule's."""
+    import os
+
+    from _train import one_rank_group
+    from train.checkpoint import load_checkpoint, save_checkpoint
+    from train.config import load_config
+    from train.data import ByteLoader
+    from train.parallelize import build_mesh, build_model, build_optimizer, clip_grad_norm_, finish_grads, lr_lambda
+
+    cfg = load_config(DEBUG, TINY + ["data.batch_size=2", "train.steps=20"])
+    with one_rank_group():
+        pd = build_mesh(cfg, "cpu")
+        model = build_model(cfg, pd, torch.device("cpu"), bf16=False)
+        split = {True: [], False: []}
+        for name, p in model.named_parameters():
+            split[p.dim() >= 2 and "embed" not in name].append(p)
+        old = torch.optim.AdamW([{"params": split[False], "weight_decay": 0.0},
+                                 {"params": split[True], "weight_decay": cfg.train.weight_decay}], lr=cfg.train.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(old, lr_lambda(cfg))
+        loader = ByteLoader(cfg.data, 0, 1)
+        for _ in range(3):
+            x, y = loader.next_batch()
+            (model(x, y) + model.aux_loss()).backward()
+            finish_grads(model, pd)
+            clip_grad_norm_(model, pd, cfg.train.grad_clip)
+            old.step()
+            old.zero_grad()
+            sched.step()
+        save_checkpoint(str(tmp_path), 3, model, old, sched, loader, pd)
+        extra = tmp_path / "step_3" / "extra_rank0.pt"
+        e = torch.load(extra, weights_only=False)
+        del e["schedule"]
+        e["scheduler"] = sched.state_dict()          # the format of those checkpoints
+        torch.save(e, extra)
+        saved = {n: (p.detach().clone(), {k: v.clone() for k, v in old.state[p].items()})
+                 for n, p in model.named_parameters()}
+
+        new_model = build_model(cfg, pd, torch.device("cpu"), bf16=False)
+        opt = build_optimizer(new_model, cfg)
+        new_sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+        assert len(opt.param_groups) == 3 and os.path.exists(extra)
+        assert load_checkpoint(str(tmp_path), 3, new_model, opt, new_sched, ByteLoader(cfg.data, 0, 1), pd) == 3
+    for n, p in new_model.named_parameters():
+        w, st = saved[n]
+        assert torch.equal(p, w), n
+        assert st.keys() == opt.state[p].keys() and all(torch.equal(opt.state[p][k], v) for k, v in st.items()), n
+    assert new_sched.last_epoch == 3 and [g["lr"] for g in opt.param_groups] == [sched.get_last_lr()[0]] * 3
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.train.weight_decay, 0.0, cfg.train.weight_decay]

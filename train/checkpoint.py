@@ -18,9 +18,11 @@ Router biases (aux-loss-free balancing) are replicated buffers and travel with t
 
 Nothing saved depends on the mesh: the optimizer's parameter groups are one per parameter role
 (``train.parallelize.OPTIMIZER_ROLES``), the same at every layout, and the LR scheduler's per-group
-lists are saved keyed by role (``schedule_state``). Loading takes the checkpoint's group structure
-as saved (read from its metadata) and lets ``set_state_dict`` map it onto this run's groups by
-parameter name, so checkpoints whose groups were split by mesh (older ones) load as well.
+lists are saved keyed by role (``schedule_state``). Loading reads the optimizer's per-parameter
+state (Adam moments, step counts) and the schedule, not the saved param groups: the groups and
+their hyperparameters (betas, eps, weight decay) are this run's, from its config, and every group's
+learning rate is set from the restored schedule. So a checkpoint whose groups were split by mesh
+(written before the groups were by role) loads too, its schedule mapped onto this run's groups.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -139,22 +140,6 @@ def load_schedule_state(scheduler, optimizer, extra: dict) -> None:
         g["lr"] = lr
 
 
-def _saved_param_groups(path: str, current: list) -> list:
-    """``param_groups`` shaped as the checkpoint at ``path`` saved them (their number and keys, from
-    its metadata; DCP loads them by index), filled with placeholders DCP overwrites."""
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    keys: dict[int, list[str]] = {}
-    prefix = "optim.param_groups."
-    for k in meta:
-        if k.startswith(prefix):
-            i, key = k[len(prefix):].split(".", 1)
-            keys.setdefault(int(i), []).append(key)
-    if not keys:
-        return current
-    like = current[0] if current else {}
-    return [{key: like.get(key, 0) for key in keys[i]} for i in sorted(keys)]
-
-
 def latest_step(ckpt_dir: str) -> Optional[int]:
     p = os.path.join(ckpt_dir, "latest")
     if not os.path.exists(p):
@@ -215,12 +200,12 @@ def load_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
     path = os.path.join(ckpt_dir, f"step_{step}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
-    optim_rest = {**optim_rest, "param_groups": _saved_param_groups(path, optim_rest["param_groups"])}
-    state = {"model": model_rest, "optim": optim_rest, "experts": experts}
+    # The saved param_groups are not read (module docstring): the groups stay this run's.
+    state = {"model": model_rest, "optim": {"state": optim_rest["state"]}, "experts": experts}
     check_resume_compatible(path, state)  # a mismatch is one clear line, not DCP's traceback
     dcp.load(state, checkpoint_id=path)  # experts land in place in model_sd / optim_sd's tensors
     model_sd = {**model_sd, **state["model"]}
-    optim_sd = {**state["optim"], "state": {**optim_sd["state"], **state["optim"]["state"]}}
+    optim_sd = {"state": {**optim_sd["state"], **state["optim"]["state"]}, "param_groups": optim_rest["param_groups"]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     own = os.path.join(path, f"extra_rank{pd.rank}.pt")
     extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
