@@ -95,8 +95,8 @@ class ParallelConfig:
     replicates across nodes -- dense parameters on a (node, rank-in-node) mesh, each expert over
     the ranks of its expert-data-parallel group in one node (none when ep fills the node) and
     replicated over the nodes -- so all-gathers and reduce-scatters stay on the node's links and
-    only one all-reduce of the gradient shards crosses the NICs per optimizer step. One node: the
-    same as "full".
+    of the parameter traffic only one all-reduce of the gradient shards crosses the NICs per
+    optimizer step. One node: the same as "full".
     ranks_per_node: ranks of one node; 0 (default) = torchrun's ``LOCAL_WORLD_SIZE`` (no torchrun:
     one node). Set it to emulate nodes (e.g. 4 processes as 2 nodes x 2); ranks ``n * ranks_per_node
     + [0, ranks_per_node)`` form node n, torchrun's placement."""
