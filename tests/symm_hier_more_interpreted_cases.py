@@ -123,19 +123,24 @@ def test_hier_repeated_ops_reuse_buffers():
 
 
 def test_hier_node_limited_routing_reaches_at_most_topk_group_nodes():
-    """Node-limited routing (groups = nodes, top-2 groups of 4): every token's inter-node rows go to at
-    most 2 nodes (one of them may be its own), asserted on the device counters."""
-    from tlx_dist.router import group_limited_select
+    """Node-limited routing (MoEConfig n_group = the nodes, topk_group = 2 of 4, DeepSeek-V3's 4 of 8
+    in small): every token's inter-node rows go to at most 2 nodes (one of them may be its own),
+    asserted on the node route and the device counters."""
+    from tlx_dist.config import MoEConfig
+    from tlx_dist.router import Router
     W, L, E, K, D = 8, 2, 16, 4, 4
     N = W // L
+    cfg = MoEConfig(dim=D, moe_inter_dim=8, num_experts=E, top_k=K, score_func="sigmoid", n_group=N, topk_group=2,
+                    dtype="float64")
+    router = Router(cfg)
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(3, D, generator=gen, dtype=torch.float64) for _ in range(W)]
     idxs, gates = [], []
-    for x in xs:
-        scores = torch.rand(x.shape[0], E, generator=gen, dtype=torch.float64)
-        idx = group_limited_select(scores, N, 2).topk(K, dim=-1).indices
-        idxs.append(idx)
-        gates.append(scores.gather(1, idx))
+    with torch.no_grad():
+        for x in xs:
+            out = router(x)
+            idxs.append(out.idx_TK)
+            gates.append(out.gate_TK.to(torch.float64))
     world = HierWorld(W, 3, D, K, E, torch.float64, L)
     res = world.dispatch(xs, idxs, gates)
     for s, (_, h) in enumerate(res):
@@ -144,6 +149,9 @@ def test_hier_node_limited_routing_reaches_at_most_topk_group_nodes():
         nic = (h.route.nrow_TN >= 0).sum(1)
         assert (nic <= 2).all() and torch.equal(nic, (nodes & (torch.arange(N) != s // L)).sum(1))
         assert world.counters()[s]["dispatch_nic_rows"] == int(nic.sum())
+    # (not vacuous: the routing does use two nodes, and some token reaches two others)
+    assert max(int(destination_nodes(i, E, W, L).sum(1).max()) for i in idxs) == 2
+    assert any(bool(((h.route.nrow_TN >= 0).sum(1) == 2).any()) for _, h in res)
 
 
 def test_hier_bounded_wait_names_the_relay_wait():
