@@ -21,7 +21,7 @@ import torch
 from ..grouped_gemm.host import max_m_tiles, prep_offsets, ragged_descriptor, search_steps
 from .quant import GROUP, Fp8Cols
 
-__all__ = ["Fp8GemmConfig", "default_config", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
+__all__ = ["Fp8GemmConfig", "CANDIDATES", "default_config", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
            "SMEM_LIMIT"]
 
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
@@ -30,39 +30,51 @@ _OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Launch knobs of the Hopper FP8 kernel. BM = 128 rows and BK = 128 (the scale group) are fixed."""
+    """Launch knobs of the Hopper FP8 kernel. BM = 128 rows (two consumer groups of 64) and BK = 128
+    (the scale group) are fixed. Each consumer keeps BN / 2 fp32 accumulator registers and runs
+    its wgmmas SUBN columns at a time into a partial of SUBN / 2 registers (ptxas may keep two
+    partials live to overlap one's promotion with the next wgmma), so BN / 2 + SUBN <= 192 of its
+    240 registers: 128 x 256 tiles go in 64-column slices, 128 x 128 tiles in one."""
 
-    NH: int = 2  # output column halves of 128: BN = 128 * NH
+    BN: int = 256
+    SUBN: int = 64
     STAGES: int = 3
     GROUP_M: int = 1  # rows of tiles walked together (L2 reuse); 1 = row-major
 
     def __post_init__(self):
-        if self.NH not in (1, 2):
-            raise ValueError(f"Fp8GemmConfig.NH={self.NH} must be 1 or 2 (BN = 128 or 256)")
+        if self.BN not in (128, 256):
+            raise ValueError(f"Fp8GemmConfig.BN={self.BN} must be 128 or 256")
+        if self.SUBN not in (64, 128) or self.SUBN > self.BN:
+            raise ValueError(f"Fp8GemmConfig.SUBN={self.SUBN} must be 64 or 128 and at most BN={self.BN}")
+        if self.BN // 2 + self.SUBN > 192:
+            raise ValueError(f"Fp8GemmConfig(BN={self.BN}, SUBN={self.SUBN}): BN/2 + SUBN = {self.BN // 2 + self.SUBN} "
+                             "fp32 registers a thread exceed the 192 the consumer groups can hold without spilling")
         if not 2 <= self.STAGES <= 8:
             raise ValueError(f"Fp8GemmConfig.STAGES={self.STAGES} must be in [2, 8]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"Fp8GemmConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
         if self.smem_bytes() > SMEM_LIMIT:
-            raise ValueError(f"Fp8GemmConfig(NH={self.NH}, STAGES={self.STAGES}) needs {self.smem_bytes()} bytes of "
+            raise ValueError(f"Fp8GemmConfig(BN={self.BN}, STAGES={self.STAGES}) needs {self.smem_bytes()} bytes of "
                              f"shared memory (limit {SMEM_LIMIT})")
-
-    @property
-    def BN(self) -> int:
-        return 128 * self.NH
 
     def smem_bytes(self) -> int:
         ring = self.STAGES * (128 + self.BN) * GROUP  # fp8 A [128, 128] + B [BN, 128] per stage
         return ring + 128 * self.BN * 2  # + the bf16 epilogue tile
 
 
-def default_config(NN: int) -> Fp8GemmConfig:
-    """128 x 256 tiles (two 64 x 128 halves per consumer group: the most work per byte that fits the
-    registers); a 128-wide output takes 128 x 128 with a deeper ring. Wide outputs (>= 16 column
-    tiles) walk 8 rows of tiles together so the tiles in flight share B in L2."""
-    if NN <= 128:
-        return Fp8GemmConfig(1, 5)
-    return Fp8GemmConfig(2, 3, 8 if -(-NN // 256) >= 16 else 1)
+# The configs the bench compares (``bench/grouped_gemm.py --precision fp8 --fp8-configs``) and the
+# compile tests check: 128 x 128 in one 128-column slice, and 128 x 256 in four 64-column slices,
+# which halves the L2 traffic per FLOP but reads A from shared memory twice as often.
+CANDIDATES = (Fp8GemmConfig(128, 128, 5), Fp8GemmConfig(256, 64, 3))
+
+
+def default_config(form: str, NN: int) -> Fp8GemmConfig:
+    """The first candidate (128 x 128 tiles, 5-deep ring; no register spills in any form) for every
+    form. Wide outputs (>= 16 column tiles) walk 8 rows of tiles together so the tiles in flight
+    share B in L2 (mm forms; dW's tiles of one expert already share its K range)."""
+    base = CANDIDATES[0]
+    group_m = 8 if form != "dW" and -(-NN // base.BN) >= 16 else 1
+    return dataclasses.replace(base, GROUP_M=group_m)
 
 
 def shape_reason(K: int, NN: int) -> Optional[str]:
@@ -91,7 +103,7 @@ def _launch(cfg: Fp8GemmConfig, wgrad: bool, a_desc, b_desc, c_desc, sa, sb, off
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     grid = (max(1, min(sms, bound)),)
     _kernel()[grid](a_desc, b_desc, c_desc, sa, sb, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN, stride_sa,
-                    WGRAD=wgrad, BM=128, BK=GROUP, NH=cfg.NH, NUM_STAGES=cfg.STAGES, NUM_SMS=grid[0],
+                    WGRAD=wgrad, BM=128, BN=cfg.BN, BK=GROUP, SUBN=cfg.SUBN, NUM_STAGES=cfg.STAGES, NUM_SMS=grid[0],
                     SEARCH_STEPS=search_steps(E), GROUP_M=cfg.GROUP_M, num_warps=4, num_stages=1)
 
 
@@ -113,10 +125,10 @@ def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
     y = torch.empty(N, NN, dtype=out_dtype, device=a_q.device)
     if N == 0:
         return y
-    cfg = cfg or default_config(NN)
+    cfg = cfg or default_config("mm", NN)
     a_desc = TensorDescriptor(a_q, [N, K], [K, 1], [64, GROUP])
-    b_desc = TensorDescriptor(b_q, [E, NN, K], [NN * K, K, 1], [1, 128, GROUP])
-    c_desc = ragged_descriptor(y, 64, 128)
+    b_desc = TensorDescriptor(b_q, [E, NN, K], [NN * K, K, 1], [1, cfg.SUBN, GROUP])
+    c_desc = ragged_descriptor(y, 64, cfg.SUBN)
     offsets, tile_cum = prep_offsets(offsets_E, N, 128)
     bound = max_m_tiles(N, E, 128) * -(-NN // cfg.BN)
     _launch(cfg, False, a_desc, b_desc, c_desc, a_s, b_s, offsets, tile_cum, N, E, N, K, NN, a_s.stride(1), bound,
@@ -138,10 +150,10 @@ def wgrad_fp8_tlx(x_cols: Fp8Cols, dy_cols: Fp8Cols, out_dtype: torch.dtype = to
     F = dy_cols.q_CP.shape[0]
     E = x_cols.offsets_E.shape[0]
     dw = torch.empty(E, D, F, dtype=out_dtype, device=x_cols.q_CP.device)
-    cfg = cfg or default_config(F)
+    cfg = cfg or default_config("dW", F)
     a_desc = TensorDescriptor(x_cols.q_CP, [D, P], [P, 1], [64, GROUP])
-    b_desc = TensorDescriptor(dy_cols.q_CP, [F, P], [P, 1], [128, GROUP])
-    c_desc = TensorDescriptor(dw, [E, D, F], [D * F, F, 1], [1, 64, 128])
+    b_desc = TensorDescriptor(dy_cols.q_CP, [F, P], [P, 1], [cfg.SUBN, GROUP])
+    c_desc = TensorDescriptor(dw, [E, D, F], [D * F, F, 1], [1, 64, cfg.SUBN])
     bound = E * -(-D // 128) * -(-F // cfg.BN)
     _launch(cfg, True, a_desc, b_desc, c_desc, x_cols.s_TC, dy_cols.s_TC, x_cols.offsets_E, x_cols.tile_cum_E1,
             x_cols.n_rows, E, D, 0, F, 0, bound, x_cols.q_CP.device)
@@ -153,20 +165,16 @@ def kernel_signature(wgrad: bool, cfg: Optional[Fp8GemmConfig] = None, E: int = 
     cfg = cfg or Fp8GemmConfig()
     a = f"tensordesc<fp8e4nv[64,{GROUP}]>"
     if wgrad:
-        b = f"tensordesc<fp8e4nv[128,{GROUP}]>"
-        c = f"tensordesc<{out}[1,64,128]>"
+        b = f"tensordesc<fp8e4nv[{cfg.SUBN},{GROUP}]>"
+        c = f"tensordesc<{out}[1,64,{cfg.SUBN}]>"
     else:
-        b = f"tensordesc<fp8e4nv[1,128,{GROUP}]>"
-        c = f"tensordesc<{out}[1,1,64,128]>"
+        b = f"tensordesc<fp8e4nv[1,{cfg.SUBN},{GROUP}]>"
+        c = f"tensordesc<{out}[1,1,64,{cfg.SUBN}]>"
     sig = {"a_desc": a, "b_desc": b, "c_desc": c, "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offsets_ptr": "*i32",
            "tile_cum_ptr": "*i32", "N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32",
            "stride_sa": "i32"}
-    constexprs = {"WGRAD": wgrad, "BM": 128, "BK": GROUP, "NH": cfg.NH, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
+    constexprs = {"WGRAD": wgrad, "BM": 128, "BN": cfg.BN, "BK": GROUP, "SUBN": cfg.SUBN, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
                   "SEARCH_STEPS": search_steps(E), "GROUP_M": cfg.GROUP_M}
     for k in constexprs:
         sig[k] = "constexpr"
     return _kernel(), sig, constexprs, {"num_warps": 4, "num_stages": 1}
-
-
-def config_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(Fp8GemmConfig)]
