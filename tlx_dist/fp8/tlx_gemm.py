@@ -122,6 +122,8 @@ def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
 
     N, K = a_q.shape
     E, NN, _ = b_q.shape
+    if not (a_q.is_contiguous() and b_q.is_contiguous() and b_s.is_contiguous() and a_s.t().is_contiguous()):
+        raise ValueError("mm_fp8_tlx: a_q, b_q, b_s must be contiguous and a_s stored [Kb, N] (Fp8Rows.s_MCb)")
     y = torch.empty(N, NN, dtype=out_dtype, device=a_q.device)
     if N == 0:
         return y
@@ -131,8 +133,7 @@ def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
     c_desc = ragged_descriptor(y, 64, cfg.SUBN)
     offsets, tile_cum = prep_offsets(offsets_E, N, 128)
     bound = max_m_tiles(N, E, 128) * -(-NN // cfg.BN)
-    _launch(cfg, False, a_desc, b_desc, c_desc, a_s, b_s, offsets, tile_cum, N, E, N, K, NN, a_s.stride(1), bound,
-            a_q.device)
+    _launch(cfg, False, a_desc, b_desc, c_desc, a_s, b_s, offsets, tile_cum, N, E, N, K, NN, N, bound, a_q.device)
     return y
 
 
