@@ -1,5 +1,11 @@
 """The FP8 grouped-GEMM kernels compile for their targets without a GPU (CI tier T2).
 
+Blackwell (sm_100, tlx/blackwell/fp8_grouped_gemm.py): the MXFP8 kernel, mm and weight-gradient
+forms: block-scaled ``tcgen05.mma ... kind::mxf8f6f4.block_scale.scale_vec::1X`` (UTCQMMA), the
+scales copied to tensor memory (``tcgen05.cp``), 5-D TMA of the scale blocks, within shared and
+tensor memory, no spills. AMD (gfx942 e4m3fnuz, gfx950 e4m3fn; tlx/amd/fp8_grouped_gemm.py): see
+the AMD section.
+
 Hopper (sm_90, tlx/hopper/fp8_grouped_gemm.py): mm (forward and dX: the same kernel, B given
 K-contiguous) and the weight gradient, for each config the host can pick. Each compiled kernel
 must hold: wgmma with e4m3 operands (``wgmma.mma_async...e4m3.e4m3``, fp32 accumulators), the
@@ -113,3 +119,30 @@ def test_config_validation():
     with pytest.raises(ValueError, match="BN=96"):
         Fp8GemmConfig(96, 64, 3)
     assert Fp8GemmConfig(128, 128, 5).smem_bytes() <= SMEM_LIMIT
+
+
+# --- Blackwell (sm_100): MXFP8 block-scaled tcgen05 -----------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["mm", "dW"])
+def test_blackwell_mxfp8_compiles(form):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fp8.mx import kernel_signature
+
+    fn, sig, constexprs, opts = kernel_signature(form == "dW")
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=_cuda(100), options=opts)
+    ptx = k.asm["ptx"]
+    # the tensor core applies the 1 x 32 e8m0 scales itself: MX kind, block scale, one scale per 32
+    assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.scale_vec::1X", ptx), \
+        "no block-scaled MXFP8 tcgen05 MMA"
+    assert "tcgen05.cp" in ptx, "the scales do not reach tensor memory"
+    assert "cp.async.bulk.tensor.5d" in ptx, "no 5-D TMA of the scale blocks"
+    assert "tcgen05.commit" in ptx
+    assert 0 < k.metadata.shared <= SMEM_LIMIT
+    assert k.metadata.tmem_size <= 512, f"tensor memory {k.metadata.tmem_size} columns > 512"
+    sass = _cuobjdump(k, "-sass")
+    assert "UTCQMMA" in sass and "UTCCP" in sass, "no tcgen05 FP8 MMA / scale copy in the SASS"
+    usage = _cuobjdump(k, "-res-usage")
+    assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
