@@ -146,3 +146,36 @@ def test_blackwell_mxfp8_compiles(form):
     assert "UTCQMMA" in sass and "UTCCP" in sass, "no tcgen05 FP8 MMA / scale copy in the SASS"
     usage = _cuobjdump(k, "-res-usage")
     assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
+
+
+# --- AMD (gfx942 e4m3fnuz, gfx950 e4m3fn) -----------------------------------------------------------
+
+MFMA_FP8 = {"gfx942": r"v_mfma_f32_\w+_fp8_fp8", "gfx950": r"v_mfma_f32_\w+_f8f6f4"}
+LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+
+
+def _amd_meta(asm: str, field: str) -> int:
+    m = re.search(rf"^\s*\.{field}:\s+(\d+)", asm, re.M)
+    assert m, f"no .{field} in the amdgcn metadata"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("target", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("form", ["mm", "dW"])
+def test_amd_fp8_compiles(target, form):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx_dist.fp8.amd_gemm import kernel_signature
+
+    fn, sig, constexprs, attrs, opts = kernel_signature(target, form == "dW")
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("hip", target, 64),
+                       options=opts)
+    asm = k.asm["amdgcn"]
+    assert re.search(MFMA_FP8[target], asm), f"no FP8 MFMA ({MFMA_FP8[target]}) for {target}"
+    assert not re.search(r"v_mfma_f32_\w+_(bf16|f16)\b", asm), "the FP8 operands were widened before the MFMA"
+    assert 0 < k.metadata.shared <= LDS_LIMIT[target]
+    waves_per_simd = -(-k.metadata.num_warps // 4)
+    assert _amd_meta(asm, "vgpr_count") <= 512 // waves_per_simd
+    assert _amd_meta(asm, "vgpr_spill_count") == 0 and _amd_meta(asm, "private_segment_fixed_size") == 0
