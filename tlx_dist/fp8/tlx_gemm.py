@@ -12,13 +12,12 @@ K-contiguous for the reduction they run). Nothing reads device values on the hos
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..grouped_gemm.host import max_m_tiles, prep_offsets, ragged_descriptor, search_steps
+from ..grouped_gemm.host import max_m_tiles, num_sms, prep_offsets, ragged_descriptor, search_steps
 from .quant import GROUP, Fp8Cols
 
 __all__ = ["Fp8GemmConfig", "CANDIDATES", "default_config", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
@@ -87,11 +86,6 @@ def shape_reason(K: int, NN: int) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _kernel():
     from tlx.hopper.fp8_grouped_gemm import _fp8_grouped_gemm_hopper_kernel
 
@@ -100,7 +94,7 @@ def _kernel():
 
 def _launch(cfg: Fp8GemmConfig, wgrad: bool, a_desc, b_desc, c_desc, sa, sb, offsets, tile_cum, n_rows, E, M_DIM,
             K_DIM, NN, stride_sa, bound: int, device: torch.device) -> None:
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     grid = (max(1, min(sms, bound)),)
     _kernel()[grid](a_desc, b_desc, c_desc, sa, sb, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN, stride_sa,
                     WGRAD=wgrad, BM=128, BN=cfg.BN, BK=GROUP, SUBN=cfg.SUBN, NUM_STAGES=cfg.STAGES, NUM_SMS=grid[0],
