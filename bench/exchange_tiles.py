@@ -6,7 +6,7 @@ what this looks for, so the emulated world is no guide):
     torchrun --nproc-per-node=2 bench/exchange_tiles.py [--tokens 4096,16384] [--dim 7168] [--experts 64]
 
 For each launch shape (``tlx_dist.comm.symm.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
-programs per SM, the copy-ahead loop, tokens per route block; ``default`` = what the library
+programs per SM, tokens per route block; ``default`` = what the library
 launches today) the row-form dispatch into a
 per-layer receive region and its combine (what the fused EP pipeline runs) are captured in CUDA
 graphs and replayed; each op's median over ``--iters`` replays, the ranks aligned on the device
@@ -33,19 +33,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _profile import gpu_timeline  # noqa: E402
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
-_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?(?:B(\d+))?$")
+_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?$")
 KINDS = ("send", "reduce_send", "reduce_recv", "expand", "route")
 
 # rows x cols, warps, programs per SM; the send and both reduce kernels take the same shape
-GRID = ["default", "send:4x1024w4p4L,reduce_send:8x512w4p16L", "send:4x1024w4p8L,reduce_send:8x1024w8p8L",
-        "send:2x2048w4p8L,reduce_send:4x1024w4p16L", "send:8x512w4p8L,reduce_send:8x512w8p8L",
+GRID = ["default", "send:4x1024w4p8,reduce_send:8x1024w8p8", "send:2x2048w4p8,reduce_send:4x1024w4p16",
+        "send:8x512w4p8,reduce_send:8x512w8p8",
         "route:16", "route:32", "route:64"]
 
 
 def parse(spec: str) -> dict:
-    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv
-    (a trailing ``L``: the copy-ahead loop, send and reduce_send; ``Bn``: the send's bulk-copy row
-    moves through n shared-memory slots, TLX); ``"send:8x512w4,route:16,..."``
+    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv;
+    ``"send:8x512w4,route:16,..."``
     -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
     mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
     per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
@@ -88,18 +87,15 @@ def parse(spec: str) -> dict:
             continue
         m = _SHAPE.match(shape)
         if not m:
-            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM][L][Bn])")
-        br, bd, w, p = (int(v) if v else None for v in m.groups()[:4])
+            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM])")
+        br, bd, w, p = (int(v) if v else None for v in m.groups())
         if br & (br - 1) or bd & (bd - 1):
             raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
-        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}),
-                 **({"pipe": True} if m.group(5) else {}))
-        if m.group(6) and m.group(5):
-            raise ValueError(f"--configs: {shape!r}: the bulk copies (B) replace the copy-ahead loop (L): pick one")
+        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}))
         for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
             if k not in KINDS:
                 raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")
-            out[k] = dict(o, **({"bulk": int(m.group(6))} if m.group(6) and k == "send" else {}))
+            out[k] = dict(o)
     return out
 
 

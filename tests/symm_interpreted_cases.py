@@ -209,11 +209,11 @@ def test_emulated_many_route_blocks(monkeypatch):
     world.check()
 
 
-def test_emulated_world_copy_ahead_and_route_override(monkeypatch):
-    """The copying form with ``symm.LAUNCH_OVERRIDES``: the send's copy-ahead loop (pipe) at a column
-    chunk that does not divide D, and 4 tokens per route block, against the oracles."""
+def test_emulated_world_narrow_chunks_and_route_override(monkeypatch):
+    """The copying form with ``symm.LAUNCH_OVERRIDES``: the send at a column chunk that does not
+    divide D, and 4 tokens per route block, against the oracles."""
     import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {"send": dict(BLOCK_ROWS=2, BLOCK_D=4, pipe=True),
+    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {"send": dict(BLOCK_ROWS=2, BLOCK_D=4),
                                                    "route": dict(BLOCK_ROWS=4)})
     _check_world(2, 8, 3, [9, 5], 6, "random")
     _check_world(4, 16, 3, [3, 5, 7, 9], 6, "heavy_imbalance")

@@ -127,13 +127,11 @@ def test_rows_world_launch_overrides(monkeypatch):
     assert symm._shape("send", 8, 5, torch.device("cpu"))[:3] == (1, 4, 8)
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
-    # the copy-ahead loop (pipe) in the send and the row-form reduce_send, column chunks that do and
-    # do not divide D (3 of 4 + 4 / 8), two tokens per route block (a look-back across blocks); over
-    # NVSHMEM (rpn=1) reduce_send keeps its plain loop (the host does not ask for the pipe there)
+    # column chunks that do and do not divide D (3 of 4 + 4 / 8), two tokens per route block (a
+    # look-back across blocks), and the same over NVSHMEM (rpn=1)
     symm.LAUNCH_OVERRIDES.update({
-        "send": dict(BLOCK_ROWS=2, BLOCK_D=4, pipe=True), "reduce_send": dict(BLOCK_ROWS=2, BLOCK_D=8, pipe=True),
+        "send": dict(BLOCK_ROWS=2, BLOCK_D=4), "reduce_send": dict(BLOCK_ROWS=2, BLOCK_D=8),
         "route": dict(BLOCK_ROWS=2)})
-    assert symm._pipe("send") == {"PIPE": True} and symm._pipe("reduce_recv") == {}
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([4, 0, 6, 2], "zero_token_experts", None)
     test_rows_world_matches_brute_force([5, 3], "random", 1)

@@ -112,7 +112,7 @@ def test_config_key_is_checked_and_reaches_the_dispatcher(monkeypatch):
     assert load_config(recipe, ["parallel.exchange_copy_engine=off"]).parallel.exchange_copy_engine == "off"
     with pytest.raises(ValueError, match=r"parallel.exchange_copy_engine='yes' must be auto, on or off"):
         load_config(recipe, ["parallel.exchange_copy_engine=yes"])
-    made = types.SimpleNamespace(bulk_send=0, copy_engine=None)
+    made = types.SimpleNamespace(copy_engine=None)
     monkeypatch.setattr(symm, "ep_buffers", lambda *a, **kw: made)
     d = SymmDispatcher(8, copy_engine=False, max_tokens=16)
     assert d._buffers_for(types.SimpleNamespace(shape=(16, 64), dtype=None, device="cpu"), 2) is made

@@ -83,9 +83,6 @@ class ParallelConfig:
     dispatch ends once the peers' metadata landed, their token rows follow on a side stream while
     the gate/up GEMM computes this rank's own rows. Needs ``ep_row_regions = true`` and
     ``capacity_factor > 0`` (checked); does nothing where the layers get no region.
-    exchange_bulk: n > 0: the symmetric exchange's send moves token rows through n shared-memory
-    slots by the SM's bulk-copy unit (``SymmDispatcher(bulk_send=n)``; TLX on sm_90 / sm_100 over
-    peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK.
     exchange_copy_engine: "auto" (default) | "on" | "off": the copy-engine row form of the layers
     with a receive region (``SymmDispatcher(copy_engine=...)``): their rows cross by copy engines in
     the dense layout; "auto" turns it on for T >= 4096 tokens a rank where nearly every token reaches
@@ -98,7 +95,6 @@ class ParallelConfig:
     moe_pipeline: str = "auto"
     ep_row_regions: bool = False
     ep_overlap: bool = False
-    exchange_bulk: int = 0
     exchange_copy_engine: str = "auto"
 
 
@@ -252,8 +248,6 @@ def _validate(cfg: Config) -> None:
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
     if p.exchange_copy_engine not in ("auto", "on", "off"):
         raise ValueError(f"parallel.exchange_copy_engine={p.exchange_copy_engine!r} must be auto, on or off")
-    if p.exchange_bulk < 0:
-        raise ValueError(f"parallel.exchange_bulk={p.exchange_bulk} must be >= 0 (shared-memory slots; 0: off)")
     if p.ep_overlap and not p.ep_row_regions:
         raise ValueError("parallel.ep_overlap=true overlaps the dispatch with GEMMs that read the rows where they "
                          "land: set parallel.ep_row_regions = true too")

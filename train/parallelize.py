@@ -146,7 +146,7 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
-                          overlap=p.ep_overlap, bulk_send=p.exchange_bulk,
+                          overlap=p.ep_overlap,
                           copy_engine={"auto": "auto", "on": True, "off": False}[p.exchange_copy_engine])
 
 

@@ -132,11 +132,6 @@ from .protocol import (  # noqa: F401  (CLOCK_*, _wait_geq: read here by the hos
 from .route import _route_kernel  # noqa: F401  (phase 1 of a dispatch)
 from .copy_engine import _ce_fixup_kernel, _ce_ready_kernel, _ce_signal_kernel  # noqa: F401  (copy-engine row form)
 
-try:  # the send's bulk-copy option (BULK) is TLX; without fbtriton the kernels never set it
-    from .bulk import bulk_alloc, bulk_drain, bulk_rows
-except ImportError:  # pragma: no cover - stock Triton
-    bulk_alloc = bulk_drain = bulk_rows = None
-
 
 @triton.jit
 def _copy_arrived(out, rows_from_ptr, my, q, nq, RANK, err_ptr, DT: tl.constexpr, W: tl.constexpr,
@@ -198,23 +193,6 @@ def _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W: tl.constexpr, OFF_RB
 
 
 @triton.jit
-def _copy_chunks_ahead(src, dst, m_rows, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``dst[r, :] = src[r, :]`` for the rows with ``m_rows`` (``src`` / ``dst``: row pointers), a
-    row's column chunk c + 1 loaded before chunk c is stored (PIPE), so a program has a load in
-    flight while its stores drain instead of waiting for each load before its store."""
-    cols = tl.arange(0, BLOCK_D)
-    cm = m_rows[:, None] & (cols < D)[None, :]
-    v = tl.load(src[:, None] + cols[None, :], mask=cm)
-    for c0 in range(BLOCK_D, D + BLOCK_D, BLOCK_D):
-        ncols = c0 + tl.arange(0, BLOCK_D)
-        ncm = m_rows[:, None] & (ncols < D)[None, :]
-        vn = tl.load(src[:, None] + ncols[None, :], mask=ncm)
-        tl.store(dst[:, None] + (ncols - BLOCK_D)[None, :], v, mask=cm)
-        v = vn
-        cm = ncm
-
-
-@triton.jit
 def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_ptr, gate_ptr, peers_ptr, RANK,
                         W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         E_LOCAL: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr, META_W: tl.constexpr,
@@ -231,8 +209,7 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                         OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
                         RECV_ROLE: tl.constexpr = False, N_SEND=1, rows_from_ptr=None,
                         RCV_R: tl.constexpr = 64, RCV_D: tl.constexpr = 256,
-                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, PIPE: tl.constexpr = False,
-                        SPLIT: tl.constexpr = 0, RCNT_OFF=0, BULK: tl.constexpr = 0, BULK_DP: tl.constexpr = 1,
+                        ROWS_REGION: tl.constexpr = False, ROWS_OFF=0, SPLIT: tl.constexpr = 0, RCNT_OFF=0,
                         DENSE: tl.constexpr = False):
     """BARRIER: first ``_await`` (with WITH_META: the layout, ``start`` = ``lay[0:E]``, and
     ``offs``, capped at OFFS_CAP when >= 0). Token t goes to row ``RANK*T_MAX + send_row[t, d]`` of every rank d with ``send_row[t, d]
@@ -252,8 +229,6 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     destination's region (a per-layer receive region, ``SymmLayout`` ROWS) instead of RECV, and
     stay there: no receive-side copy.
     Programs take token blocks pid, pid + N_SEND, ... so rows land at every receiver in token order.
-    PIPE: each row's next column chunk is loaded before the current one is stored
-    (``_copy_chunks_ahead``; a launch-shape option, ``symm.LAUNCH_OVERRIDES``).
     SPLIT (the overlapped row form, ROWS_REGION on peer pointers; ``symm.RowsOverlap``): the send in
     two launches. SPLIT=1, the op's phase 2 (BARRIER, WITH_META): every destination's META and
     gates and this rank's own rows (to OWN_ADDR), then the ARRIVE adds as usual -- so the expand
@@ -266,9 +241,6 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     receive row of token t is ``RANK*T_MAX + t`` on every rank, and every token counts as sent to every
     rank -- META (empty slots for a rank t does not go to), gates, ARRIVE and RBLK adds cover all T
     tokens -- while only the routed rows (``send_row >= 0``) move.
-    BULK = n (TLX; not with USE_NVSHMEM, BLK_SIGNAL or RECV_ROLE): the rows go through n shared-memory
-    slots of BULK_DP elements by bulk copies (``bulk.py``), one load per token for all its
-    destinations, instead of through registers.
 
     The row form's receive side (with LOCAL_ROWS): BLK_SIGNAL adds each token block's rows to the
     destination's RBLK counters (``_signal_blocks``); RECV_ROLE makes programs N_SEND.. of the
@@ -305,13 +277,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
     km = kk < K
     if USE_NVSHMEM:
         my = tl.load(peers_ptr + RANK)
-    if BULK > 0:
-        tl.static_assert(not (USE_NVSHMEM or BLK_SIGNAL or RECV_ROLE),
-                         "BULK: peer pointers only, no per-block signals or receiving programs")
-        bbuf, bbars = bulk_alloc(DT, BULK_DP, BULK)
     if DENSE:
-        tl.static_assert(not USE_NVSHMEM and BULK == 0, "DENSE: peer pointers, register copies")
-    bcnt = 0
+        tl.static_assert(not USE_NVSHMEM, "DENSE: peer pointers")
     for b in range(b0, nblocks, nprog):
         t = b * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = t < T
@@ -348,16 +315,11 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
                 mr = mr & (d == RANK)
             elif SPLIT == 2:
                 mr = mr & (d != RANK)
-            if BULK > 0:
-                pass  # the rows go by bulk copies after this loop (bulk_rows)
-            elif PIPE:
-                _copy_chunks_ahead(x_ptr + t.to(tl.int64) * stride_x, recv, mr, D, BLOCK_D)
-            else:
-                for c0 in range(0, D, BLOCK_D):
-                    cols = c0 + tl.arange(0, BLOCK_D)
-                    cm = mr[:, None] & (cols < D)[None, :]
-                    v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
-                    tl.store(recv[:, None] + cols[None, :], v, mask=cm)
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = mr[:, None] & (cols < D)[None, :]
+                v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=cm)
+                tl.store(recv[:, None] + cols[None, :], v, mask=cm)
             if WITH_META:
                 mk = sent[:, None] & km[None, :]
                 tk = t[:, None] * K + kk[None, :]
@@ -383,13 +345,8 @@ def _send_tokens_kernel(x_ptr, stride_x, T, send_row_ptr, idx_ptr, q_ptr, start_
             _nvshmem_put_tokens(x_ptr, stride_x, b, T, far_any, send_row_ptr, gate_ptr, peers_ptr, pes_ptr, my, RANK,
                                 W, K, KP, D, T_MAX, META_W, OFF_META, OFF_GATES, OFF_RECV, OFF_SROWS, OFF_SMETA,
                                 OFF_SGATES, WITH_META, BLOCK_T, BLOCK_D)
-        if BULK > 0:
-            bcnt = bulk_rows(bbuf, bbars, bcnt, x_ptr, stride_x, b, T, send_row_ptr, peers_ptr, RANK, OWN_ADDR,
-                             ROWS_OFF, W, D, T_MAX, OFF_RECV, BLOCK_T, ROWS_REGION, LOCAL_ROWS, LOCAL_X, SPLIT, BULK)
         if BLK_SIGNAL:
             _signal_blocks(t, tm, send_row_ptr, peers_ptr, RANK, W, OFF_RBLK, RB, NRB, DENSE)
-    if BULK > 0:
-        bulk_drain()
     if SPLIT == 2:
         _publish(hist, peers_ptr, RCNT_OFF + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
     else:
@@ -615,13 +572,12 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                         pes_ptr=None, OFF_SCOMB: tl.constexpr = 0, USE_NVSHMEM: tl.constexpr = False,
                         ROWS: tl.constexpr = False, BARRIER: tl.constexpr = False, OFF_STATE: tl.constexpr = 0,
                         OFF_FLAGS: tl.constexpr = 0, TIMEOUT_NS: tl.constexpr = 0, CLOCK: tl.constexpr = 0,
-                        PIPE: tl.constexpr = False, CBLK_SIGNAL: tl.constexpr = False, OFF_CBLK: tl.constexpr = 0,
+                        CBLK_SIGNAL: tl.constexpr = False, OFF_CBLK: tl.constexpr = 0,
                         CB: tl.constexpr = 32, NCB: tl.constexpr = 1, RECV_ROLE: tl.constexpr = False, N_RECV=0,
                         out_ptr=None, send_row_ptr=None, T=0, PART_ADDR=0, RR_T: tl.constexpr = 8,
                         RR_D: tl.constexpr = 512, END: tl.constexpr = False, WP3: tl.constexpr = 4,
                         DENSE: tl.constexpr = False):
-    """PIPE (set only with ROWS and no NVSHMEM): chunk c + 1 of a row loaded before chunk c is stored
-    (``_copy_chunks_ahead``). BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
+    """BARRIER: first ``_await`` (the op's phase 2). ROWS (fused EP pipeline): row n of ``y``
     (``[W*T_MAX, D]``, one row per received row,
     already summed over this rank's slots) goes home as it is. Otherwise,
     for each received token row n (source s, token t): ``sum_k [gate[n, k] *] y[pos[n, k]]``
@@ -692,30 +648,27 @@ def _reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, peers_
                     gate_t = tl.load(gate_ptr + n[:, None] * K + kk[None, :], mask=mk, other=0.0).to(ACC)
                 else:  # unused
                     gate_t = tl.zeros([BLOCK_R, KP], ACC)
-            if PIPE:  # (the host sets it only with ROWS and no NVSHMEM)
-                _copy_chunks_ahead(y_ptr + n.to(tl.int64) * D, dst, near, D, BLOCK_D)
-            else:
-                for c0 in range(0, D, BLOCK_D):
-                    cols = c0 + tl.arange(0, BLOCK_D)
-                    cm = (cols < D)[None, :]
-                    if ROWS:  # (own rows are not loaded: they stay where they are)
-                        acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=moved[:, None] & cm,
-                                      other=0.0).to(ACC)
+            for c0 in range(0, D, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                cm = (cols < D)[None, :]
+                if ROWS:  # (own rows are not loaded: they stay where they are)
+                    acc = tl.load(y_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], mask=moved[:, None] & cm,
+                                  other=0.0).to(ACC)
+                else:
+                    acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+                    # unrolled up to K = 8: the K row loads of a chunk are in flight together (a loop
+                    # waits for each before issuing the next); the sum keeps the order k = 0, 1, ...
+                    if K <= 8:
+                        for k in tl.static_range(K):
+                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                               ACC, DT)
                     else:
-                        acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
-                        # unrolled up to K = 8: the K row loads of a chunk are in flight together (a loop
-                        # waits for each before issuing the next); the sum keeps the order k = 0, 1, ...
-                        if K <= 8:
-                            for k in tl.static_range(K):
-                                acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
-                                                   ACC, DT)
-                        else:
-                            for k in range(K):
-                                acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
-                                                   ACC, DT)
-                    tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
-                    if USE_NVSHMEM:
-                        tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
+                        for k in range(K):
+                            acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED,
+                                               ACC, DT)
+                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=near[:, None] & cm)
+                if USE_NVSHMEM:
+                    tl.store(stage[:, None] + cols[None, :], acc.to(DT), mask=far[:, None] & cm)
             if USE_NVSHMEM:
                 _nvshmem_put_partials(b, rows_from_ptr, tok_ptr, far, peers_ptr, pes_ptr, my, RANK, W, D, T_MAX,
                                       DT.primitive_bitwidth // 8, OFF_COMB, OFF_SCOMB, BLOCK_R)

@@ -301,9 +301,8 @@ def _grid(n_blocks: int, dev: torch.device, per_sm: int = 4) -> tuple[int]:
 
 # Launch shapes of the row-moving kernels, for tuning sweeps (``bench/exchange_tiles.py``): kernel
 # name ("send", "expand", "reduce_send", "reduce_recv") -> dict with any of BLOCK_ROWS, BLOCK_D
-# (powers of two), num_warps, per_sm (programs per SM), pipe (send / row-form reduce_send: load a
-# row's next column chunk before storing this one), bulk (send: n shared-memory slots of bulk-copy
-# row moves, ``_bulk``); "route" -> {"BLOCK_ROWS": tokens per route block}. Empty: the defaults
+# (powers of two), num_warps, per_sm (programs per SM); "route" -> {"BLOCK_ROWS": tokens per route
+# block}. Empty: the defaults
 # (``_DEFAULT_SHAPES``, 4 warps). Every rank must set the same; set it between ops, not inside one.
 LAUNCH_OVERRIDES: dict = {}
 
@@ -324,47 +323,6 @@ def _shape(kind: str, D: int, rows: int, dev: torch.device) -> tuple[int, int, i
     o = LAUNCH_OVERRIDES.get(kind) or {}
     br, bd = o.get("BLOCK_ROWS", br), o.get("BLOCK_D", bd)
     return br, bd, o.get("num_warps", 4), _grid(-(-rows // br), dev, o.get("per_sm", per_sm))
-
-
-def _pipe(kind: str) -> dict:
-    """``{"PIPE": True}`` where ``LAUNCH_OVERRIDES[kind]`` asks for the copy-ahead loop (``pipe``:
-    ``tlx/comm/exchange.py::_copy_chunks_ahead``), else nothing."""
-    return {"PIPE": True} if (LAUNCH_OVERRIDES.get(kind) or {}).get("pipe") else {}
-
-
-_BULK_SMEM = 160 * 1024  # shared memory the send's bulk-copy slots may take per program
-_SM_SMEM = 220 * 1024  # shared memory the send's programs on one SM may take together (H100 / H200 / B200: 227 KB)
-ENV_EXCHANGE_BULK = "TLX_DIST_EXCHANGE_BULK"  # n > 0: the send's bulk-copy row moves with n slots
-
-
-def _bulk(x_TD: torch.Tensor, bufs: SymmBuffers, rows_meta: dict) -> dict:
-    """``{"BULK": n, "BULK_DP": ...}`` where ``LAUNCH_OVERRIDES["send"]`` (``bulk``: n slots), else the
-    buffers' ``bulk_send`` (``SymmDispatcher(bulk_send=n)``), else ``TLX_DIST_EXCHANGE_BULK``, asks for the bulk-copy row moves (``tlx/comm/bulk.py``) and they
-    apply: TLX on sm_90 / sm_100, peer pointers only (no NVSHMEM route), no per-block receive signals
-    or receiving programs, 16-byte aligned rows (and own-row output), and n slots of next_pow2(D)
-    elements that fit in the shared memory of the send's programs per SM (n shrinks to fit; under 2
-    slots, no bulk). Else nothing: the register copy."""
-    o = LAUNCH_OVERRIDES.get("send") or {}
-    n = o["bulk"] if "bulk" in o else (getattr(bufs, "bulk_send", 0) or os.environ.get(ENV_EXCHANGE_BULK, "0"))
-    try:
-        n = int(n)
-    except ValueError:
-        raise ValueError(f"{ENV_EXCHANGE_BULK}={n!r} must be an integer (shared-memory slots; 0: off)") from None
-    if n <= 0 or x_TD.device.type != "cuda" or bufs.use_nvshmem or "BLK_SIGNAL" in rows_meta \
-            or "RECV_ROLE" in rows_meta:
-        return {}
-    import tlx
-    from tlx.comm import exchange
-
-    es, D = x_TD.element_size(), x_TD.shape[1]
-    if not tlx.tlx_available() or exchange.bulk_rows is None or tlx.gpu_arch() not in ("sm_90", "sm_100"):
-        return {}  # cp.async.bulk: Hopper and later, through fbtriton's TLX
-    if (D * es) % 16 or (x_TD.stride(0) * es) % 16 or x_TD.data_ptr() % 16 or rows_meta.get("OWN_ADDR", 0) % 16:
-        return {}
-    dp = _next_pow2(D)
-    per_sm = o.get("per_sm", _DEFAULT_SHAPES["send"][1])
-    n = min(n, (_SM_SMEM // max(1, per_sm)) // (dp * es), _BULK_SMEM // (dp * es))
-    return {"BULK": n, "BULK_DP": dp} if n >= 2 else {}
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -789,7 +747,6 @@ def _send_tokens(bufs, x_TD, send_row_TW, idx_TK, q_TK, lay, gate_TK, with_meta:
         OFFS_CAP=-1 if offs_cap is None else offs_cap,
         **rows_meta, **({"LOCAL_X": True} if skip_own else {}), **({"RAW_META": True} if raw_meta else {}),
         **({"DENSE": True} if dense else {}),
-        **_pipe("send"), **_bulk(x_TD, bufs, rows_meta),
         **({} if split == 2 else _await_meta(bufs)))
 
 
@@ -1048,7 +1005,6 @@ def _reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: SymmHandle, gated: bool,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), D=L.hidden, T_MAX=L.max_tokens,
         OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, GATED=gated, ACC=_common(bufs)["ACC"],
         BLOCK_R=br, BLOCK_D=bd, num_warps=warps, **({"ROWS": True} if rows else {}),
-        **(_pipe("reduce_send") if rows and not bufs.use_nvshmem else {}),
         **_await_meta(bufs), **extra)
     return out if recv else y
 
@@ -1357,18 +1313,17 @@ class SymmDispatcher(Dispatcher):
             E=64, K=8); ``True``: wherever copies can be issued (also the emulated world); never on
             the NVSHMEM route or ROCm. Set on the buffer set (``TLX_DIST_COPY_ENGINE`` where left
             ``"auto"``); every rank must agree.
-        bulk_send: n > 0: the send moves token rows by the SM's bulk-copy unit through n shared-memory
-            slots instead of through registers (TLX on sm_90 / sm_100, peer pointers; elsewhere
-            the register copy). Set on the buffer set, so for every layer that shares it; 0 (default)
-            leaves it to ``TLX_DIST_EXCHANGE_BULK``. Two H200s, T=16384, D=7168: 2% more bandwidth
-            (session 14), so off by default.
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
                  capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True,
-                 row_regions: int = 0, overlap: bool = False, bulk_send: int = 0,
-                 copy_engine: Union[str, bool] = "auto"):
+                 row_regions: int = 0, overlap: bool = False, copy_engine: Union[str, bool] = "auto", **removed):
+        if "bulk_send" in removed:
+            raise TypeError("SymmDispatcher(bulk_send=...) was removed: the bulk-copy send moved rows no faster than "
+                            "the register copy (docs/decisions.md); drop the argument")
+        if removed:
+            raise TypeError(f"SymmDispatcher() got unexpected keyword argument(s) {sorted(removed)}")
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if buffers is not None:
@@ -1395,11 +1350,6 @@ class SymmDispatcher(Dispatcher):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap={overlap!r} must be a bool")
         self.overlap = overlap
-        if isinstance(bulk_send, bool) or not isinstance(bulk_send, int) or bulk_send < 0:
-            raise ValueError(f"bulk_send={bulk_send!r} must be a non-negative int (shared-memory slots; 0: off)")
-        self.bulk_send = bulk_send
-        if buffers is not None and bulk_send:
-            buffers.bulk_send = bulk_send
         if copy_engine not in ("auto", True, False) or (not isinstance(copy_engine, (str, bool))):
             raise ValueError(f"copy_engine={copy_engine!r} must be 'auto', True or False")
         self.copy_engine = copy_engine
@@ -1438,8 +1388,6 @@ class SymmDispatcher(Dispatcher):
                 T = int(t.item())  # one-time setup sync
             self.buffers = ep_buffers(self.group, T, x_TD.shape[1], K, self.num_experts, x_TD.dtype,
                                       device=x_TD.device, timeout_s=self.timeout_s, row_regions=self.row_regions)
-            if self.bulk_send:
-                self.buffers.bulk_send = self.bulk_send
         if self.copy_engine != "auto":
             _set_copy_engine(self.buffers, self.copy_engine)
         return self.buffers

@@ -306,9 +306,6 @@ class SymmBuffers:
         self._nvshmem_lib = None
         self._side_stream = None  # the overlapped row form's side stream (symm._on_side), made on first use
         self._overlap_plans = {}  # region -> the last overlapped dispatch's symm.RowsOverlap there
-        # the send's bulk-copy slots (symm._bulk; SymmDispatcher(bulk_send=), parallel.exchange_bulk):
-        # 0 = TLX_DIST_EXCHANGE_BULK decides (off when unset)
-        self.bulk_send = 0
         # the copy-engine row form (symm._ce_mode; SymmDispatcher(copy_engine=), parallel.exchange_copy_engine):
         # "auto" | True | False; None = TLX_DIST_COPY_ENGINE decides (auto when unset)
         self.copy_engine = None
