@@ -5,7 +5,7 @@ what this looks for, so the emulated world is no guide):
 
     torchrun --nproc-per-node=2 bench/exchange_tiles.py [--tokens 4096,16384] [--dim 7168] [--experts 64]
 
-For each launch shape (``tlx_dist.comm.symm.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
+For each launch shape (``tlx_dist.comm.symm.tuning.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
 programs per SM, tokens per route block; ``default`` = what the library
 launches today) the row-form dispatch into a
 per-layer receive region and its combine (what the fused EP pipeline runs) are captured in CUDA
@@ -46,20 +46,20 @@ def parse(spec: str) -> dict:
     """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv;
     ``"send:8x512w4,route:16,..."``
     -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
-    mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
-    per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
+    mode, ``policy._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
+    per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``policy._ce_mode``; ``ce_chunk:N``: rows per
     copy-engine combine copy)."""
     if spec == "default":
         return {}
     out = {}
     for part in spec.split(","):
         kind, _, shape = part.rpartition(":")
-        if kind == "comb":  # the combine's mode on every rank (symm._comb_mode), between ops
+        if kind == "comb":  # the combine's mode on every rank (policy._comb_mode), between ops
             if shape not in ("after", "overlap"):
                 raise ValueError(f"--configs: comb:{shape!r} must be after or overlap")
             out["comb"] = shape
             continue
-        if kind == "ce":  # the copy-engine row form on every rank (symm._ce_mode), between ops
+        if kind == "ce":  # the copy-engine row form on every rank (policy._ce_mode), between ops
             if shape not in ("on", "off"):
                 raise ValueError(f"--configs: ce:{shape!r} must be on or off")
             out["ce_mode"] = shape == "on"
@@ -102,7 +102,8 @@ def parse(spec: str) -> dict:
 def main() -> int:
     import torch.distributed as dist
 
-    from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher, symm
+    from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher
+    from tlx_dist.comm.symm import tuning
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,4096,16384")
@@ -141,8 +142,8 @@ def main() -> int:
         aligned = _aligned_sync(sync, disp) or sync
         base = None
         for spec, shape in zip(specs, shapes):
-            symm.LAUNCH_OVERRIDES.clear()
-            symm.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k not in ("comb", "ce_mode")})
+            tuning.LAUNCH_OVERRIDES.clear()
+            tuning.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k not in ("comb", "ce_mode")})
             disp.buffers._comb_mode = None  # resolved again at the next combine (env / default) ...
             if "comb" in shape:  # ... or as the spec says (every rank runs the same specs)
                 disp.buffers._comb_mode = shape["comb"]
@@ -166,7 +167,7 @@ def main() -> int:
                 print(f"{spec:>24} T={T:6d}  disp {td:8.1f} us {row['dispatch_GBps']:6.1f} GB/s   "
                       f"comb {tc:8.1f} us {row['combine_GBps']:6.1f} GB/s   x first {row['pair_vs_first']:.3f}",
                       flush=True)
-        symm.LAUNCH_OVERRIDES.clear()
+        tuning.LAUNCH_OVERRIDES.clear()
         disp.buffers.close()
     if r == 0:
         print(f"\nW={W} E={E} D={D} K={K}, row form into a receive region, graph-replayed, ranks aligned")

@@ -1,4 +1,4 @@
-"""The copy-engine row form (``symm._ce_mode``, ``tlx_dist/comm/copy_engine.py``) on CPU: the real
+"""The copy-engine row form (``policy._ce_mode``, ``tlx_dist/comm/copy_engine.py``) on CPU: the real
 tlx/comm kernels under TRITON_INTERPRET=1 in an emulated world whose "copy engine" is ``memmove``,
 against the SM row form of the same world (the oracle that the rest of the suite ties to the
 all-to-all reference and to a brute-force fp64 MoE).
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from symm_interpreted_cases import _kind_routing  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 from tlx_dist.fused import fused_experts_rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -156,12 +156,12 @@ def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts, chunks):
     fewer tokens than a source copies its own count and the fix-up kernel stores the rest), or one
     12-row chunk cut down (the default's shape: a last copy cut in halves; here 3 + 4 rows): still bit
     for bit the SM row form, every counter back at zero."""
-    import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    from tlx_dist.comm.symm import ce_transport, tuning
+    import tlx_dist.comm.symm.buffers as sb
     monkeypatch.setattr(sb, "COMB_BLOCK", 3)
-    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "ce", chunks)
+    monkeypatch.setitem(tuning.LAUNCH_OVERRIDES, "ce", chunks)
     if "tail_rows" in chunks:
-        assert symm._ce_chunks(7, 3, 12, 3) == [(0, 3), (3, 7)]
+        assert ce_transport._ce_chunks(7, 3, 12, 3) == [(0, 3), (3, 7)]
     W, E, K, D, Fe = len(Ts), 8, 2, 8, 4
     e, dt, T_max = E // W, torch.float64, max(Ts)
     gen = torch.Generator().manual_seed(6)

@@ -21,7 +21,7 @@ from test_dispatch import _brute_force_receive, _routing  # noqa: E402
 from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
 from tlx_dist.comm.symm import SymmDispatcher, SymmHandle  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError, SymmBuffers, SymmLayout  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError, SymmBuffers, SymmLayout  # noqa: E402
 from tlx_dist.comm.topology import Topology  # noqa: E402
 
 # Triton fixes interpret-or-compile per kernel when it is decorated, for the whole process, so this
@@ -142,24 +142,25 @@ def test_emulated_edge_shapes():
 
 
 def test_tiles_widen_only_for_few_rows():
-    """symm._tiles: 8 x 512 at the usual widths once there are enough row blocks; wider and shorter
+    """tuning._tiles: 8 x 512 at the usual widths once there are enough row blocks; wider and shorter
     tiles (down to 2 x 2048) for few rows; never wider than the row needs."""
-    from tlx_dist.comm.symm import _tiles
+    from tlx_dist.comm.symm import tuning
+    from tlx_dist.comm.symm.tuning import _tiles
     assert _tiles(7168) == (8, 512) and _tiles(7168, 2 * 16384) == (8, 512) and _tiles(7168, 2048) == (8, 512)
     assert _tiles(7168, 1024) == (4, 1024)
     assert _tiles(7168, 128) == _tiles(7168, 1) == (2, 2048)
     assert _tiles(2048, 128) == (2, 2048) and _tiles(1024, 128) == (4, 1024)
     assert _tiles(6, 3) == (512, 8) and _tiles(256, 3) == (16, 256)
-    # the send kernel starts at 1024 columns (symm._DEFAULT_SHAPES); small ops widen to the same tiles
+    # the send kernel starts at 1024 columns (tuning._DEFAULT_SHAPES); small ops widen to the same tiles
     assert _tiles(7168, 2 * 16384, 1024) == (4, 1024) and _tiles(7168, 128, 1024) == (2, 2048)
 
 
 def test_emulated_world_short_wide_tiles(monkeypatch):
     """The row-moving kernels with 2-row, 1-row and multi-chunk tiles whose last column chunk is
-    ragged (what symm._tiles picks for few rows at large D, here forced at a small D)."""
-    import tlx_dist.comm.symm as symm
+    ragged (what tuning._tiles picks for few rows at large D, here forced at a small D)."""
+    from tlx_dist.comm.symm import tuning
     for tiles in ((2, 16), (1, 32)):
-        monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
+        monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
         _check_world(2, 8, 3, [5, 4], 40, "random")
         _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
 
@@ -192,8 +193,8 @@ def test_emulated_many_route_blocks(monkeypatch):
     """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
     last one -- the look-back must carry every block's slots into the next, and a second dispatch
     on the same buffers must not read the first one's block status as ready."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 32)
+    from tlx_dist.comm.symm import launch
+    monkeypatch.setattr(launch, "_ROUTE_BLOCK_T", 32)
     world, xs, _ = _check_world(2, 64, 8, [100, 70], 4, "random")
     _check_world(2, 64, 8, [97, 33], 4, "heavy_imbalance")
     for seed in (40, 41):  # later dispatches on the same buffers (their look-back scratch is reused)
@@ -210,10 +211,10 @@ def test_emulated_many_route_blocks(monkeypatch):
 
 
 def test_emulated_world_narrow_chunks_and_route_override(monkeypatch):
-    """The copying form with ``symm.LAUNCH_OVERRIDES``: the send at a column chunk that does not
+    """The copying form with ``tuning.LAUNCH_OVERRIDES``: the send at a column chunk that does not
     divide D, and 4 tokens per route block, against the oracles."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {"send": dict(BLOCK_ROWS=2, BLOCK_D=4),
+    from tlx_dist.comm.symm import tuning
+    monkeypatch.setattr(tuning, "LAUNCH_OVERRIDES", {"send": dict(BLOCK_ROWS=2, BLOCK_D=4),
                                                    "route": dict(BLOCK_ROWS=4)})
     _check_world(2, 8, 3, [9, 5], 6, "random")
     _check_world(4, 16, 3, [3, 5, 7, 9], 6, "heavy_imbalance")
@@ -239,11 +240,11 @@ def test_route_lookback_through_aggregates(monkeypatch):
     """The look-back path of concurrent blocks (a predecessor has published only its aggregate), which
     in-order interpretation never takes by itself: forced for every block, the layout still equals
     the oracle's -- and a wrong sum along that path fails here."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_ROUTE_AGG_ONLY", True)
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 16)  # 7 / 5 blocks
+    from tlx_dist.comm.symm import launch
+    monkeypatch.setattr(launch, "_ROUTE_AGG_ONLY", True)
+    monkeypatch.setattr(launch, "_ROUTE_BLOCK_T", 16)  # 7 / 5 blocks
     _check_world(2, 64, 8, [100, 70], 4, "random")
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 4)   # E = 256, K = 8: 8 / 5 blocks of 32 slots
+    monkeypatch.setattr(launch, "_ROUTE_BLOCK_T", 4)   # E = 256, K = 8: 8 / 5 blocks of 32 slots
     _check_world(2, 256, 8, [29, 17], 4, "random")
 
 

@@ -105,41 +105,41 @@ def test_rows_world_matches_brute_force(Ts, kind, rpn):
 
 
 def test_rows_world_short_wide_tiles(monkeypatch):
-    """The row form with 2-row tiles of two column chunks (what symm._tiles picks for few rows at
+    """The row form with 2-row tiles of two column chunks (what tuning._tiles picks for few rows at
     large D, forced here at D = 8): forward and backward against the brute force."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (2, 4))
+    from tlx_dist.comm.symm import tuning
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (2, 4))
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
 
 
 def test_rows_world_launch_overrides(monkeypatch):
-    """``symm.LAUNCH_OVERRIDES`` (what bench/exchange_tiles.py sweeps): a different tile shape and
+    """``tuning.LAUNCH_OVERRIDES`` (what bench/exchange_tiles.py sweeps): a different tile shape and
     warp count per row-moving kernel -- one-row tiles, tiles taller than a rank's rows, a column
     chunk narrower than D -- still give the brute force's forward and backward; an empty dict is
     the default launch again."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {
+    from tlx_dist.comm.symm import tuning
+    monkeypatch.setattr(tuning, "LAUNCH_OVERRIDES", {
         "send": dict(BLOCK_ROWS=1, BLOCK_D=4, num_warps=8, per_sm=1),
         "expand": dict(BLOCK_ROWS=16, BLOCK_D=8),
         "reduce_send": dict(BLOCK_ROWS=4, BLOCK_D=2, num_warps=2),
         "reduce_recv": dict(BLOCK_ROWS=8, BLOCK_D=16)})
-    assert symm._shape("send", 8, 5, torch.device("cpu"))[:3] == (1, 4, 8)
+    assert tuning._shape("send", 8, 5, torch.device("cpu"))[:3] == (1, 4, 8)
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
     # column chunks that do and do not divide D (3 of 4 + 4 / 8), two tokens per route block (a
     # look-back across blocks), and the same over NVSHMEM (rpn=1)
-    symm.LAUNCH_OVERRIDES.update({
+    tuning.LAUNCH_OVERRIDES.update({
         "send": dict(BLOCK_ROWS=2, BLOCK_D=4), "reduce_send": dict(BLOCK_ROWS=2, BLOCK_D=8),
         "route": dict(BLOCK_ROWS=2)})
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([4, 0, 6, 2], "zero_token_experts", None)
     test_rows_world_matches_brute_force([5, 3], "random", 1)
-    symm.LAUNCH_OVERRIDES["send"]["BLOCK_D"] = 16  # one chunk wider than D = 8
+    tuning.LAUNCH_OVERRIDES["send"]["BLOCK_D"] = 16  # one chunk wider than D = 8
     test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
-    symm.LAUNCH_OVERRIDES.clear()
+    tuning.LAUNCH_OVERRIDES.clear()
     cpu = torch.device("cpu")
-    assert symm._shape("send", 8, 5, cpu) == (*symm._tiles(8, 5, 1024), 4, symm._grid(-(-5 // symm._tiles(8, 5, 1024)[0]), cpu))
+    assert tuning._shape("send", 8, 5, cpu) == (*tuning._tiles(8, 5, 1024), 4, tuning._grid(-(-5 // tuning._tiles(8, 5, 1024)[0]), cpu))
 
 
 @pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5, 2, 4], "heavy_imbalance"), ([4, 0, 6, 2], "random")])
@@ -148,14 +148,16 @@ def test_rows_arrive_block_by_block(monkeypatch, Ts, kind):
     blocks and 4-row send tiles a token block's rows straddle two counters. After the send phase
     each rank's counter (s, j) holds exactly the rows of receive block j from source s (none from
     itself); after the op every counter is back at zero, and the results are right, twice over."""
+    from tlx_dist.comm.symm import tuning
     import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    from tlx_dist.comm.symm import policy
+    import tlx_dist.comm.symm.buffers as sb
     monkeypatch.setattr(sb, "RECV_BLOCK", 3)
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (4, 4))
     W, E, K, D = len(Ts), 12, 3, 8
     world = EmulatedWorld(W, max(Ts), D, K, E, torch.float64, device="cpu")
     bufs = world.buffers
-    assert bufs[0].layout.recv_block == 3 and symm._recv_mode(bufs[0]) == "blocks"
+    assert bufs[0].layout.recv_block == 3 and policy._recv_mode(bufs[0]) == "blocks"
     gen = torch.Generator().manual_seed(5)
     for rep in range(2):
         xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
@@ -621,7 +623,7 @@ def test_overlapped_rows_wait_times_out_naming_the_peer():
     """A peer whose rows never land (its row send skipped: the counters are taken back here) makes
     the wait give up after the timeout and ``check()`` raise, naming the token rows and the peer --
     no hang."""
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, E, K, D, T = 2, 4, 2, 8, 5
     dt = torch.float64
@@ -761,21 +763,23 @@ def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
                                           ([5, 3, 6, 2], "heavy_imbalance", True),
                                           ([6, 6], "zero_token_experts", False)])
 def test_combine_counts_partial_rows_per_token_block(monkeypatch, Ts, kind, rows):
-    """The combine's per-token-block arrival counters (CBLK; ``symm._comb_mode`` "blocks" in the
+    """The combine's per-token-block arrival counters (CBLK; ``policy._comb_mode`` "blocks" in the
     emulated world, and on real ranks the counters the one-launch combine sums by). With 3-token
     blocks and 4-row reduce-send tiles a tile's rows straddle blocks and sources. After the send
     phase, source s's counter (d, j) holds the rows of its token block j that rank d sent back: the
     block's tokens that went to d (row form: none from s itself, whose partial rows stay where they
     are). After the op every counter is zero and the output is bit for bit the one-count-per-rank
     path's ("after", the NVSHMEM route's), twice over on the same buffers."""
+    from tlx_dist.comm.symm import tuning
     import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    from tlx_dist.comm.symm import policy
+    import tlx_dist.comm.symm.buffers as sb
     monkeypatch.setattr(sb, "COMB_BLOCK", 3)
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (4, 4))
     W, E, K, D = len(Ts), 12, 3, 8
     world, ref_world = _comb_world(Ts, D, K, E, monkeypatch), _comb_world(Ts, D, K, E, monkeypatch, "after")
     bufs = world.buffers
-    assert bufs[0].layout.comb_block == 3 and symm._comb_mode(bufs[0]) == "blocks"
+    assert bufs[0].layout.comb_block == 3 and policy._comb_mode(bufs[0]) == "blocks"
     gen = torch.Generator().manual_seed(8)
     for rep in range(2):
         xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
@@ -829,7 +833,7 @@ def test_combine_block_wait_names_the_peer_that_skipped():
     hang), and check() raises ExchangeError naming the combine, this rank and the peer."""
     from tlx_dist.comm.emulated import run_lockstep
     from tlx_dist.comm.symm import combine_steps
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
     W, E, K, D, T = 2, 4, 2, 4, 6
     world = EmulatedWorld(W, T, D, K, E, torch.float64, device="cpu", timeout_s=0.002)
     xs = [torch.randn(T, D, dtype=torch.float64) for _ in range(W)]
@@ -849,7 +853,6 @@ def test_one_launch_combine_host_path_on_one_rank(monkeypatch):
     runs them to the end. One kernel per combine; its output is the two-launch path's bit for bit,
     twice (the op's end readies the next). fp64 rows (too many registers a thread for programs to
     wait beside the senders) keep two launches."""
-    import tlx_dist.comm.symm as symm
     from tlx.comm import exchange
 
     launched = []

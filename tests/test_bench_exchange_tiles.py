@@ -1,5 +1,5 @@
 """bench/exchange_tiles.py's ``--configs`` parser on CPU (the bench itself needs two GPUs): every spec
-kind lands where ``symm.LAUNCH_OVERRIDES`` / the buffers read it, and a bad spec names itself."""
+kind lands where ``tuning.LAUNCH_OVERRIDES`` / the buffers read it, and a bad spec names itself."""
 
 from __future__ import annotations
 

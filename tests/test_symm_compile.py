@@ -60,7 +60,7 @@ def _specs(amd: bool = False):
                     USE_NVSHMEM=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
                     RR_T=8, RR_D=512, END=False, WP3=32, DENSE=False,
                     **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS", "OFF_CBLK"))
-    # the one-launch combine (symm._comb_mode "overlap"): per-token-block counters, and summing
+    # the one-launch combine (policy._comb_mode "overlap"): per-token-block counters, and summing
     # programs that read this rank's partial rows where they are (row form) or from COMB
     rsend_recv_sig = dict(rsend_sig, N_RECV="i32", out_ptr="*bf16", send_row_ptr="*i32", T="i32", PART_ADDR="i64")
     rsend_recv_cx = dict(rsend_cx, CBLK_SIGNAL=True, RECV_ROLE=True, END=True, RR_T=1, RR_D=512)  # W = 8
@@ -73,9 +73,9 @@ def _specs(amd: bool = False):
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
-            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # symm._route's
+            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # launch._route's
                  USE_NVSHMEM=False, AGG_ONLY=False, DENSE=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
-        # the copy-engine row form (symm._ce_mode): the dense layout's route, send (META, gates, own rows;
+        # the copy-engine row form (policy._ce_mode): the dense layout's route, send (META, gates, own rows;
         # SPLIT=1), combine-backward send with per-block receive copies, block sums; the copies' kernels
         "_route_kernel[dense]": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
@@ -111,7 +111,7 @@ def _specs(amd: bool = False):
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
         # ... on real ranks over peer pointers: per-block arrival counters, and receiving programs that
-        # copy the other sources' rows out as they land (symm._recv_mode "overlap")
+        # copy the other sources' rows out as they land (policy._recv_mode "overlap")
         "_send_tokens_kernel[rows_overlap]": ("_send_tokens_kernel", send_sig,
                                               dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
                                                    RECV_ROLE=True, RAW_META=True)),
@@ -153,7 +153,7 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
         "_reduce_send_kernel[rows_recv]": ("_reduce_send_kernel", rsend_recv_sig,
                                            dict(rsend_recv_cx, GATED=False, ROWS=True)),
-        # ... at the summing tile symm._comb_recv_shape gives each W (~4096 / W elements a rank)
+        # ... at the summing tile tuning._comb_recv_shape gives each W (~4096 / W elements a rank)
         **{f"_reduce_send_kernel[rows_recv_w{w}]": ("_reduce_send_kernel", rsend_recv_sig,
                                                     dict(rsend_recv_cx, GATED=False, ROWS=True, W=w, WP=w,
                                                          RR_T=max(1, 4096 // w // 512), RR_D=512))
@@ -185,7 +185,7 @@ def _specs(amd: bool = False):
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
-        # few rows (symm._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
+        # few rows (tuning._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
         "_send_tokens_kernel[wide]": ("_send_tokens_kernel", send_sig, dict(send_cx, BLOCK_T=2, BLOCK_D=2048)),
         "_expand_kernel[wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
                                                                 BLOCK_R=2, BLOCK_D=2048, LOCAL_X=True)),
@@ -319,14 +319,14 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert r["release"] > p["release"] and r["acquire"] > p["acquire"] and r["timer"] > p["timer"], name
         assert r["st"] > p["st"] and r["ld"] > p["ld"], f"{name}: no summing of the arrived rows"
     assert compiled["_reduce_send_kernel[blk]"]["release"] > 0
-    # Its summing programs (up to 4 an SM, symm._comb_recv_shape) wait for senders of the same launch:
+    # Its summing programs (up to 4 an SM, tuning._comb_recv_shape) wait for senders of the same launch:
     # at <= 64 registers a thread 8 CTAs of 4 warps fit an SM, so senders always find room beside them.
     if "regs" in compiled["_reduce_send_kernel[rows_recv]"]:
         for name in ("_reduce_send_kernel[rows_recv_w2]", "_reduce_send_kernel[rows_recv_w4]",
                      "_reduce_send_kernel[rows_recv_w8]", "_reduce_send_kernel[rows_recv_fp16]"):
             regs = compiled[name]["regs"]
             assert regs <= 64, f"one-launch combine {name}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
-    # The copy-engine combine's summing programs (symm.CE_SUM_PER_SM = 4 an SM, 4 warps) wait for the
+    # The copy-engine combine's summing programs (tuning.CE_SUM_PER_SM = 4 an SM, 4 warps) wait for the
     # chunks' one-warp signal kernels: at W = 2 (where "auto" turns the copy engines on) they must leave
     # room for them. <= 120 registers a thread: 4 x 4 warps x 32 x 120 = 61,440 of an SM's 65,536.
     if "regs" in compiled["_reduce_recv_kernel[rows_blk_dense_w2]"]:

@@ -26,7 +26,7 @@ pytestmark = [
 
 from tlx_dist.comm import LocalDispatcher, SymmBuffers, SymmDispatcher  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 from tlx_dist.testing import assert_close_ksum_bf16, assert_close_to_ref  # noqa: E402
 
 DEV = "cuda"

@@ -184,7 +184,7 @@ def test_moe_layer_overlapped_fused_ep(group, copy_engine):
         torch.cuda.synchronize()
         assert int(disp.buffers.region_counters().abs().sum()) == 0, "the rows' waits left counts behind"
         assert not disp.buffers.comb_block_counters().any(), "a combine counter was left non-zero"
-    from tlx_dist.comm.symm import _ce_mode
+    from tlx_dist.comm.symm.policy import _ce_mode
     assert _ce_mode(disp.buffers) == copy_engine
     disp.check()
     # the step in a CUDA graph: side stream forked and joined inside the capture. The eager steps'
@@ -234,7 +234,7 @@ def test_row_form_matches_all_to_all(group, kind, overlap, monkeypatch):
     import torch.distributed as dist
 
     from tlx_dist.comm import AllToAllDispatcher, SymmBuffers, SymmDispatcher
-    from tlx_dist.comm.symm import ENV_RECV_OVERLAP, _recv_mode
+    from tlx_dist.comm.symm.policy import ENV_RECV_OVERLAP, _recv_mode
 
     monkeypatch.setenv(ENV_RECV_OVERLAP, overlap)
 
@@ -284,7 +284,7 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmDispatcher
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T = 4 * W, 2, 256, 32
@@ -308,7 +308,7 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
 
 @pytest.mark.parametrize("rows", [False, True])
 def test_one_launch_combine_matches_the_arrive_path(group, rows):
-    """Real ranks over peer pointers combine the row form in one launch (``symm._comb_mode``
+    """Real ranks over peer pointers combine the row form in one launch (``policy._comb_mode``
     "overlap": the reduce-send's first programs sum each token block as its partial rows land). Its
     output is bit for bit the two-launch path's ("after": one ARRIVE count per rank, then the
     reduce-receive), T not a multiple of the counters' token block and unequal per rank; every
@@ -318,7 +318,8 @@ def test_one_launch_combine_matches_the_arrive_path(group, rows):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from tlx_dist.comm import SymmDispatcher, symm
+    from tlx_dist.comm import SymmDispatcher
+    from tlx_dist.comm.symm import policy
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 8, 1024, 1000
@@ -338,7 +339,7 @@ def test_one_launch_combine_matches_the_arrive_path(group, rows):
             y = torch.randn(recv.shape, device="cuda", generator=g).to(torch.bfloat16)
             comb = lambda: sd.combine_weighted(y, h, gate)  # noqa: E731
         bufs = sd.buffers
-        assert symm._comb_mode(bufs) == "overlap"
+        assert policy._comb_mode(bufs) == "overlap"
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             one = comb()
             torch.cuda.synchronize()
@@ -366,7 +367,7 @@ def test_rank_that_skips_a_combine_is_an_error_not_a_hang(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmDispatcher
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T = 4 * W, 2, 256, 64
@@ -400,7 +401,7 @@ def test_copy_engine_row_form_matches_the_sm_row_form(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmBuffers, SymmDispatcher
-    from tlx_dist.comm.symm import _ce_mode
+    from tlx_dist.comm.symm.policy import _ce_mode
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 8, 2048, 1000

@@ -8,7 +8,8 @@ import types
 import pytest
 
 from tlx_dist.comm import symm
-from tlx_dist.comm.symm import ENV_RECV_OVERLAP, RECV_OVERLAP_MIN_TOKENS
+from tlx_dist.comm.symm import policy, tuning
+from tlx_dist.comm.symm.policy import ENV_RECV_OVERLAP, RECV_OVERLAP_MIN_TOKENS
 
 
 def _bufs(backend="symm", W=2, T=RECV_OVERLAP_MIN_TOKENS, nvshmem=False):
@@ -18,37 +19,37 @@ def _bufs(backend="symm", W=2, T=RECV_OVERLAP_MIN_TOKENS, nvshmem=False):
 
 def test_auto_by_capacity(monkeypatch):
     monkeypatch.delenv(ENV_RECV_OVERLAP, raising=False)
-    assert symm._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS)) == "overlap"
-    assert symm._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS - 1)) == "after"
-    assert symm._recv_mode(_bufs(T=4096, W=8)) == "after"
-    assert symm._recv_mode(_bufs(nvshmem=True)) == "after"
+    assert policy._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS)) == "overlap"
+    assert policy._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS - 1)) == "after"
+    assert policy._recv_mode(_bufs(T=4096, W=8)) == "after"
+    assert policy._recv_mode(_bufs(nvshmem=True)) == "after"
     for backend in ("emulated", "local"):
-        assert symm._recv_mode(_bufs(backend=backend, T=16)) == "blocks"
-    assert symm._recv_mode(_bufs(W=1)) == "blocks"
+        assert policy._recv_mode(_bufs(backend=backend, T=16)) == "blocks"
+    assert policy._recv_mode(_bufs(W=1)) == "blocks"
 
 
 def test_resolved_once_per_buffer_set(monkeypatch):
     monkeypatch.setenv(ENV_RECV_OVERLAP, "1")
     b = _bufs(T=128)
-    assert symm._recv_mode(b) == "overlap"
+    assert policy._recv_mode(b) == "overlap"
     monkeypatch.setenv(ENV_RECV_OVERLAP, "0")  # a later change does not flip a live buffer set
-    assert symm._recv_mode(b) == "overlap"
-    assert symm._recv_mode(_bufs(T=128)) == "after"
+    assert policy._recv_mode(b) == "overlap"
+    assert policy._recv_mode(_bufs(T=128)) == "after"
 
 
 @pytest.mark.parametrize("force,want", [("1", "overlap"), ("0", "after")])
 def test_forced(monkeypatch, force, want):
     monkeypatch.setenv(ENV_RECV_OVERLAP, force)
-    assert symm._recv_mode(_bufs(T=128)) == want
-    assert symm._recv_mode(_bufs(T=1 << 20)) == want
-    assert symm._recv_mode(_bufs(nvshmem=True)) == "after"  # the NVSHMEM route has no receiving programs
-    assert symm._recv_mode(_bufs(backend="emulated")) == "blocks"  # ranks launch one after another
+    assert policy._recv_mode(_bufs(T=128)) == want
+    assert policy._recv_mode(_bufs(T=1 << 20)) == want
+    assert policy._recv_mode(_bufs(nvshmem=True)) == "after"  # the NVSHMEM route has no receiving programs
+    assert policy._recv_mode(_bufs(backend="emulated")) == "blocks"  # ranks launch one after another
 
 
 def test_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV_RECV_OVERLAP, "yes")
     with pytest.raises(ValueError, match=ENV_RECV_OVERLAP):
-        symm._recv_mode(_bufs())
+        policy._recv_mode(_bufs())
 
 
 # --- per-layer receive regions (SymmDispatcher(row_regions=...)) ------------------------------------
@@ -57,7 +58,7 @@ def test_bad_value_names_the_variable(monkeypatch):
 def test_row_regions_append_to_the_layout_and_move_nothing():
     import torch
 
-    from tlx_dist.comm.symm_buffers import SymmLayout
+    from tlx_dist.comm.symm.buffers import SymmLayout
 
     args = (1000, 2048, 8, 64, 2, torch.bfloat16)
     plain, three = SymmLayout.build(*args), SymmLayout.build(*args, row_regions=3)
@@ -140,7 +141,7 @@ def test_ranks_must_claim_the_same_regions():
     assert all("claimed different numbers of receive regions (1 to 2" in o for o in out), out
 
 
-# --- the combine's mode (symm._comb_mode) and the one-launch combine's shape ---------------------------
+# --- the combine's mode (policy._comb_mode) and the one-launch combine's shape ---------------------------
 
 
 def test_comb_mode(monkeypatch):
@@ -149,28 +150,28 @@ def test_comb_mode(monkeypatch):
     per rank on the NVSHMEM route, on ROCm (co-residency unchecked there), or when switched off."""
     import torch
 
-    from tlx_dist.comm.symm import ENV_COMB_OVERLAP
+    from tlx_dist.comm.symm.policy import ENV_COMB_OVERLAP
     monkeypatch.delenv(ENV_COMB_OVERLAP, raising=False)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert symm._comb_mode(_bufs()) == "overlap"
-    assert symm._comb_mode(_bufs(T=128, W=8)) == "overlap"
-    assert symm._comb_mode(_bufs(nvshmem=True)) == "after"
+    assert policy._comb_mode(_bufs()) == "overlap"
+    assert policy._comb_mode(_bufs(T=128, W=8)) == "overlap"
+    assert policy._comb_mode(_bufs(nvshmem=True)) == "after"
     for backend in ("emulated", "local"):
-        assert symm._comb_mode(_bufs(backend=backend)) == "blocks"
-    assert symm._comb_mode(_bufs(W=1)) == "blocks"
+        assert policy._comb_mode(_bufs(backend=backend)) == "blocks"
+    assert policy._comb_mode(_bufs(W=1)) == "blocks"
     b = _bufs()
     monkeypatch.setenv(ENV_COMB_OVERLAP, "0")
-    assert symm._comb_mode(_bufs()) == "after"
+    assert policy._comb_mode(_bufs()) == "after"
     b._comb_mode = None
-    assert symm._comb_mode(b) == "after"
+    assert policy._comb_mode(b) == "after"
     monkeypatch.setenv(ENV_COMB_OVERLAP, "1")  # a later change does not flip a live buffer set
-    assert symm._comb_mode(b) == "after" and symm._comb_mode(_bufs()) == "overlap"
+    assert policy._comb_mode(b) == "after" and policy._comb_mode(_bufs()) == "overlap"
     monkeypatch.setenv(ENV_COMB_OVERLAP, "yes")
     with pytest.raises(ValueError, match=ENV_COMB_OVERLAP):
-        symm._comb_mode(_bufs())
+        policy._comb_mode(_bufs())
     monkeypatch.delenv(ENV_COMB_OVERLAP)
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert symm._comb_mode(_bufs()) == "after"
+    assert policy._comb_mode(_bufs()) == "after"
 
 
 def test_one_launch_combine_shape(monkeypatch):
@@ -179,24 +180,24 @@ def test_one_launch_combine_shape(monkeypatch):
     room: the summing programs wait for them); summing tiles of ~4096 / W elements a rank."""
     import torch
 
-    monkeypatch.setattr(symm, "_num_programs", lambda dev, per_sm=4: 132 * per_sm)
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {})
+    monkeypatch.setattr(tuning, "_num_programs", lambda dev, per_sm=4: 132 * per_sm)
+    monkeypatch.setattr(tuning, "LAUNCH_OVERRIDES", {})
 
     def bufs(W, T_max=16384, D=7168):
         return types.SimpleNamespace(device=torch.device("cuda", 0), layout=types.SimpleNamespace(
             world_size=W, hidden=D, comb_block=32, max_tokens=T_max))
 
-    assert symm._comb_recv_shape(bufs(2), 16384) == (2 * 132, 4 * 132, 4, 512)
-    assert symm._comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
-    assert symm._comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
-    assert symm._comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
+    assert tuning._comb_recv_shape(bufs(2), 16384) == (2 * 132, 4 * 132, 4, 512)
+    assert tuning._comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
+    assert tuning._comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
+    assert tuning._comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
     for W, D in ((3, 256), (6, 128), (5, 7168)):  # summing tile rows: a power of two
-        rr_t = symm._comb_recv_shape(bufs(W, D=D), 16384)[2]
+        rr_t = tuning._comb_recv_shape(bufs(W, D=D), 16384)[2]
         assert rr_t >= 1 and rr_t & (rr_t - 1) == 0, (W, D, rr_t)
-    assert symm._comb_recv_shape(bufs(2), 0)[1] >= 1
-    symm.LAUNCH_OVERRIDES.update(comb_recv=dict(per_sm=8, send_per_sm=3))
-    assert symm._comb_recv_shape(bufs(2), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM
-    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=8))
-    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
-    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=16))
-    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 1 * 132
+    assert tuning._comb_recv_shape(bufs(2), 0)[1] >= 1
+    tuning.LAUNCH_OVERRIDES.update(comb_recv=dict(per_sm=8, send_per_sm=3))
+    assert tuning._comb_recv_shape(bufs(2), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM
+    tuning.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=8))
+    assert tuning._comb_recv_shape(bufs(2), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
+    tuning.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=16))
+    assert tuning._comb_recv_shape(bufs(2), 16384)[1] == 1 * 132

@@ -5,7 +5,7 @@ from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args
 from .layout import Layout, SlotOrder, dest_rows, layout_from_counts, sort_slots
 from .local import LocalDispatcher
 from .symm import SymmDispatcher, SymmHandle, ep_buffers
-from .symm_buffers import ExchangeError, SymmBuffers
+from .symm.buffers import ExchangeError, SymmBuffers
 from .topology import Topology
 
 __all__ = [

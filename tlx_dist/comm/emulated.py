@@ -15,7 +15,7 @@ import torch
 
 from .symm import (check_capacity, combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                    dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps)
-from .symm_buffers import SymmBuffers
+from .symm.buffers import SymmBuffers
 
 __all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
 

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .topology import Topology
+from ..topology import Topology
 
 __all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library"]
 
@@ -46,6 +46,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
 _OPS = {1: "barrier (op start)", 2: "token rows of a dispatch", 3: "combine partial rows",
         4: "gate gradients of combine's backward"}
+
+
 _OP_ROUTE = 5  # a block of the dispatch's route kernel waiting for an earlier block (look-back)
 
 
