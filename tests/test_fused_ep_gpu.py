@@ -108,7 +108,7 @@ def test_layer_fused_ep_one_rank_vs_separate():
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("W,kind", [(2, "random"), (4, "random"), (4, "heavy_imbalance")])
 def test_overlapped_rows_world_equals_plain(W, kind):
-    """``overlap=True`` (issue 9 item 3) in the emulated world with the real kernels: the split send,
+    """``overlap=True`` in the emulated world with the real kernels: the split send,
     the region counters and, on sm_90, the gate/up GEMM in two launches over (before | own | after)
     runs -- forward output and every gradient bit for bit the plain region form's (same tiles'
     arithmetic, same fp32 atomics order is not guaranteed, so the k-sums are compared at one ulp)."""

@@ -60,7 +60,7 @@ def _specs(amd: bool = False):
                     USE_NVSHMEM=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
                     RR_T=8, RR_D=512, END=False, WP3=32, DENSE=False,
                     **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS", "OFF_CBLK"))
-    # the one-launch combine (policy._comb_mode "overlap"): per-token-block counters, and summing
+    # the one-launch combine (policy.comb_mode "overlap"): per-token-block counters, and summing
     # programs that read this rank's partial rows where they are (row form) or from COMB
     rsend_recv_sig = dict(rsend_sig, N_RECV="i32", out_ptr="*bf16", send_row_ptr="*i32", T="i32", PART_ADDR="i64")
     rsend_recv_cx = dict(rsend_cx, CBLK_SIGNAL=True, RECV_ROLE=True, END=True, RR_T=1, RR_D=512)  # W = 8
@@ -75,7 +75,7 @@ def _specs(amd: bool = False):
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
             dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # launch._route's
                  USE_NVSHMEM=False, AGG_ONLY=False, DENSE=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
-        # the copy-engine row form (policy._ce_mode): the dense layout's route, send (META, gates, own rows;
+        # the copy-engine row form (policy.ce_mode): the dense layout's route, send (META, gates, own rows;
         # SPLIT=1), combine-backward send with per-block receive copies, block sums; the copies' kernels
         "_route_kernel[dense]": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
@@ -111,7 +111,7 @@ def _specs(amd: bool = False):
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
         # ... on real ranks over peer pointers: per-block arrival counters, and receiving programs that
-        # copy the other sources' rows out as they land (policy._recv_mode "overlap")
+        # copy the other sources' rows out as they land (policy.recv_mode "overlap")
         "_send_tokens_kernel[rows_overlap]": ("_send_tokens_kernel", send_sig,
                                               dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
                                                    RECV_ROLE=True, RAW_META=True)),

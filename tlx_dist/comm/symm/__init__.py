@@ -32,20 +32,23 @@ CUDA graph replays correctly. Each op is a sequence of *phases* (Python generato
 between kernel launches, ``tlx/comm/exchange.py`` lists them): a real rank runs its generator
 straight through; the emulated world (``emulated.py``) advances W ranks' generators in lockstep.
 
-Files: ``api.py`` (SymmDispatcher, ep_buffers, autograd), ``handle.py`` (SymmHandle, capacity),
-``steps.py`` (the ops as phase generators), ``launch.py`` (one wrapper per phase kernel),
-``overlap.py`` (RowsOverlap), ``policy.py`` (which form each op takes), ``tuning.py`` (launch
-shapes), ``ce_transport.py`` (the copy-engine row form), ``buffers.py`` (SymmBuffers, the layout).
+Files: ``api.py`` (SymmDispatcher, ep_buffers, autograd), ``config.py`` (ExchangeConfig, Tile),
+``handle.py`` (SymmHandle, capacity), ``steps.py`` (the ops as phase generators), ``launch.py`` (one
+wrapper per phase kernel), ``overlap.py`` (RowsOverlap), ``policy.py`` (which form each op takes),
+``tuning.py`` (launch shapes), ``ce_transport.py`` (the copy-engine row form), ``buffers.py``
+(SymmBuffers, the layout).
 """
 
 from .api import SymmDispatcher, ep_buffers
 from .buffers import DEFAULT_TIMEOUT_S, ExchangeError, SymmBuffers, SymmLayout
+from .config import ExchangeConfig, Tile
 from .handle import Capacity, SymmHandle, check_capacity, expanded_rows
 from .overlap import RowsOverlap
 from .steps import (combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                     dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps, run_steps)
 
-__all__ = ["SymmDispatcher", "SymmHandle", "RowsOverlap", "SymmBuffers", "SymmLayout", "ExchangeError",
+__all__ = ["SymmDispatcher", "SymmHandle", "ExchangeConfig", "Tile", "RowsOverlap", "SymmBuffers", "SymmLayout",
+           "ExchangeError",
            "DEFAULT_TIMEOUT_S", "ep_buffers", "expanded_rows", "check_capacity", "Capacity", "dispatch_steps",
            "combine_steps", "dispatch_grad_steps", "combine_grad_steps", "combine_rows_steps",
            "combine_rows_grad_steps", "dispatch_rows_grad_steps", "run_steps"]

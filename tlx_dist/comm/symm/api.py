@@ -10,10 +10,13 @@ import torch.distributed as dist
 
 from ..dispatcher import Dispatcher, check_dispatch_args
 from .buffers import SymmBuffers
+from .config import ExchangeConfig
 from .handle import Capacity, SymmHandle, check_capacity
-from .policy import _set_copy_engine
+from .policy import adopt
 from .steps import (combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                     dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps, run_steps)
+
+__all__ = ["SymmDispatcher", "ep_buffers"]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -80,24 +83,60 @@ _EP_BUFFERS: dict = {}
 
 
 def ep_buffers(group: Optional[dist.ProcessGroup], max_tokens: int, hidden: int, top_k: int, num_experts: int,
-               dtype: torch.dtype, device=None, timeout_s: Optional[float] = None,
-               row_regions: int = 0) -> SymmBuffers:
+               dtype: torch.dtype, device=None, timeout_s: Optional[float] = None, row_regions: int = 0,
+               config: Optional[ExchangeConfig] = None) -> SymmBuffers:
     """The one :class:`SymmBuffers` of an EP group for these sizes: built (collectively) on the
     first call, returned from a cache afterwards, so every layer of a model shares it. Every rank
-    of ``group`` must call it with the same arguments. ``close()`` on the result frees it (the
-    next call builds a new set)."""
+    of ``group`` must call it with the same arguments. ``config``: the settings its ops run with
+    (``policy.adopt``: a cached set running another config raises); its ``timeout_s`` (or
+    ``timeout_s``) is part of the key. ``close()`` on the result frees it (the next call builds a
+    new set)."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if config is not None and config.timeout_s is not None:
+        if timeout_s is not None and float(timeout_s) != float(config.timeout_s):
+            raise ValueError(f"timeout_s={timeout_s!r} differs from config.timeout_s={config.timeout_s!r}: give one")
+        timeout_s = config.timeout_s
     key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s, row_regions)
     bufs = _EP_BUFFERS.get(key)
     if bufs is None or bufs.closed:
         bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s,
-                           row_regions=row_regions)
+                           row_regions=row_regions, config=config)
         _EP_BUFFERS[key] = bufs
+    elif config is not None:
+        adopt(bufs, config)
     return bufs
 
 
+_COPY_ENGINE = {"auto": "auto", True: "on", False: "off", "on": "on", "off": "off"}
+
+
+def _shorthand_config(config: Optional[ExchangeConfig], timeout_s, overlap, copy_engine) -> Optional[ExchangeConfig]:
+    """``config``, or the default with the shorthand arguments folded in, or None (nothing asked)."""
+    given = {k: v for k, v in (("timeout_s", timeout_s), ("overlap", overlap), ("copy_engine", copy_engine))
+             if v is not None}
+    if copy_engine is not None and (not isinstance(copy_engine, (str, bool)) or copy_engine not in _COPY_ENGINE):
+        raise ValueError(f"copy_engine={copy_engine!r} must be 'auto', True or False (or 'on' / 'off')")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(f"overlap={overlap!r} must be a bool")
+    if config is not None:
+        if not isinstance(config, ExchangeConfig):
+            raise TypeError(f"config must be an ExchangeConfig, got {type(config).__name__}")
+        if given:
+            raise TypeError(f"give {', '.join(sorted(given))} inside config= (dataclasses.replace(config, ...)), "
+                            "not beside it")
+        return config
+    if not given:
+        return None
+    if "copy_engine" in given:
+        given["copy_engine"] = _COPY_ENGINE[copy_engine]
+    try:
+        return ExchangeConfig(**given)
+    except ValueError as e:  # (name the argument, not the config field)
+        raise ValueError(str(e).replace("ExchangeConfig.", "", 1)) from None
+
+
 class SymmDispatcher(Dispatcher):
-    """Deduplicated dispatch/combine through symmetric memory (see the module docstring).
+    """Deduplicated dispatch/combine through symmetric memory (see the package docstring).
 
     Args:
         num_experts: E.
@@ -106,8 +145,7 @@ class SymmDispatcher(Dispatcher):
             from :func:`ep_buffers` on the first dispatch, sized by ``max_tokens`` (or the largest
             first T over the group: one host sync, once).
         capacity: expanded rows per rank: ``"exact"`` (default; one host sync per dispatch),
-            ``"worst"``, a float factor of ``T_max*K``, or an int (see the module docstring).
-        timeout_s: how long a wait spins before it records an error (default 30 s).
+            ``"worst"``, a float factor of ``T_max*K``, or an int (see the package docstring).
         validate: check expert ids (syncs the host).
         row_regions: per-layer receive regions for the row form (default 0: none): each layer that
             claims one (:meth:`claim_rows_region`; ``MoELayer`` does at construction) gets its
@@ -122,27 +160,22 @@ class SymmDispatcher(Dispatcher):
             NVSHMEM route copies as before and reserves none). Costs ``row_regions * W*T_max*D``
             elements of symmetric memory per rank; every rank must claim the same regions (checked
             once, at the first dispatch).
-        overlap: the arrival-driven overlap of the fused EP pipeline (peer pointers, a layer with a
-            receive region, a static ``capacity``; elsewhere it does nothing): a row-form dispatch
-            ends once every peer's META and gates landed; the peers' rows follow on a side stream
-            (``TLX_DIST_EP_OVERLAP_SMS`` SMs, default 32) while the gate/up GEMM computes this
-            rank's own rows on the other SMs, then waits for them (``RowsOverlap``).
-        copy_engine: the copy-engine row form (``"auto"``, default; ``True``; ``False``): a row-form
-            dispatch into a receive region with a static ``capacity`` and its combine move the rows
-            by the GPU's copy engines (``cuMemcpyAsync`` into the peer's region) in the dense
-            layout -- every token's row goes to every peer, the routing rides in META -- instead of
-            SM stores: ~380-391 GB/s per direction on two H200s against 363-366, and no SM busy
-            with the transfer. ``"auto"``: on over peer pointers on CUDA when ``max_tokens >= 4096``
-            and a token reaches each peer with probability >= 0.95 under uniform routing (W=2 at
-            E=64, K=8); ``True``: wherever copies can be issued (also the emulated world); never on
-            the NVSHMEM route or ROCm. Set on the buffer set (``TLX_DIST_COPY_ENGINE`` where left
-            ``"auto"``); every rank must agree.
+        config: the exchange's settings (:class:`ExchangeConfig`: launch shapes, the copy-engine row
+            form, the arrival-driven overlap, the receive and combine modes, the wait timeout).
+            They belong to the buffer set: every dispatcher that shares one must give the same
+            config (a different one raises), and a dispatcher given none runs with its set's.
+        timeout_s, overlap, copy_engine: shorthands for those fields of a default config (not
+            together with ``config``): ``timeout_s`` seconds a wait spins before it records an error
+            (default 30); ``overlap=True`` the arrival-driven overlap of the fused EP pipeline;
+            ``copy_engine`` ``"auto"`` / ``True`` / ``False`` the copy-engine row form (see
+            :class:`ExchangeConfig`).
     """
 
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
-                 capacity: Capacity = "exact", timeout_s: Optional[float] = None, validate: bool = True,
-                 row_regions: int = 0, overlap: bool = False, copy_engine: Union[str, bool] = "auto", **removed):
+                 capacity: Capacity = "exact", validate: bool = True, row_regions: int = 0,
+                 config: Optional[ExchangeConfig] = None, timeout_s: Optional[float] = None,
+                 overlap: Optional[bool] = None, copy_engine: Union[str, bool, None] = None, **removed):
         if "bulk_send" in removed:
             raise TypeError("SymmDispatcher(bulk_send=...) was removed: the bulk-copy send moved rows no faster than "
                             "the register copy (docs/decisions.md); drop the argument")
@@ -164,21 +197,26 @@ class SymmDispatcher(Dispatcher):
         if buffers is not None and buffers.layout.row_regions < row_regions:
             raise ValueError(f"buffers hold {buffers.layout.row_regions} row regions, fewer than row_regions="
                              f"{row_regions}: build them with SymmBuffers(row_regions=...) / ep_buffers(row_regions=...)")
+        self._asked = _shorthand_config(config, timeout_s, overlap, copy_engine)  # None: the buffer set's
         self.group = group
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.capacity = check_capacity(capacity)
-        self.timeout_s = timeout_s
         self.row_regions = row_regions
         self._claimed_regions = 0
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap={overlap!r} must be a bool")
-        self.overlap = overlap
-        if copy_engine not in ("auto", True, False) or (not isinstance(copy_engine, (str, bool))):
-            raise ValueError(f"copy_engine={copy_engine!r} must be 'auto', True or False")
-        self.copy_engine = copy_engine
-        if buffers is not None and copy_engine != "auto":
-            _set_copy_engine(buffers, copy_engine)
+        if buffers is not None and self._asked is not None:
+            adopt(buffers, self._asked)
+
+    @property
+    def config(self) -> ExchangeConfig:
+        """The settings this dispatcher's ops run with: its buffer set's once it has one."""
+        if self.buffers is not None:
+            return self.buffers.config
+        return self._asked if self._asked is not None else ExchangeConfig()
+
+    @property
+    def overlap(self) -> bool:
+        return self.config.overlap
 
     def claim_rows_region(self) -> Optional[int]:
         """The next free per-layer receive region (``row_regions``), or None when none is left (the
@@ -211,9 +249,7 @@ class SymmDispatcher(Dispatcher):
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
                 T = int(t.item())  # one-time setup sync
             self.buffers = ep_buffers(self.group, T, x_TD.shape[1], K, self.num_experts, x_TD.dtype,
-                                      device=x_TD.device, timeout_s=self.timeout_s, row_regions=self.row_regions)
-        if self.copy_engine != "auto":
-            _set_copy_engine(self.buffers, self.copy_engine)
+                                      device=x_TD.device, row_regions=self.row_regions, config=self._asked)
         return self.buffers
 
     def dispatch(self, x_TD, idx_TK, gate_TK=None):
@@ -233,16 +269,17 @@ class SymmDispatcher(Dispatcher):
         :func:`tlx_dist.fused.fused_experts_rows` with ``dst_N = src_N`` and
         ``num_dst = recv_RD.shape[0]``, then :meth:`combine_rows`. ``region`` (from
         :meth:`claim_rows_region`): ``recv_RD`` is that per-layer receive region, where the rows
-        landed (no copy; valid until the next dispatch into it). With ``overlap`` (and a region, a
-        static capacity, peer pointers) the peers' rows may still be landing on return: pass
-        ``handle.overlap`` to ``fused_experts_rows(overlap=...)`` (or call ``handle.overlap.wait()``
-        before reading ``recv_RD``); :meth:`combine_rows` must follow (it joins the side stream)."""
+        landed (no copy; valid until the next dispatch into it). With ``config.overlap`` (and a
+        region, a static capacity, peer pointers) the peers' rows may still be landing on return:
+        pass ``handle.overlap`` to ``fused_experts_rows(overlap=...)`` (or call
+        ``handle.overlap.wait()`` before reading ``recv_RD``); :meth:`combine_rows` must follow (it
+        joins the side stream)."""
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         if not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape or not gate_TK.is_floating_point():
             raise ValueError(f"gate_TK must be a float tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
-        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region, self.overlap)
+        return _DispatchRows.apply(x_TD, gate_TK, idx_TK, bufs, self.capacity, region, bufs.config.overlap)
 
     def combine_rows(self, part_RD, handle):
         """``out_TD[t] = sum over the ranks t went to of part_RD[row of t there]`` (fp32, one

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .overlap import RowsOverlap
 
 
+__all__ = ["SymmHandle", "Capacity", "check_capacity", "expanded_rows"]
+
 Capacity = Union[str, float, int]
 
 
@@ -32,6 +34,7 @@ class SymmHandle(DispatchHandle):
         undefined past ``offsets_e[-1]``).
     gate_TK: the gates given to dispatch (combine must get the same tensor).
     ``order_S`` / ``inverse_S`` are None: no slot sort happens (the layout kernels rank slots in place).
+    overlap: the receive plan of an overlapped row-form dispatch (:class:`RowsOverlap`), else None.
     """
 
     send_row_TW: torch.Tensor
@@ -44,10 +47,11 @@ class SymmHandle(DispatchHandle):
     gate_TK: Optional[torch.Tensor]
     buffers: SymmBuffers
     overlap: Optional["RowsOverlap"] = None
-    dense: bool = False  # the copy-engine row form's dense layout (``_ce_mode``): receive row of token t = t
+    dense: bool = False  # the copy-engine row form's dense layout (``policy.ce_mode``): receive row of token t = t
 
 
 def check_capacity(capacity: Capacity) -> Capacity:
+    """``capacity`` if it is one (ValueError naming it otherwise)."""
     if isinstance(capacity, str):
         if capacity not in ("exact", "worst"):
             raise ValueError(f"capacity={capacity!r} must be 'exact', 'worst', a float factor > 0 or a positive int")

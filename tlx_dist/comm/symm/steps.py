@@ -11,13 +11,16 @@ from typing import Generator, Optional
 import torch
 
 from .buffers import SymmBuffers
-from .ce_transport import _ce_ready, _ce_send_partials, _ce_send_rows
+from .ce_transport import ce_ready, ce_send_partials, ce_send_rows
 from .handle import Capacity, SymmHandle, expanded_rows
-from .launch import (_acc_dtype, _expand, _gate_grad_recv, _on_side, _reduce_recv, _reduce_send, _route, _rows_wait,
-                     _send_tokens)
-from .overlap import _finish_abandoned, _rows_overlap, _send_rows_side
-from .policy import _ce_mode, _comb_mode, _recv_mode, overlap_sms
+from .launch import (acc_dtype, expand, gate_grad_recv, on_side, reduce_recv, reduce_send, route, rows_wait,
+                     send_tokens)
+from .overlap import finish_abandoned, rows_overlap, send_rows_side
+from .policy import ce_mode, comb_mode
+from .tuning import reduce_recv_shape
 
+__all__ = ["Steps", "dispatch_steps", "combine_steps", "dispatch_grad_steps", "combine_grad_steps",
+           "combine_rows_steps", "combine_rows_grad_steps", "dispatch_rows_grad_steps", "run_steps"]
 
 Steps = Generator[None, None, object]
 
@@ -53,13 +56,13 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     valid until the next dispatch into that region. The NVSHMEM route ignores ``region`` (its puts
     target RECV). ``overlap`` (with ``region`` and a static capacity; ignored otherwise): the send
     splits in two -- META, gates and the own rows in the op, the peers' rows after it on a side
-    stream (``_send_rows_side``) -- and the op ends without waiting for the rows: the handle's
+    stream (``send_rows_side``, ``ExchangeConfig.overlap_sms`` programs) -- and the op ends without
+    waiting for the rows: the handle's
     ``overlap`` (:class:`RowsOverlap`) says how to wait for them."""
     L = bufs.layout
     T, K = idx_TK.shape
     _check_bufs(bufs, x_TD, K, L.num_experts)
-    _recv_mode(bufs)  # a bad TLX_DIST_RECV_OVERLAP raises here, before this op signals any peer
-    # ... and a region the buffers do not have (ValueError naming it; the NVSHMEM route reserves none)
+    # a region the buffers do not have raises before this op signals any peer (the NVSHMEM route reserves none)
     region_RD = None
     if region is not None and not (bufs.use_nvshmem and L.row_regions == 0):
         region_RD = bufs.rows_region(region)
@@ -74,14 +77,14 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     raw = n is not None
     # the copy-engine row form: the dense layout, this rank's rows leave by copy engines on a side
     # stream as soon as every peer is ready (beside the route, META and expand kernels of the op)
-    ce = rows and region is not None and raw and W > 1 and _ce_mode(bufs)
+    ce = rows and region is not None and raw and W > 1 and ce_mode(bufs)
     ce_done = None
     if ce:
-        _ce_ready(bufs)
-        _finish_abandoned(bufs, region)
+        ce_ready(bufs)
+        finish_abandoned(bufs, region)
         x_ce = x_TD.contiguous()
-        ce_done = _on_side(bufs, lambda: _ce_send_rows(bufs, x_ce, region), x_ce)
-    q_TK, send_row_TW, counts_C = _route(bufs, idx, dense=ce)  # + the signal
+        ce_done = on_side(bufs, lambda: ce_send_rows(bufs, x_ce, region), x_ce)
+    q_TK, send_row_TW, counts_C = route(bufs, idx, dense=ce)  # + the signal
     yield
     lay = torch.empty(E + e + W, dtype=torch.int64, device=dev)
     offsets_e = torch.empty(e, dtype=torch.int32, device=dev)
@@ -103,15 +106,15 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
     # the host before expand, so there the send waits for the counts and computes it.
     ovl = bool(overlap) and rows and region is not None and raw and W > 1
     if region is not None and not ce:  # (with ce: done above, before the copies)
-        _finish_abandoned(bufs, region)
-    _send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
+        finish_abandoned(bufs, region)
+    send_tokens(bufs, x_TD, send_row_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
                  own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W, region=region,
                  split=1 if ovl or ce else 0, dense=ce)
-    side_sms = overlap_sms() if ovl else 0
+    side_sms = bufs.config.overlap_sms if ovl else 0
     if ce:
         side_done = ce_done
     else:
-        side_done = _send_rows_side(bufs, x_TD, send_row_TW, recv_RD, region, side_sms) if ovl else None
+        side_done = send_rows_side(bufs, x_TD, send_row_TW, recv_RD, region, side_sms) if ovl else None
     layout = (lay, offsets_e, n) if raw else None
     yield
     if n is None:
@@ -125,14 +128,14 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         # the other sources' receive rows, copied out by the kernel before it ends the op (a peer's
         # next op may overwrite the region as soon as it has)
         x_exp = recv_RD
-        gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
+        gate_N = torch.empty(n, dtype=acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
-        starts = _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True,
+        starts = expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True,
                          gate_grad=False, n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=region is None,
                          src_row_N=src_N, layout=layout)
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
-        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+        expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 end=True, x_own=x_TD, layout=layout)
     handle = SymmHandle(
         num_tokens=T, top_k=K, num_recv_rows=n,
@@ -142,11 +145,11 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         rows_from_W=rows_from_W, pos_RK=pos_RK, gate_RK=gate_RK, tok_R=tok_R, src_map_N=src_map,
         gate_TK=gate_TK, buffers=bufs, dense=ce)
     if ce and not ovl:  # the rows are this op's result: wait for them here
-        _rows_wait(bufs, region, rows_from_W)
+        rows_wait(bufs, region, rows_from_W)
         if side_done is not None:
             torch.cuda.current_stream(bufs.device).wait_event(side_done)
     if rows and ovl:
-        handle = dataclasses.replace(handle, overlap=_rows_overlap(handle, region, starts, lay, n, side_sms,
+        handle = dataclasses.replace(handle, overlap=rows_overlap(handle, region, starts, lay, n, side_sms,
                                                                    side_done))
         bufs._overlap_plans[region] = handle.overlap
     if rows:
@@ -155,17 +158,17 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
 
 
 def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: bool, rows: bool = False) -> Steps:
-    mode = _comb_mode(bufs)
+    mode = comb_mode(bufs)
     if mode == "overlap" and rows and bufs.layout.dtype.itemsize == 2:  # one launch: sends, sums as the
         # partial rows land, ends the op
-        return _reduce_send(bufs, y_ND, h, gated, rows, blk=True, recv=True)
+        return reduce_send(bufs, y_ND, h, gated, rows, blk=True, recv=True)
     # (the expanded form's reduce-send sums K slots a row: ~170-180 registers a thread, 2 CTAs an SM;
     # summing programs beside it could hold every slot and starve its senders, so it keeps two launches;
     # so do fp32 / fp64 rows: 96 / 128 registers a thread, 5 / 4 CTAs an SM)
     blk = mode == "blocks"
-    y = _reduce_send(bufs, y_ND, h, gated, rows, blk=blk)  # waits for every peer's readiness first
+    y = reduce_send(bufs, y_ND, h, gated, rows, blk=blk)  # waits for every peer's readiness first
     yield
-    return _reduce_recv(bufs, h, part=y if rows else None, blk=blk)
+    return reduce_recv(bufs, h, part=y if rows else None, blk=blk)
 
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
@@ -184,16 +187,16 @@ def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tenso
     L = bufs.layout
     g_TD = g_TD if g_TD.stride(-1) == 1 else g_TD.contiguous()
     # waits first; this rank's own rows stay in g_TD, where the expand kernel reads them
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, skip_own=True)
+    send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, skip_own=True)
     yield
     n = h.num_recv_rows
     g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
     scratch = torch.empty(n, dtype=torch.int32, device=bufs.device)
     y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
-    _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True,
+    expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True,
             x_own=g_TD)
     yield
-    return g_y, _gate_grad_recv(bufs, h)
+    return g_y, gate_grad_recv(bufs, h)
 
 
 def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) -> Steps:
@@ -208,14 +211,15 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
                              "is: its peers' partial rows went home from there")
         ov.finish()
         yield
-        return _reduce_recv(bufs, h, part=part_RD, blk=h.dense, dense=h.dense)
+        return reduce_recv(bufs, h, part=part_RD, blk=h.dense, dense=h.dense)
     if ov is not None:
         ov.finish()
     if h.dense:  # the copy-engine row form: partial rows by copy engines, summed block by block as they land
-        _ce_ready(bufs)
-        done = _ce_send_partials(bufs, part_RD, h)
+        reduce_recv_shape(bufs, h.num_tokens, blk=True, dense=True)  # (a bad summing tile raises first)
+        ce_ready(bufs)
+        done = ce_send_partials(bufs, part_RD, h)
         yield
-        out = _reduce_recv(bufs, h, part=part_RD, blk=True, dense=True)
+        out = reduce_recv(bufs, h, part=part_RD, blk=True, dense=True)
         if done is not None:
             torch.cuda.current_stream(bufs.device).wait_event(done)
         return out
@@ -228,12 +232,12 @@ def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle
     L = bufs.layout
     g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
     # waits first; this rank's own rows go straight to g_part
-    _send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part,
+    send_tokens(bufs, g_TD, h.send_row_TW, None, None, None, None, with_meta=False, own_rows=g_part,
                  rows_from=h.rows_from_W, dense=h.dense)
     yield
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
     # waits for every row, copies the other sources' out, then ends the op (indices go to scratch)
-    _expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
+    expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
             gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True)
     return g_part
 
@@ -243,15 +247,15 @@ def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Op
     """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
     and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
     returns ``(g_TD, g_gate_TK or None)``."""
-    g_RD = _reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
+    g_RD = reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
-        g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
-        _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
+        g = g_gate_N.to(acc_dtype(bufs.layout.dtype)).contiguous()
+        expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
                 gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
     yield
-    g_TD = _reduce_recv(bufs, h, end=g_gate_N is None, part=g_RD)
-    return g_TD, (_gate_grad_recv(bufs, h) if g_gate_N is not None else None)
+    g_TD = reduce_recv(bufs, h, end=g_gate_N is None, part=g_RD)
+    return g_TD, (gate_grad_recv(bufs, h) if g_gate_N is not None else None)
 
 
 def run_steps(steps: Steps):
