@@ -29,16 +29,17 @@ import torch.nn.functional as F
 
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmDispatcher
 from .config import MoEConfig
-from .fused import fused_experts, fused_experts_rows, fused_tlx_supports
-from .grouped_gemm import grouped_mm
+from .fused import FusedConfig, fused_experts, fused_experts_rows, fused_tlx_supports
+from .grouped_gemm import GroupedGemmConfig, grouped_mm
 from .router import Router, RoutingStats
 
 __all__ = ["MoELayer", "make_dispatcher"]
 
 
 def _narrow_experts(cfg) -> bool:
-    """``pipeline="auto"``'s shape rule for the fused form: F <= 2 D (at Mixtral's F = 3.5 D the
-    separate ops ran 4-7% faster on an H200)."""
+    """``pipeline="auto"``'s shape rule for the fused form: F <= 2 D. Wide experts (Mixtral's
+    F = 3.5 D) run faster as the separate ops: their GEMMs are long enough that the fused form's
+    gathers and atomic epilogues cost more than the copies they save."""
     return cfg.moe_inter_dim <= 2 * cfg.dim
 
 
@@ -85,6 +86,11 @@ class MoELayer(nn.Module):
         capacity: with ``dispatcher="symm"``: expanded rows per rank, ``"exact"`` (default, one host
             sync per dispatch) | ``"worst"`` | float factor of ``T_max*K`` | int (static, graph-capturable).
         gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
+        gemm_config: pin the TLX grouped GEMM's tile config (a
+            :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`) in the separate pipeline; with
+            ``pipeline="auto"`` it keeps the layer on the separate pipeline, as ``gemm_backend`` does.
+        fused_config: the fused pipeline's launch choices (a :class:`~tlx_dist.fused.FusedConfig`:
+            row copies, tile configs, the layout kernel); default: every default.
         device: where parameters are created.
         pipeline: ``"fused"``: gather-on-load GEMMs with SwiGLU and gate-scatter epilogues
             (:mod:`tlx_dist.fused`) -- on one rank with the local dispatcher
@@ -93,34 +99,40 @@ class MoELayer(nn.Module):
             second adds each row's gate-weighted output into a per-receive-row partial, and one
             partial row per (token, rank) goes home (:meth:`SymmDispatcher.dispatch_rows` /
             ``combine_rows``); ``"separate"`` (dispatch -> grouped GEMMs -> combine) or ``"auto"``:
-            fused where its TLX kernels run (sm_90, no pinned GEMM backend, supported shapes; one EP
-            rank with the local dispatcher, or EP > 1 over the symmetric exchange) and the experts
-            are not wide (F <= 2 D: at Mixtral's F = 3.5 D the separate ops ran 4-7% faster on an
-            H200, ``bench/moe_layer.py``), separate elsewhere. Under EP the fused form runs as fast
-            as the separate pipeline over the same exchange on two H200s (OLMoE, 16384 tokens per
-            rank: layer fwd+bwd 12.6-12.7 vs 12.3-12.9 ms in two runs; EP=2 training 103.6k vs
-            105.0k tokens/s/GPU) and needs 30% less memory (47.8 vs 67.9 GiB peak): no [N, D]
-            expert-major copies, no [N, D] GEMM outputs kept. Pass a
-            ``SymmDispatcher(..., row_regions=n_layers)`` to have each layer's rows read where they
-            land, and ``overlap=True`` (with a static ``capacity``) for the arrival-driven overlap:
-            this rank's own rows computed while the peers' land, the peers' partial rows sent home
-            while its own are computed (:class:`~tlx_dist.comm.symm.RowsOverlap`; slower than
-            without over NVLink on two H200s, session 12).
+            fused where its TLX kernels run (sm_90, no pinned GEMM backend or config, supported
+            shapes; one EP rank with the local dispatcher, or EP > 1 over the symmetric exchange)
+            and the experts are not wide (F <= 2 D: wider experts run faster as the separate ops),
+            separate elsewhere. Under EP the fused form runs about as fast as the separate pipeline
+            over the same exchange and needs markedly less memory: no [N, D] expert-major copies,
+            no [N, D] GEMM outputs kept. Pass a ``SymmDispatcher(..., row_regions=n_layers)`` to
+            have each layer's rows read where they land, and ``overlap=True`` (with a static
+            ``capacity``) for the arrival-driven overlap: this rank's own rows computed while the
+            peers' land, the peers' partial rows sent home while its own are computed
+            (:class:`~tlx_dist.comm.symm.RowsOverlap`; not faster than without it over NVLink).
+            Measurements behind these rules: ``docs/decisions.md``.
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
-    ``layer.aux_loss`` (aux + z, in the graph) to the training loss.
+    ``layer.aux_loss`` (aux + z, in the graph) to the training loss. ``layer.router.kernel = False``
+    routes with the torch ops instead of the one-launch router kernel (:class:`~tlx_dist.router.Router`).
     """
 
     def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None,
                  dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
                  device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto",
-                 capacity: Optional[Union[str, float, int]] = None):
+                 capacity: Optional[Union[str, float, int]] = None, *,
+                 gemm_config: Optional[GroupedGemmConfig] = None, fused_config: Optional[FusedConfig] = None):
         super().__init__()
         if pipeline not in ("auto", "fused", "separate"):
             raise ValueError(f"pipeline={pipeline!r} must be 'auto', 'fused' or 'separate'")
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
+        if gemm_config is not None and not isinstance(gemm_config, GroupedGemmConfig):
+            raise TypeError(f"gemm_config must be a GroupedGemmConfig or None, got {type(gemm_config).__name__}")
+        if fused_config is not None and not isinstance(fused_config, FusedConfig):
+            raise TypeError(f"fused_config must be a FusedConfig or None, got {type(fused_config).__name__}")
+        if fused_config is not None and pipeline == "separate":
+            raise ValueError("fused_config applies to the fused pipeline; pipeline='separate' runs none")
         world = dist.get_world_size(ep_group) if ep_group is not None else 1
         rank = dist.get_rank(ep_group) if ep_group is not None else 0
         cfg.validate(expert_parallel=world)
@@ -129,8 +141,13 @@ class MoELayer(nn.Module):
         self.ep_size, self.ep_rank = world, rank
         self.num_local_experts = cfg.num_experts // world
         self.gemm_backend = gemm_backend
+        self.gemm_config = gemm_config
+        self.fused_config = fused_config
         if pipeline == "fused":
             ok = ("auto", "local", "symm") if world == 1 else ("symm",)
+            if gemm_config is not None:
+                raise ValueError("pipeline='fused' runs its own gather/scatter GEMMs: it takes no gemm_config "
+                                 "(its tile configs are fused_config's)")
             if gemm_backend is not None or not (dispatcher in ok or isinstance(dispatcher, SymmDispatcher)):
                 raise ValueError(
                     f"pipeline='fused' runs its own gather/scatter GEMMs: it takes no gemm_backend ({gemm_backend!r}) "
@@ -226,7 +243,7 @@ class MoELayer(nn.Module):
         self.last_stats = route.stats
         if self._fused(x_TD):
             if isinstance(getattr(self.dispatcher, "_inner", self.dispatcher), LocalDispatcher):
-                out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2)
+                out_TD = fused_experts(x_TD, route.idx_TK, route.gate_TK, self.w13, self.w2, config=self.fused_config)
             else:
                 out_TD = self._fused_ep(x_TD, route)
         else:
@@ -238,8 +255,8 @@ class MoELayer(nn.Module):
     def _separate(self, x_TD: torch.Tensor, route) -> torch.Tensor:
         """dispatch -> grouped GEMMs with SwiGLU -> gate-weighted combine."""
         recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
-        h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend)
-        y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend)
+        h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
+        y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
         # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.
         return self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x_TD.dtype)
 
@@ -250,7 +267,7 @@ class MoELayer(nn.Module):
         recv_RD, src_N, gate_N, handle = disp.dispatch_rows(x_TD, route.idx_TK, route.gate_TK,
                                                             region=self._rows_region)
         part_RD = fused_experts_rows(recv_RD, src_N, src_N, gate_N, self.w13, self.w2, handle.offsets_e,
-                                     recv_RD.shape[0], overlap=handle.overlap)
+                                     recv_RD.shape[0], overlap=handle.overlap, config=self.fused_config)
         return disp.combine_rows(part_RD, handle).to(x_TD.dtype)
 
     def _fused(self, x_TD: torch.Tensor) -> bool:
@@ -261,7 +278,7 @@ class MoELayer(nn.Module):
         dispatcher = getattr(self.dispatcher, "_inner", self.dispatcher)
         exchange = (isinstance(dispatcher, LocalDispatcher) if self.ep_size == 1
                     else isinstance(dispatcher, SymmDispatcher))
-        return (exchange and self.gemm_backend is None and _narrow_experts(self.cfg)
+        return (exchange and self.gemm_backend is None and self.gemm_config is None and _narrow_experts(self.cfg)
                 and fused_tlx_supports(x_TD, self.w13, self.w2))
 
     def extra_repr(self) -> str:

@@ -112,31 +112,19 @@ def group_limited_select(select_TE: torch.Tensor, n_group: int, topk_group: int)
 
 # --- the router after its GEMM in one launch (tlx/portable/router.py) --------------------------------
 
-ENV_ROUTER_KERNEL = "TLX_DIST_ROUTER_KERNEL"
-
-
-def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig) -> bool:
+def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig, wanted: bool = True) -> bool:
     """Whether :class:`Router` takes the one-launch scores / top-K / loss sums
-    (``tlx/portable/router.py``) instead of the torch ops. Eager mode, fp32 logits, no group-limited
-    selection, at least one token. ``TLX_DIST_ROUTER_KERNEL=1`` / ``0`` forces it on / off; by
-    default (``auto``) it runs wherever it can: on CUDA GPUs, and on CPU under ``TRITON_INTERPRET=1``
-    (the tests). On an H200 (session 12, ``scripts/device/x2_s20.sh``) its 14 GPU tests passed and
-    the eager layer table run off / on / off / on gave it the higher fused/torchtitan ratio in 11
-    of 12 (shape, T) pairs both times (the 12th 0.01 below, inside the spread): on by default."""
-    if cfg.group_limited or logits_TE.dtype != torch.float32 or logits_TE.shape[0] == 0:
+    (``tlx/portable/router.py``) instead of the torch ops: eager mode, fp32 logits, no group-limited
+    selection, at least one token, wherever the kernel runs (CUDA GPUs, and CPU under
+    ``TRITON_INTERPRET=1``: the tests) -- unless ``wanted`` (``Router(kernel=False)``) is False. On
+    by default: one launch where the torch ops take a dozen small ones, and the layer's eager step
+    was at least as fast with it on every benchmarked shape."""
+    if not wanted or cfg.group_limited or logits_TE.dtype != torch.float32 or logits_TE.shape[0] == 0:
         return False
-    if torch.compiler.is_compiling():
-        return False
-    mode = os.environ.get(ENV_ROUTER_KERNEL, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV_ROUTER_KERNEL}={mode!r}: expected auto, 0 or 1")
-    if mode == "0" or not tlx.triton_available():
+    if torch.compiler.is_compiling() or not tlx.triton_available():
         return False
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    runs_here = (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
-    if mode == "auto":
-        return runs_here
-    return runs_here
+    return (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
 
 
 def _pow2(n: int) -> int:
@@ -239,11 +227,17 @@ class RouterOutput:
 class Router(nn.Module):
     """Linear gate + (group-limited) top-K selection. ``weight`` is ``[E, D]`` in
     ``cfg.router_dtype`` (default: the config dtype); logits, scores and gates are fp32 (fp64 when
-    the router weight is float64)."""
+    the router weight is float64). ``kernel``: after the GEMM, the one-launch scores / top-K / loss
+    sums (``tlx/portable/router.py``) where they run (see :func:`_router_kernel_runs`); False: the
+    torch ops everywhere (the same selection, gates and losses). A plain attribute: settable on a
+    built layer (``layer.router.kernel``)."""
 
-    def __init__(self, cfg: MoEConfig, device: Optional[torch.device] = None):
+    def __init__(self, cfg: MoEConfig, device: Optional[torch.device] = None, kernel: bool = True):
         super().__init__()
+        if type(kernel) is not bool:
+            raise TypeError(f"kernel={kernel!r} must be a bool")
         self.cfg = cfg
+        self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim, dtype=cfg.router_torch_dtype, device=device))
         # Aux-loss-free balancing state. Replicated on every rank; `update_bias` keeps it in step.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
@@ -259,7 +253,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
         logits_TE = router_logits(x_TD, self.weight)
-        if _router_kernel_runs(logits_TE, cfg):
+        if _router_kernel_runs(logits_TE, cfg, self.kernel):
             return self._forward_kernel(logits_TE)
         acc = logits_TE.dtype
         if cfg.score_func == "softmax":
