@@ -502,7 +502,7 @@ def layers_agree(a, b) -> torch.Tensor:
 
 
 def test_launches_per_op(monkeypatch):
-    """Launches per op in steady state (issue 8 asks dispatch <= 3, combine <= 2): dispatch is
+    """Launches per op in steady state (the budget: dispatch <= 3, combine <= 2): dispatch is
     _route (single-pass scan + posting the counts), _send_tokens (+ the wait and the layout),
     _expand (+ the readiness for the next op) = 3 and nothing else (no torch op either); combine is
     _reduce_send (+ the wait), _reduce_recv (+ the readiness) = 2."""

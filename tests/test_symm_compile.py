@@ -289,8 +289,8 @@ def test_kernels_compile_with_signal_semantics(compiled):
     for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):
         assert compiled[name]["st"] > 0 and compiled[name]["ld"] > 0, f"{name}: no row copy"
     # No heavy register spills at DeepSeek-V3 sizes (E = 256): the layout pass of the barrier wait
-    # (then a one-CTA kernel of its own) once built an [E, E] tile and spilled 45 KB per thread (the likely cause of its
-    # ~120 us per op on an H200). A few registers' worth (the expand kernel: 96 B on sm_90) is noise.
+    # (then a one-CTA kernel of its own) once built an [E, E] tile and spilled tens of KB per thread, a slow op
+    # on the GPU. A few registers' worth (the expand kernel's, on sm_90) is noise.
     for name, info in compiled.items():
         assert info.get("spill_bytes", 0) <= 256, f"{name}: ptxas spills {info['spill_bytes']} bytes per thread"
     # Row form: the receive rows stay put (no row copy in the index pass), partial rows still go home,

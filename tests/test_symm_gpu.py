@@ -308,11 +308,11 @@ def test_world_size_one_torch_symmetric_memory():
 
 
 def test_launches_per_op_on_gpu():
-    """Issue 8's launch budget on the device, at world size 1 on torch symmetric memory: in steady
-    state a dispatch (either form) launches exactly route, send and expand, and a combine (either
-    form) reduce-send and reduce-receive -- no torch kernel besides (the expanded-row offsets are
-    capped and the row form's gather index written by the kernels themselves; until session 7 a
-    clamp and a division ran as torch ops after every dispatch)."""
+    """The exchange's launch budget on the device, at world size 1 on torch symmetric memory: in
+    steady state a dispatch (either form) launches exactly route, send and expand, and a combine
+    (either form) reduce-send and reduce-receive -- no torch kernel besides (the expanded-row
+    offsets are capped and the row form's gather index written by the kernels themselves, not by a
+    clamp and a division as torch ops after every dispatch)."""
     import torch.distributed as dist
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
