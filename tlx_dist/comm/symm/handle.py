@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from ..dispatcher import DispatchHandle
 from .buffers import SymmBuffers
-
-if TYPE_CHECKING:
-    from .overlap import RowsOverlap
-
 
 __all__ = ["SymmHandle", "Capacity", "check_capacity", "expanded_rows"]
 
@@ -46,7 +42,7 @@ class SymmHandle(DispatchHandle):
     src_map_N: torch.Tensor
     gate_TK: Optional[torch.Tensor]
     buffers: SymmBuffers
-    overlap: Optional["RowsOverlap"] = None
+    overlap: Optional["RowsOverlap"] = None  # (overlap.py; not imported here: it imports this file)
     dense: bool = False  # the copy-engine row form's dense layout (``policy.ce_mode``): receive row of token t = t
 
 
