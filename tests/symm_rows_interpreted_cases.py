@@ -120,7 +120,8 @@ def test_rows_world_launch_shapes():
     config is the sized-per-launch tile again."""
     from tlx_dist.comm.symm.tuning import _grid, _tiles, launch_shape
     cfg = ExchangeConfig(send=Tile(rows=1, cols=4, warps=8, per_sm=1), expand=Tile(rows=16, cols=8),
-                         reduce_send=Tile(rows=4, cols=2, warps=2, per_sm=16), reduce_recv=Tile(rows=8, cols=16, per_sm=16))
+                         reduce_send=Tile(rows=4, cols=2, warps=2, per_sm=16),
+                         reduce_recv=Tile(rows=8, cols=16, per_sm=16))
     cpu = torch.device("cpu")
     assert launch_shape(cfg.send, 8, 5, cpu)[:3] == (1, 4, 8)
     test_rows_world_matches_brute_force([5, 3], "random", None, cfg)

@@ -188,7 +188,8 @@ def test_one_launch_combine_shape(monkeypatch):
         rr_t = tuning.comb_recv_shape(bufs(W, D=D), 16384)[2]
         assert rr_t >= 1 and rr_t & (rr_t - 1) == 0, (W, D, rr_t)
     assert tuning.comb_recv_shape(bufs(2), 0)[1] >= 1
-    assert tuning.comb_recv_shape(bufs(2, comb_sum_per_sm=8, comb_send_per_sm=3), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM
+    more = bufs(2, comb_sum_per_sm=8, comb_send_per_sm=3)
+    assert tuning.comb_recv_shape(more, 16384)[:2] == (3 * 132, 4 * 132)  # summing programs capped at 4 an SM
     eight = Tile(cols=512, warps=8, per_sm=16)
     assert tuning.comb_recv_shape(bufs(2, reduce_send=eight), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
     sixteen = Tile(cols=512, warps=16, per_sm=16)

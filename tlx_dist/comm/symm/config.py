@@ -1,4 +1,4 @@
-"""The exchange's settings: one frozen :class:`ExchangeConfig`, its launch shapes as :class:`Tile` s.
+"""The exchange's settings: one frozen :class:`ExchangeConfig`, its launch shapes :class:`Tile` objects.
 
 Every setting of the symmetric exchange lives here -- launch shapes of the row-moving kernels, the
 copy-engine row form, the arrival-driven overlap, the receive and combine modes, the wait timeout --
@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["Tile", "ExchangeConfig", "MODES", "TILE_KERNELS", "CE_MIN_TOKENS", "CE_MIN_DENSITY", "RECV_OVERLAP_MIN_TOKENS",
-           "ce_density", "ce_auto", "recv_overlap_auto"]
+__all__ = ["Tile", "ExchangeConfig", "MODES", "TILE_KERNELS", "CE_MIN_TOKENS", "CE_MIN_DENSITY",
+           "RECV_OVERLAP_MIN_TOKENS", "ce_density", "ce_auto", "recv_overlap_auto"]
 
 MODES = ("auto", "on", "off")
 
@@ -254,7 +254,8 @@ class ExchangeConfig:
             return cls(**kw)
         except (ValueError, TypeError) as e:
             msg = str(e)
-            raise ValueError(prefix + msg[len("ExchangeConfig"):] if msg.startswith("ExchangeConfig.") else msg) from None
+            named = prefix + msg[len("ExchangeConfig"):] if msg.startswith("ExchangeConfig.") else msg
+            raise ValueError(named) from None
 
     def to_dict(self) -> dict:
         """The fields as a TOML-ready table (tiles as sub-tables; a None field left out)."""
