@@ -120,14 +120,14 @@ def test_training_config_checks_exchange_overlap():
         load_config(recipe, ["parallel.ep_overlap=true"])
 
 
-def _claims(rank, world, n):
+def _claims(rank, world, n, overlap=(False, False)):
     import torch.distributed as dist
 
-    d = symm.SymmDispatcher(8, dist.group.WORLD, row_regions=2)
+    d = symm.SymmDispatcher(8, dist.group.WORLD, row_regions=2, overlap=overlap[rank] or None)
     for _ in range(n[rank]):
         d.claim_rows_region()
     try:
-        d._check_claims()
+        d._check_ranks_agree()
     except RuntimeError as exc:
         return str(exc)
     return "ok"
@@ -137,6 +137,9 @@ def test_ranks_must_claim_the_same_regions():
     from _dist import run_world
 
     assert run_world(_claims, 2, [2, 2]) == ["ok", "ok"]
+    # ranks asking for different configs would take different forms: refused at the first op
+    out = run_world(_claims, 2, [2, 2], (False, True))
+    assert all("ranks asked for different exchange configs" in o for o in out), out
     out = run_world(_claims, 2, [1, 2])
     assert all("claimed different numbers of receive regions (1 to 2" in o for o in out), out
 

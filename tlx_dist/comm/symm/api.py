@@ -3,6 +3,7 @@ form, differentiable) and :func:`ep_buffers` (one buffer set per EP group, share
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional, Union
 
 import torch
@@ -226,22 +227,29 @@ class SymmDispatcher(Dispatcher):
         self._claimed_regions += 1
         return self._claimed_regions - 1
 
-    def _check_claims(self) -> None:
+    def _check_ranks_agree(self) -> None:
         """Every rank must have handed out the same regions (the senders store a layer's rows at
-        its region's offset on the receiver): one collective when the buffers are first needed."""
-        if self.row_regions == 0 or self.group is None or dist.get_world_size(self.group) == 1:
+        its region's offset on the receiver) and ask for the same config (senders and receivers
+        must take the same forms): one collective when the buffers are first needed."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
             return
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
-        t = torch.tensor([self._claimed_regions, -self._claimed_regions], dtype=torch.int64, device=dev)
+        asked = repr(self._asked if self._asked is not None else ExchangeConfig())  # (None builds the default)
+        digest = int.from_bytes(hashlib.sha256(asked.encode()).digest()[:7], "little")
+        t = torch.tensor([self._claimed_regions, -self._claimed_regions, digest, -digest], dtype=torch.int64,
+                         device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         hi, lo = int(t[0]), -int(t[1])
         if hi != lo:
             raise RuntimeError(f"ranks claimed different numbers of receive regions ({lo} to {hi}; this rank "
                                f"{self._claimed_regions}): every rank must build the same MoE layers in the same order")
+        if int(t[2]) != -int(t[3]):
+            raise RuntimeError(f"ranks asked for different exchange configs (this rank: {asked}): every rank of the "
+                               "EP group must give its SymmDispatcher the same ExchangeConfig")
 
     def _buffers_for(self, x_TD: torch.Tensor, K: int) -> SymmBuffers:
         if self.buffers is None:
-            self._check_claims()
+            self._check_ranks_agree()
             T = self.max_tokens
             if T is None:
                 t = torch.tensor([max(1, x_TD.shape[0])], device=x_TD.device)
