@@ -175,7 +175,7 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 # The device each multi-node recipe in configs/ is written for (projected by default).
-RECIPE_HARDWARE = {"h200_8gpu_ep8": "H200", "b200_multinode": "B200", "mi300x_multinode": "MI300X"}
+RECIPE_HARDWARE = {"h200_8gpu_ep8": "H200", "h200_8x8": "H200", "b200_16x8": "B200", "mi300x_16x8": "MI300X"}
 
 
 # ------------------------------------------------------------------------------------ exchange designs
@@ -370,7 +370,7 @@ def row_op_fit(cal: Calibration) -> dict:
 # ------------------------------------------------------------------------------------ workload
 
 def load_recipe(recipe: str, overrides=()):
-    """A recipe by name (``b200_multinode``) or path, with ``key=value`` overrides."""
+    """A recipe by name (``b200_16x8``) or path, with ``key=value`` overrides."""
     from train.config import load_config
     p = Path(recipe)
     if not p.suffix:

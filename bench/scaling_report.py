@@ -41,15 +41,15 @@ TARGETS = (
            "EP=8 inside the NVLink node keeps every token row off the NICs; HSDP leaves one all-reduce of a "
            "1/8 parameter shard per step on them, hidden in the backward; one micro-batch: 16k tokens per GPU "
            "already make 17M-token batches at 1024 GPUs"),
-    Target("B200", "b200_multinode", 0.30, dict(ep=32, sharding="hybrid", grad_accum=1, node_limit=2, preset="fused"),
+    Target("B200", "b200_16x8", 0.30, dict(ep=32, sharding="hybrid", grad_accum=1, node_limit=2, preset="fused"),
            "EP=8 would replicate 3.5B expert parameters per GPU across nodes (28 GB of fp32 all-reduce a "
            "step over 400 Gb/s); EP=32 over 4 nodes cuts that 4x, node-limited routing (groups = nodes, a "
            "token uses 2 of 4: DeepSeek-V3's half of the nodes) bounds the NIC rows, the hierarchical "
            "exchange sends one row per (token, node); one micro-batch (17M-token batches)"),
-    Target("GB200-NVL72", "b200_multinode", 0.30, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
+    Target("GB200-NVL72", "b200_16x8", 0.30, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
            "the rack is the node: HSDP shards dense and expert parameters over 64 GPUs of the NVLink domain, "
            "so the cross-rack all-reduce carries 1/64 of the parameters; EP=8 keeps the exchange on NVLink"),
-    Target("MI300X", "mi300x_multinode", 0.35, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
+    Target("MI300X", "mi300x_16x8", 0.35, dict(ep=8, sharding="hybrid", grad_accum=1, preset="fused"),
            "as H200: EP=8 over the xGMI mesh, HSDP, one micro-batch (24k tokens per GPU: 25M-token batches)"),
 )
 

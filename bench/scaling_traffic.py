@@ -13,7 +13,7 @@ Hit probabilities, for each rank j and node b:
         p_rank = 1 - C(E - e, K) / C(E, K),   p_node = 1 - C(E - g·e, K) / C(E, K)
   * group-limited routing (``n_group`` contiguous groups, ``topk_group`` of them per token, a group
     scoring the sum of its top-2 selection scores): the router's own rule
-    (``tlx_dist.router.group_limited_select``) applied to seeded i.i.d. standard-normal logits
+    (``tlx_dist.router.group_limited_topk``) applied to seeded i.i.d. standard-normal logits
     through the recipe's score function, hits counted over ``MC_TOKENS`` tokens -- a seeded Monte
     Carlo, so the projection stays a deterministic function of its inputs. (The i.i.d. logits are
     the balanced-routing assumption A5; within the chosen groups the router's top-K is *not* a
@@ -132,7 +132,7 @@ def hit_probabilities(E: int, K: int, ep: int, g: int, routing: Routing = Routin
 def _router_hits(E: int, K: int, ep: int, g: int, n_group: int, topk_group: int, score_func: str):
     import torch
 
-    from tlx_dist.router import group_limited_select
+    from tlx_dist.router import group_limited_topk
     gen = torch.Generator().manual_seed(MC_SEED)
     e = E // ep
     hits_r = torch.zeros(ep, dtype=torch.float64)
@@ -142,7 +142,7 @@ def _router_hits(E: int, K: int, ep: int, g: int, n_group: int, topk_group: int,
         t = min(chunk, MC_TOKENS - done)
         logits = torch.randn(t, E, generator=gen)
         scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-        idx = group_limited_select(scores, n_group, topk_group).topk(K, dim=-1).indices
+        idx = group_limited_topk(scores, n_group, topk_group, K)
         rank = torch.zeros(t, ep, dtype=torch.bool).scatter_(1, idx // e, True)
         node = torch.zeros(t, ep // g, dtype=torch.bool).scatter_(1, idx // (g * e), True)
         hits_r += rank.sum(0, dtype=torch.float64)

@@ -153,7 +153,7 @@ def _router_loop_hits(E, K, ep, g, n_group, topk_group, score_func, tokens):
     (16, 3, 4, 2, 8, 3, "sigmoid"),     # groups finer than nodes (8 groups, 2 nodes)
 ])
 def test_group_limited_hits_match_the_rule_written_out(monkeypatch, E, K, ep, g, n_group, topk_group, score):
-    # The Monte Carlo counts hits with tensor ops through tlx_dist.router.group_limited_select; the
+    # The Monte Carlo counts hits with tensor ops through tlx_dist.router.group_limited_topk; the
     # same logits through a per-token loop must give the same counts exactly.
     tokens = 512
     monkeypatch.setattr(st, "MC_TOKENS", tokens)
@@ -459,9 +459,9 @@ def test_projection_grad_accum_amortizes(cal):
 def test_projection_is_a_function_of_its_inputs(cal):
     # the node-limited routing's hits come from a seeded Monte Carlo: recomputed from scratch they
     # are the same numbers, so is every projection
-    a = _proj(cal, "b200_multinode", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
+    a = _proj(cal, "b200_16x8", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
     st._router_hits.cache_clear()
-    b = _proj(cal, "b200_multinode", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
+    b = _proj(cal, "b200_16x8", "B200", 1024, ep=32, sharding="hybrid", node_limit=2)
     assert a.step_ms == b.step_ms and a.legs_gb == b.legs_gb
 
 
@@ -476,7 +476,9 @@ def test_projection_invariants(cal):
                 # The deduplicated exchange never moves more than per-slot traffic and its local
                 # kernels are cheaper than the measured one-rank all-to-all; overlap only hides time.
                 assert proj["dedup"].step_ms <= proj["reference"].step_ms, (t.recipe, t.hardware, G)
-                assert proj["fused+overlap"].step_ms <= proj["fused"].step_ms, (t.recipe, t.hardware, G)
+                # (equal when nothing is hidden, up to the last bit of sums taken in another order:
+                # the b200_16x8 recipe's 4 micro-batches on GB200 at 1024 GPUs)
+                assert proj["fused+overlap"].step_ms <= proj["fused"].step_ms * (1 + 1e-12), (t.recipe, t.hardware, G)
                 for pr in proj.values():
                     assert set(pr.phases_ms) == set(sm.CATEGORIES)
                     assert math.isclose(pr.step_ms, sum(pr.phases_ms.values()))

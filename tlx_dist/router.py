@@ -34,7 +34,7 @@ import tlx
 
 from .config import MoEConfig
 
-__all__ = ["Router", "RouterOutput", "RoutingStats", "expert_counts", "router_logits", "group_limited_select"]
+__all__ = ["Router", "RouterOutput", "RoutingStats", "expert_counts", "router_logits", "group_limited_topk"]
 
 
 def expert_counts(idx_TK: torch.Tensor, num_experts: int, weight_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -97,17 +97,24 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.to(acc), w_ED.to(acc))
 
 
-def group_limited_select(select_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """DeepSeek-V3 group-limited routing: ``select_TE`` with ``-inf`` on every expert outside the
-    ``topk_group`` best of ``n_group`` contiguous groups, a group scoring the sum of its top-2
-    entries (top-1 for groups of one expert). No host sync, no data-dependent shape."""
+def group_limited_topk(select_TE: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3 group-limited routing: ``[T, top_k]`` int64 ids of the ``top_k`` largest entries
+    of ``select_TE`` (``[T, E]``, descending) among the experts of the ``topk_group`` best of
+    ``n_group`` contiguous groups, a group scoring the sum of its top-2 entries (top-1 for groups
+    of one). No host sync, no data-dependent shape.
+
+    The top-K runs over the chosen groups' entries gathered into ``[T, topk_group * E/n_group]``,
+    not over ``select_TE`` with the other groups masked to ``-inf``: a chosen group's entries can be
+    ``-inf`` themselves (a ``-inf`` selection bias), and a mask of the same value would tie with
+    them, so the top-K could take experts of more than ``topk_group`` groups."""
     T, E = select_TE.shape
     S = E // n_group
-    group_TG = select_TE.view(T, n_group, S).topk(min(2, S), dim=-1).values.sum(-1)
-    keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=select_TE.device)
-    keep_TG.scatter_(1, group_TG.topk(topk_group, dim=-1).indices, True)
-    keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, S).reshape(T, E)
-    return select_TE.masked_fill(~keep_TE, float("-inf"))
+    sel_TGS = select_TE.view(T, n_group, S)
+    group_TG = sel_TGS.topk(min(2, S), dim=-1).values.sum(-1)
+    groups_Tg = group_TG.topk(topk_group, dim=-1).indices
+    cand_TgS = sel_TGS.gather(1, groups_Tg.unsqueeze(-1).expand(T, topk_group, S))
+    pos_TK = cand_TgS.reshape(T, topk_group * S).topk(top_k, dim=-1, sorted=True).indices
+    return groups_Tg.gather(1, pos_TK // S) * S + pos_TK % S
 
 
 # --- the router after its GEMM in one launch (tlx/portable/router.py) --------------------------------
@@ -265,8 +272,9 @@ class Router(nn.Module):
         if cfg.load_balance_bias:
             select_TE = select_TE + self.expert_bias.to(acc)
         if cfg.group_limited:
-            select_TE = group_limited_select(select_TE, cfg.n_group, cfg.topk_group)
-        idx_TK = torch.topk(select_TE, cfg.top_k, dim=-1, sorted=True).indices
+            idx_TK = group_limited_topk(select_TE, cfg.n_group, cfg.topk_group, cfg.top_k)
+        else:
+            idx_TK = torch.topk(select_TE, cfg.top_k, dim=-1, sorted=True).indices
         gate_TK = scores_TE.gather(1, idx_TK)
         if cfg.route_norm:
             gate_TK = gate_TK / (gate_TK.sum(dim=-1, keepdim=True) + 1e-20)

@@ -80,6 +80,16 @@ class ParallelConfig:
     Elsewhere (one rank, all-to-all, separate pipeline) it does nothing, so a recipe that sets it
     still runs with those overrides. Not for schedules that run a layer's forward twice before its
     backward.
+    sharding: how FSDP2 spreads the parameters over their data-parallel ranks (``train.mesh``):
+    ``"full"`` (default) shards each over all of them; ``"hybrid"`` (HSDP) shards inside a node and
+    replicates across nodes -- dense parameters on a (node, rank-in-node) mesh, each expert over
+    the ranks of its expert-data-parallel group in one node (none when ep fills the node) and
+    replicated over the nodes -- so all-gathers and reduce-scatters stay on the node's links and
+    of the parameter traffic only one all-reduce of the gradient shards crosses the NICs per
+    optimizer step. One node: the same as "full".
+    ranks_per_node: ranks of one node; 0 (default) = torchrun's ``LOCAL_WORLD_SIZE`` (no torchrun:
+    one node). Set it to emulate nodes (e.g. 4 processes as 2 nodes x 2); ranks ``n * ranks_per_node
+    + [0, ranks_per_node)`` form node n, torchrun's placement.
     exchange: the symmetric exchange's settings, the table ``[parallel.exchange]`` (the fields of
     :class:`tlx_dist.comm.ExchangeConfig`, e.g. ``copy_engine = "off"``; a kernel's launch shape
     as ``[parallel.exchange.send]``). ``overlap = true`` (the arrival-driven overlap of the layers
@@ -92,6 +102,8 @@ class ParallelConfig:
     capacity_factor: float = 0.0
     moe_pipeline: str = "auto"
     ep_row_regions: bool = False
+    sharding: str = "full"
+    ranks_per_node: int = 0
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
 
 
@@ -114,9 +126,14 @@ class TrainConfig:
     activation_checkpoint: ``"none"``; ``"moe"`` recomputes each MoE FFN (router, dispatch,
     expert GEMMs, combine) in the backward instead of keeping its activations -- most of the
     activation memory of an MoE model, for ~1/3 more expert GEMM time; ``"full"`` recomputes
-    whole blocks. Recomputation never changes the losses."""
+    whole blocks. Recomputation never changes the losses.
+    grad_accum: micro-batches of ``data.batch_size`` sequences per rank accumulated into one
+    optimizer step (the loss of each scaled by 1 / grad_accum); gradients are reduced once per step
+    where the sharding allows it (``train.parallelize.set_gradient_sync``). A step consumes
+    ``data.batch_size * world * grad_accum`` sequences; tokens/s and MFU count all of them."""
 
     steps: int = 100
+    grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -223,6 +240,7 @@ def _positive(prefix: str, obj, *names: str, allow_zero: bool = False) -> None:
 
 
 ACTIVATION_CHECKPOINT = ("none", "moe", "full")
+SHARDING = ("full", "hybrid")
 
 
 def _validate(cfg: Config) -> None:
@@ -262,12 +280,15 @@ def _validate(cfg: Config) -> None:
     if p.exchange.overlap and p.capacity_factor == 0:
         raise ValueError("parallel.exchange.overlap=true needs a static capacity (the rows leave before the counts "
                          "are known): set parallel.capacity_factor > 0")
+    if p.sharding not in SHARDING:
+        raise ValueError(f"parallel.sharding={p.sharding!r} must be one of {', '.join(map(repr, SHARDING))}")
+    _positive("parallel", p, "ranks_per_node", allow_zero=True)
     _positive("data", d, "seq_len", "batch_size")
     if d.source not in ("pydoc", "file", "synthetic"):
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
     if d.source == "file" and not d.path:
         raise ValueError("data.path='' must name a UTF-8 text file when data.source='file'")
-    _positive("train", t, "steps", "lr", "log_every", "comm_timeout_s")
+    _positive("train", t, "steps", "grad_accum", "lr", "log_every", "comm_timeout_s")
     _positive("train", t, "warmup_steps", "weight_decay", "grad_clip", "crash_at_step", allow_zero=True)
     if not 0 <= t.min_lr_ratio <= 1:
         raise ValueError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
