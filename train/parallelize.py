@@ -118,9 +118,15 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
         return kind
     if device.type != "cuda":
         raise UsageError("parallel.dispatcher='symm' needs CUDA GPUs (use 'all_to_all' or 'auto' on CPU)")
+    import dataclasses
+
     from tlx_dist.comm import SymmDispatcher
-    # The exchange's bounded waits use the run's collective timeout: a rank may reach the first
-    # dispatch long after another (first-step compilation), which is no failure.
+    # The exchange's bounded waits use the run's collective timeout (unless parallel.exchange.timeout_s
+    # sets one): a rank may reach the first dispatch long after another (first-step compilation),
+    # which is no failure.
+    exchange = p.exchange
+    if exchange.timeout_s is None:
+        exchange = dataclasses.replace(exchange, timeout_s=cfg.train.comm_timeout_s)
     # per-layer receive regions only where a fused EP layer claims one (MoELayer: pipeline "fused",
     # or "auto" with narrow experts, F <= 2D), not for separate ops
     from tlx_dist.moe import _narrow_experts
@@ -128,10 +134,9 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and _narrow_experts(m.moe))
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
-                          max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
+                          max_tokens=cfg.data.batch_size * cfg.data.seq_len,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
-                          overlap=p.ep_overlap, bulk_send=p.exchange_bulk,
-                          copy_engine={"auto": "auto", "on": True, "off": False}[p.exchange_copy_engine])
+                          config=exchange)
 
 
 def check_exchange(model: Transformer) -> None:
