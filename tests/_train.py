@@ -76,12 +76,14 @@ def _mesh_of(t):
     return t.device_mesh.mesh.tolist() if isinstance(t, DTensor) else None
 
 
-def step_grads(overrides, world: int, accum: int, device: str) -> dict:
+def step_grads(overrides, world: int, accum: int, device: str, probe=None) -> dict:
     """Inside a rank of an initialised group: one step's gradients (``train.pretrain.accumulate_grads``
     over ``accum`` micro-batches of GLOBAL_BATCH / (world * accum) sequences, then ``finish_grads``)
     of the TINY debug model at ``overrides``, as global tensors on the CPU, with the meshes they live
     on (``DeviceMesh.mesh.tolist()``, None off FSDP2), the mean loss over all ranks, the loader's
-    position and this rank's EP group."""
+    position and this rank's EP group. ``probe(model)``, if given, runs before every micro-batch but
+    the first (inside ``accumulate_grads``, after the previous backward); its results are
+    ``"probes"``."""
     import torch
     import torch.distributed as dist
 
@@ -96,6 +98,15 @@ def step_grads(overrides, world: int, accum: int, device: str) -> dict:
     pd = build_mesh(cfg, dev.type)
     model = build_model(cfg, pd, dev, bf16=False)
     loader = ByteLoader(cfg.data, pd.rank, pd.world, dev, grad_accum=accum)
+    probes = []
+    if probe is not None:
+        next_batch = loader.next_batch
+
+        def probed():
+            if loader.samples_seen % GLOBAL_BATCH:   # not the step's first micro-batch
+                probes.append(probe(model))
+            return next_batch()
+        loader.next_batch = probed
     ce, _, _ = accumulate_grads(model, pd, loader, accum)
     finish_grads(model, pd)
     norm = float(clip_grad_norm_(model, pd, 0.0))   # measure only
@@ -104,7 +115,7 @@ def step_grads(overrides, world: int, accum: int, device: str) -> dict:
     meshes = {n: _mesh_of(p.grad) for n, p in model.named_parameters()}
     ce = ce.clone()
     dist.all_reduce(ce)
-    return dict(grads=grads, meshes=meshes, ce=float(ce) / world, norm=norm, samples=loader.samples_seen,
+    return dict(grads=grads, meshes=meshes, ce=float(ce) / world, norm=norm, samples=loader.samples_seen, probes=probes,
                 ep_group=dist.get_process_group_ranks(pd.ep_group) if pd.ep > 1 else [dist.get_rank()])
 
 

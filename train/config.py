@@ -99,7 +99,13 @@ class ParallelConfig:
     optimizer step. One node: the same as "full".
     ranks_per_node: ranks of one node; 0 (default) = torchrun's ``LOCAL_WORLD_SIZE`` (no torchrun:
     one node). Set it to emulate nodes (e.g. 4 processes as 2 nodes x 2); ranks ``n * ranks_per_node
-    + [0, ranks_per_node)`` form node n, torchrun's placement."""
+    + [0, ranks_per_node)`` form node n, torchrun's placement.
+    reduce_dtype: the dtype gradients cross the links in: ``"float32"`` (default) or ``"bfloat16"``
+    (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` for the reduce-scatters and the cross-node
+    all-reduces, and the all-reduce of the router / shared-expert gradients over ep). Only the
+    communication is bf16: master weights, gradients, optimizer state and the accumulation over
+    ``train.grad_accum`` micro-batches stay fp32 (``train.parallelize``). Halves the gradient bytes
+    on the NICs; each reduction rounds to bf16 (about 2^-8 of the summed magnitudes per add)."""
 
     ep: int = 1
     dp: int = 0
@@ -112,6 +118,7 @@ class ParallelConfig:
     exchange_copy_engine: str = "auto"
     sharding: str = "full"
     ranks_per_node: int = 0
+    reduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,7 @@ def _positive(prefix: str, obj, *names: str, allow_zero: bool = False) -> None:
 
 ACTIVATION_CHECKPOINT = ("none", "moe", "full")
 SHARDING = ("full", "hybrid")
+REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 def _validate(cfg: Config) -> None:
@@ -281,6 +289,8 @@ def _validate(cfg: Config) -> None:
     if p.sharding not in SHARDING:
         raise ValueError(f"parallel.sharding={p.sharding!r} must be one of {', '.join(map(repr, SHARDING))}")
     _positive("parallel", p, "ranks_per_node", allow_zero=True)
+    if p.reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"parallel.reduce_dtype={p.reduce_dtype!r} must be one of {', '.join(map(repr, REDUCE_DTYPES))}")
     _positive("data", d, "seq_len", "batch_size")
     if d.source not in ("pydoc", "file", "synthetic"):
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
