@@ -267,7 +267,7 @@ def test_hybrid_amortizes_over_grad_accum_and_full_does_not():
     assert math.isclose(h8.detail["held_experts"], 8e8 / 8) and math.isclose(h64.detail["held_experts"], 8e8 / 64)
     h2 = sl.plan_layout("hybrid", 256, 2, 8, _PARAMS, _BW, _HOP)
     assert h2.detail["expert_shard"] == 4 and math.isclose(h2.detail["held_experts"], 8e8 / 8)
-    bf = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bf16")
+    bf = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bfloat16")
     assert math.isclose(bf.bytes_per_step("nic", 1), h8.bytes_per_step("nic", 1) / 2)
 
 
