@@ -320,7 +320,7 @@ def plot_projection(cal: Calibration, path: str, series: dict, measured: Optiona
     import matplotlib.pyplot as plt
 
     styles = {"chosen": ("-", "fused EP, recipe parameters"), "overlap": ("-.", "+ exchange-GEMM overlap"),
-              "today": (":", "today's layout (full sharding, flat exchange)")}
+              "today": (":", "today's layout (full sharding, flat exchange, fp32)")}
     colors = {"H200": "tab:green", "B200": "tab:blue", "GB200-NVL72": "tab:purple", "MI300X": "tab:red"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
     for t in TARGETS:
