@@ -38,18 +38,15 @@ is the default and is bitwise the same whether ``parallel.reduce_dtype`` is set 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from _dist import run_world
-from _train import DEBUG, GLOBAL_BATCH, TINY, step_grads
+from _train import DEBUG, assert_bf16_reduction_bound, bf16_valued, sequence_grad_magnitudes, step_grads
 
 WORLD = 4
 NODES = ["parallel.ranks_per_node=2"]
 LAYOUTS = {"hybrid_ep2": ["parallel.sharding=hybrid", "parallel.ep=2"], "full_ep2": ["parallel.ep=2"]}
-U = 2.0 ** -8        # bf16 unit roundoff (round to nearest, 8 significant bits)
 # (layout, parallel.reduce_dtype or None for the default, grad_accum)
 RUNS = [("hybrid_ep2", None, 1), ("hybrid_ep2", "float32", 1), ("hybrid_ep2", "bfloat16", 1),
         ("hybrid_ep2", None, 2), ("hybrid_ep2", "bfloat16", 2), ("full_ep2", None, 2), ("full_ep2", "bfloat16", 2)]
@@ -78,58 +75,20 @@ def _runs(rank, world):
     return out
 
 
-def _magnitudes() -> dict:
-    """S per element (module docstring): (1/8) * sum over the 8 sequences of |gradient| of the fp64
-    single-process model on that sequence alone."""
-    from train.config import load_config
-    from train.data import ByteLoader
-    from train.model import Transformer
-
-    cfg = load_config(DEBUG, TINY + [f"data.batch_size={GLOBAL_BATCH}"])
-    x, y = ByteLoader(cfg.data, 0, 1).next_batch()
-    m32 = Transformer(cfg.model, seed=cfg.train.seed)
-    m64 = Transformer(dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, dtype="float64")),
-                      seed=cfg.train.seed).double()
-    m64.load_state_dict(m32.state_dict())
-    S = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in m64.named_parameters()}
-    for j in range(GLOBAL_BATCH):
-        m64.zero_grad(set_to_none=True)
-        ce = m64(x[j:j + 1], y[j:j + 1])
-        (ce + m64.aux_loss()).backward()
-        for n, p in m64.named_parameters():
-            S[n] += p.grad.abs() / GLOBAL_BATCH
-    return S
-
-
-def _bf16_valued(t: torch.Tensor) -> bool:
-    return torch.equal(t, t.to(torch.bfloat16).to(t.dtype))
-
-
 def test_bf16_reduction_within_the_rounding_bound_and_fp32_accumulation():
     res = run_world(_runs, WORLD, start_method="forkserver")
     r0 = res[0]
-    S = _magnitudes()
+    S = sequence_grad_magnitudes()
     for layout, rd, accum in RUNS:
         for r in res[1:]:   # every rank ends with the same global gradient
             assert all(torch.equal(r[layout, rd, accum]["grads"][n], g) for n, g in r0[layout, rd, accum]["grads"].items())
         if rd != "bfloat16":
             continue
         ref, got = r0[layout, None, accum]["grads"], r0[layout, rd, accum]["grads"]
-        assert got.keys() == ref.keys() == S.keys()
-        n_terms = WORLD * accum
-        worst, differ = 0.0, False
-        for n, g in got.items():
-            err = (g.double() - ref[n].double()).abs()
-            bound = (n_terms + 4) * U * S[n] + 2.0 ** -20 * ref[n].abs().max().item()
-            assert bool((err <= bound).all()), (f"{layout} accum={accum} {n}: |bf16 - fp32| exceeds (N + 4) u S at "
-                                                f"{int((err > bound).sum())} elements, worst ratio "
-                                                f"{(err / bound).max().item():.2f}")
-            worst = max(worst, (err / bound).max().item())
-            differ |= bool((err > 0).any())
-        assert differ, f"{layout} accum={accum}: bf16 reduction left every gradient bitwise equal to fp32's"
+        assert_bf16_reduction_bound(got, ref, S, WORLD * accum, f"{layout} accum={accum}")
         if layout == "hybrid_ep2":
-            assert all(_bf16_valued(g) for g in got.values()), f"{layout} accum={accum}: a gradient that is not bf16"
-            assert sum(_bf16_valued(g) for g in ref.values()) < len(ref) // 2, "the fp32 run's gradients are bf16 too"
+            assert all(bf16_valued(g) for g in got.values()), f"{layout} accum={accum}: a gradient that is not bf16"
+            assert sum(bf16_valued(g) for g in ref.values()) < len(ref) // 2, "the fp32 run's gradients are bf16 too"
 
     # The default is fp32, bit for bit.
     a, b = r0["hybrid_ep2", None, 1], r0["hybrid_ep2", "float32", 1]
