@@ -141,9 +141,8 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
     if reduce_dtype not in REDUCE_BYTES:
         raise ValueError(f"reduce_dtype={reduce_dtype!r} must be one of {tuple(REDUCE_BYTES)}")
     RED = REDUCE_BYTES[reduce_dtype]
-    # the reduce-scatter runs every micro-batch under HSDP, and under bf16 reduction (fp32 sums)
-    rs_every = hybrid = sharding == "hybrid"
-    rs_every = rs_every or RED == BF16
+    hybrid = sharding == "hybrid"
+    rs_every = hybrid or RED == BF16   # reduce-scatter every micro-batch: HSDP, and bf16 (fp32 sums)
     if G % ep:
         raise ValueError(f"gpus={G} must be a multiple of ep={ep}")
     s = node_size(G, domain)
@@ -153,7 +152,7 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
     dense_units = list(params["dense_units"])
     moe_layer = params["experts"] / ep / Lm + params["replicated"] / Lm   # one MoE module on one rank
     units: list[Unit] = []
-    partial = [0.0, 0.0]   # elements of the HSDP partial sums / of all accumulators kept between micro-batches
+    kept = {"partial": 0.0, "all": 0.0}   # elements kept between micro-batches: HSDP partial sums / all
     # (shard ranks, do they span nodes, replicas across nodes) of the dense and the MoE meshes
     if hybrid:
         dense_mesh = (s, False, G // s)
@@ -174,10 +173,10 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
             for when, nbytes in (("fwd", BF16 * p), ("bwd", BF16 * p), ("bwd" if rs_every else "step", RED * p)):
                 units.append(Unit(what, when, ln, nbytes * (n - 1) / n, ring_ag_rs_s(nbytes, n, bw[ln], hop[ln])))
             if not rs_every:
-                partial[1] += p
+                kept["all"] += p
         if R > 1:
-            partial[0] += p / n
-            partial[1] += p / n
+            kept["partial"] += p / n
+            kept["all"] += p / n
             shard = RED * p / n
             units.append(Unit(f"{what} all-reduce across nodes", "step", "nic", 2 * shard * (R - 1) / R,
                               all_reduce_s(shard, R, bw["nic"], hop["nic"])))
@@ -201,7 +200,7 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
         "dense_shard": dense_mesh[0], "expert_shard": n_moe, "dense_replicas": dense_mesh[2],
         "expert_replicas": moe_mesh[2], "local_dense": 0.0 if G > 1 else dense_p,
         "local_moe": 0.0 if edp > 1 else Lm * moe_layer, "held_experts": params["experts"] / ep / n_moe,
-        "reduce_scatter_every_micro_batch": rs_every, "partial_sum_params": partial[0], "accumulation_params": partial[1],
+        "reduce_scatter_every_micro_batch": rs_every, "partial_sum_params": kept["partial"], "accumulation_params": kept["all"],
         "reduce_dtype": reduce_dtype})
 
 

@@ -42,7 +42,7 @@ stay fp32 (FSDP2 would round them to bf16 at every block).
 all-reduce over ep. What the ranks hold stays fp32: the sharded gradients (FSDP2 casts each
 reduction's result to the fp32 parameter dtype), the masters, the optimizer state, and the sums over
 ``train.grad_accum`` micro-batches (below). Each element then carries the bf16 rounding of the
-operands sent and of every add in the reduction: at most about (contributions + 2) * 2^-8 of the
+operands sent and of every add in the reduction: at most (contributions + 4) * 2^-8 of the
 sum of the contributions' magnitudes (tests/test_train_reduce_dtype.py).
 
 Wrapping and overlap: every block is its own FSDP2 unit and its MoE layer a unit inside it, so each
