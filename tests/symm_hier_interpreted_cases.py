@@ -19,11 +19,8 @@ import torch
 pytest.importorskip("triton")
 
 from test_hier_reference import hier_routing  # noqa: E402
-from tlx_dist.comm.emulated import reference_dispatch, run_lockstep  # noqa: E402
-from tlx_dist.comm.hier import (COUNTER_NAMES, hier_combine_grad_steps, hier_combine_rows_grad_steps,  # noqa: E402
-                                hier_combine_rows_steps, hier_combine_steps, hier_dispatch_grad_steps,
-                                hier_dispatch_rows_grad_steps, hier_dispatch_steps, hier_emulated_buffers,
-                                leg_counters_dict)
+from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
+from tlx_dist.comm.symm import LEG_COUNTERS, ExchangeConfig  # noqa: E402
 from tlx_dist.comm.hier_reference import (destination_nodes, hier_combine_reference,  # noqa: E402
                                           hier_dispatch_reference)
 
@@ -31,47 +28,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_hier_interpreted.py (needs TRITON_INTERPRET=1)")
 
 
-class HierWorld:
-    """W virtual ranks running the hierarchical ops in lockstep (the emulated world's harness)."""
-
-    def __init__(self, W, T_max, D, K, E, dtype, L, nvshmem=True, capacity="worst", timeout_s=None, device="cpu"):
-        self.buffers = hier_emulated_buffers(W, T_max, D, K, E, dtype, ranks_per_node=L, device=device,
-                                             nvshmem=nvshmem, timeout_s=timeout_s)
-        self.capacity = capacity
-
-    def dispatch(self, xs, idxs, gates, rows=False):
-        return run_lockstep([hier_dispatch_steps(b, x, i, g, self.capacity, rows=rows)
-                             for b, x, i, g in zip(self.buffers, xs, idxs, gates)])
-
-    def combine(self, ys, hs):
-        return run_lockstep([hier_combine_steps(b, y, h) for b, y, h in zip(self.buffers, ys, hs)])
-
-    def combine_grad(self, gs, hs):
-        return run_lockstep([hier_combine_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs, hs)])
-
-    def dispatch_grad(self, gs, ys, hs):
-        return run_lockstep([hier_dispatch_grad_steps(b, g, y, h) for b, g, y, h in zip(self.buffers, gs, ys, hs)])
-
-    def combine_rows(self, parts, hs):
-        return run_lockstep([hier_combine_rows_steps(b, p, h) for b, p, h in zip(self.buffers, parts, hs)])
-
-    def combine_rows_grad(self, gs, hs):
-        return run_lockstep([hier_combine_rows_grad_steps(b, g, h) for b, g, h in zip(self.buffers, gs, hs)])
-
-    def dispatch_rows_grad(self, gs, ggs, hs):
-        return run_lockstep([hier_dispatch_rows_grad_steps(b, g, gg, h)
-                             for b, g, gg, h in zip(self.buffers, gs, ggs, hs)])
-
-    def counters(self):
-        return [leg_counters_dict(b.hier.counters) for b in self.buffers]
-
-    def reset_counters(self):
-        for b in self.buffers:
-            b.hier.reset()
-
-    def check(self):
-        for b in self.buffers:
-            b.check()
+def HierWorld(W, T_max, D, K, E, dtype, L, nvshmem=None, capacity="worst", timeout_s=None, device="cpu",
+              **config):
+    """An emulated world of W ranks in nodes of L running the hierarchical exchange."""
+    return EmulatedWorld(W, T_max, D, K, E, dtype, capacity=capacity, device=device, timeout_s=timeout_s,
+                         ranks_per_node=L, config=ExchangeConfig(topology="hierarchical", **config), nvshmem=nvshmem)
 
 
 def _inputs(W, L, E, K, Ts, D, kind, dtype, seed=7):
@@ -89,7 +50,7 @@ def _expect_counters(dispatch_counts, combine_counts, ops=1):
         v = [dispatch_counts.nic_rows_W[s], dispatch_counts.nic_bytes_W[s], dispatch_counts.nvl_rows_W[s],
              dispatch_counts.nvl_bytes_W[s], combine_counts.nic_rows_W[s], combine_counts.nic_bytes_W[s],
              combine_counts.nvl_rows_W[s], combine_counts.nvl_bytes_W[s]]
-        out.append(dict(zip(COUNTER_NAMES, (int(x) * ops for x in v))))
+        out.append(dict(zip(LEG_COUNTERS, (int(x) * ops for x in v))))
     return out
 
 
@@ -120,7 +81,7 @@ def _magnitude(ys, idxs, gates, E, L):
     return out
 
 
-def check_hier_world(W, L, E, K, Ts, D, kind, dtype=torch.float64, nvshmem=True, capacity="worst", device="cpu"):
+def check_hier_world(W, L, E, K, Ts, D, kind, dtype=torch.float64, nvshmem=None, capacity="worst", device="cpu"):
     """Dispatch, combine and both backward ops of a hierarchical world vs the oracles and the
     reference's counts (on ``device``: the interpreter on CPU, or one GPU with ``nvshmem=False``);
     returns the world and its inputs (on CPU) and the dispatch's results."""
@@ -138,6 +99,7 @@ def check_hier_world(W, L, E, K, Ts, D, kind, dtype=torch.float64, nvshmem=True,
         assert h.offsets_e.tolist() == cnt.cumsum(0).tolist(), f"{kind}: offsets on rank {d}"
         assert torch.equal(x_exp[:n], rows), f"{kind}: rank {d} expanded the wrong rows"
         assert h.rows_from_W.tolist() == [int((i // e == d).any(1).sum()) for i in idxs], f"{kind}: rank {d}"
+    assert world.hierarchical
     for s, (_, h) in enumerate(res):
         reach = destination_nodes(idxs[s], E, W, L)
         reach[:, s // L] = False
@@ -153,7 +115,7 @@ def check_hier_world(W, L, E, K, Ts, D, kind, dtype=torch.float64, nvshmem=True,
     mag = _magnitude(ys_ref, idxs, gates, E, L)
     for s in range(W):  # (four roundings: product, owner, relay, source)
         _same(outs[s], ref_out[s], f"{kind}: combine on rank {s}", mag[s], roundings=4)
-    assert world.counters() == _expect_counters(ref.counts, ref_comb), f"{kind}: per-leg counters"
+    assert world.leg_counters() == _expect_counters(ref.counts, ref_comb), f"{kind}: per-leg counters"
     # combine's backward: a hierarchical dispatch of g; g_y = gate * g at each slot's row, g_gate = <g, y>
     gs = [torch.randn(x.shape[0], D, generator=torch.Generator().manual_seed(3 + s)).to(dtype)
           for s, x in enumerate(xs)]
@@ -177,7 +139,7 @@ def check_hier_world(W, L, E, K, Ts, D, kind, dtype=torch.float64, nvshmem=True,
     mag = _magnitude(gys_ref, idxs, None, E, L)
     for s in range(W):  # (three roundings: owner, relay, source)
         _same(g_TD[s], ref_g[s], f"{kind}: dispatch backward on rank {s}", mag[s], roundings=3)
-    assert world.counters() == _expect_counters(ref.counts, ref_comb, ops=2), f"{kind}: counters after backward"
+    assert world.leg_counters() == _expect_counters(ref.counts, ref_comb, ops=2), f"{kind}: counters after backward"
     world.check()
     return world, xs, idxs, gates, res
 

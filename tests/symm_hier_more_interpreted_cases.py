@@ -16,10 +16,10 @@ pytest.importorskip("triton")
 from symm_hier_interpreted_cases import HierWorld, _inputs, _expect_counters, check_hier_world  # noqa: E402
 from test_hier_reference import hier_routing  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
-from tlx_dist.comm.hier import hier_dispatch_steps, hier_emulated_buffers  # noqa: E402
+from tlx_dist.comm.symm import ExchangeConfig, dispatch_steps  # noqa: E402
 from tlx_dist.comm.hier_reference import (destination_nodes, hier_combine_reference,  # noqa: E402
                                           hier_dispatch_reference)
-from tlx_dist.comm.symm_buffers import ExchangeError  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_hier_interpreted.py (needs TRITON_INTERPRET=1)")
@@ -52,7 +52,7 @@ def test_hier_one_node_is_the_flat_path_bit_for_bit():
     outs = world.combine(ys, [h for _, h in res])
     fouts = flat.combine(fys, [h for _, h in fres])
     assert all(torch.equal(a, b) for a, b in zip(outs, fouts))
-    assert all(c["dispatch_nic_rows"] == c["combine_nic_rows"] == 0 for c in world.counters())
+    assert all(c["dispatch_nic_rows"] == c["combine_nic_rows"] == 0 for c in world.leg_counters())
 
 
 def test_hier_row_form_matches_flat_row_form():
@@ -63,7 +63,7 @@ def test_hier_row_form_matches_flat_row_form():
     world = HierWorld(W, max(Ts), D, K, E, torch.float64, L)
     flat = EmulatedWorld(W, max(Ts), D, K, E, torch.float64, device="cpu")
     xs, idxs, gates = _inputs(W, L, E, K, Ts, D, "random", torch.float64)
-    res = world.dispatch(xs, idxs, gates, rows=True)
+    res = world.dispatch_rows(xs, idxs, gates)
     fres = flat.dispatch_rows(xs, idxs, gates)
     for d, ((recv, src, gate_n, h), (frecv, fsrc, fgate, fh)) in enumerate(zip(res, fres)):
         for s in range(W):  # the valid receive rows of every source
@@ -103,7 +103,7 @@ def test_hier_repeated_ops_reuse_buffers():
     for rnd, kind in enumerate(["random", "one_node", "empty_node"]):
         Ts = [(rnd + s) % 4 + 1 for s in range(W)]
         xs, idxs, gates = _inputs(W, L, E, K, Ts, D, kind, torch.float64, seed=rnd)
-        world.reset_counters()
+        world.reset_leg_counters()
         res = world.dispatch(xs, idxs, gates)
         flat = reference_dispatch(xs, idxs, E)
         for d, (x_exp, _) in enumerate(res):
@@ -114,7 +114,7 @@ def test_hier_repeated_ops_reuse_buffers():
                                                    E, L)
         assert all(torch.equal(a, b) for a, b in zip(outs, ref_out)), f"round {rnd}"
         ref = hier_dispatch_reference(xs, idxs, E, L)
-        assert world.counters() == _expect_counters(ref.counts, ref_comb)
+        assert world.leg_counters() == _expect_counters(ref.counts, ref_comb)
         for b in world.buffers:  # the relays left their arrival counters at zero
             H = b.hier.layout
             assert b._region(H.off_harrive, 8 * W).view(torch.int64).tolist() == [0] * W
@@ -148,7 +148,7 @@ def test_hier_node_limited_routing_reaches_at_most_topk_group_nodes():
         assert (nodes.sum(1) <= 2).all()
         nic = (h.route.nrow_TN >= 0).sum(1)
         assert (nic <= 2).all() and torch.equal(nic, (nodes & (torch.arange(N) != s // L)).sum(1))
-        assert world.counters()[s]["dispatch_nic_rows"] == int(nic.sum())
+        assert world.leg_counters()[s]["dispatch_nic_rows"] == int(nic.sum())
     # (not vacuous: the routing does use two nodes, and some token reaches two others)
     assert max(int(destination_nodes(i, E, W, L).sum(1).max()) for i in idxs) == 2
     assert any(bool(((h.route.nrow_TN >= 0).sum(1) == 2).any()) for _, h in res)
@@ -161,7 +161,7 @@ def test_hier_bounded_wait_names_the_relay_wait():
     W, L, E, K, D = 4, 2, 8, 2, 3
     world = HierWorld(W, 3, D, K, E, torch.float64, L, timeout_s=0.002)
     xs, idxs, gates = _inputs(W, L, E, K, [3, 3, 3, 3], D, "random", torch.float64)
-    gens = [hier_dispatch_steps(b, x, i, g) for b, x, i, g in zip(world.buffers[:3], xs, idxs, gates)]
+    gens = [dispatch_steps(b, x, i, g) for b, x, i, g in zip(world.buffers[:3], xs, idxs, gates)]
     for _ in range(3):  # every phase but the op's last (the expand, which would end the op)
         for g in gens:
             next(g)
@@ -178,15 +178,14 @@ def test_hier_bounded_wait_names_the_relay_wait():
     world.buffers[3].check()  # the rank that skipped saw nothing wrong
 
 
-def test_node_route_numbering_across_blocks(monkeypatch):
+def test_node_route_numbering_across_blocks():
     """The node route alone, walking 4-token blocks (its per-node carry crosses blocks), against the
     formulas: the relay's own tokens at their flat receive row there, then the node's other tokens in
     token order; the near columns; the combine view and its row counts."""
-    import tlx_dist.comm.hier as hier
-    from tlx_dist.comm.symm import _route
-    monkeypatch.setattr(hier, "_NODE_ROUTE_BLOCK_T", 4)
+    from tlx_dist.comm.symm import hier
+    from tlx_dist.comm.symm.launch import route as _route
     W, L, E, K, T = 8, 2, 16, 3, 23
-    bufs = hier_emulated_buffers(W, T, 4, K, E, torch.float32, ranks_per_node=L, device="cpu")
+    bufs = HierWorld(W, T, 4, K, E, torch.float32, L, route_block=4).buffers
     e, N = E // W, W // L
     for r in (0, 5):
         idx = hier_routing(r, T, K, E, W, L, "random")

@@ -29,11 +29,11 @@ def _specs():
     import torch
     import triton.language as tl
 
-    from tlx_dist.comm.hier import HierLayout
-    from tlx_dist.comm.symm_buffers import SymmLayout
+    from tlx_dist.comm.symm.buffers import SymmLayout
+    from tlx_dist.comm.symm.hier_layout import HierLayout
 
     base = SymmLayout.build(T_MAX, D, K, E, W, torch.bfloat16, staging=True)
-    H = HierLayout.build(base, L)
+    H = HierLayout.build(base.nbytes, W, T_MAX, K, D, 2, L, staging=True)
     N, e = W // L, E // W
     wait = dict(TIMEOUT_NS=30 * 10**9, CLOCK=1)
     common = dict(W=W, WP=W, K=K, KP=K, L=L, D=D, T_MAX=T_MAX, HM=H.hmeta_words)

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .exchange import _reduce_slot
+from .reduce import _reduce_slot
 from .protocol import _nvshmem_signal, _publish, _release_to_peer, _wait_geq
 
 OP_RELAY_ROWS = tl.constexpr(6)      # a relay waiting for a remote source's count or inter-node rows

@@ -1,4 +1,6 @@
-"""Hierarchical (per-node) exchange over symmetric memory: host side of ``tlx/comm/hier.py``.
+"""The hierarchical (per-node) exchange: host side of ``tlx/comm/hier.py`` -- its launch wrappers
+and its ops as phase generators, which ``steps.py`` hands every op of a buffer set with a
+hierarchical part (``SymmBuffers.hier``, from ``ExchangeConfig.topology``).
 
 Legend: W ranks in N nodes of L ranks (rank v is local rank ``v % L`` of node ``v // L``), T tokens
 of this rank, K top-k, E experts, e = E/W, D hidden, R = W * T_max.
@@ -7,136 +9,34 @@ When an EP group spans nodes, a token row crosses to each destination *node* onc
 of that node with the source's local index, its relay -- which forwards it over NVLink to the
 node's ranks that own its experts; combine sums the partial rows inside the node first and sends
 one row per (token, node) back (``tlx_dist.comm.hier_reference`` is the pure-PyTorch oracle). The
-ops here are the flat ones of :mod:`tlx_dist.comm.symm` with the inter-node leg added: the flat
-kernels move what stays inside a node (the near columns of ``send_row``, the near sources' rows),
-the kernels of ``tlx/comm/hier.py`` the rest, and every rank ends with the flat exchange's receive
-rows, so the expand, gate-gradient and reduce-receive kernels are the flat ones. Each op keeps its
-phase-generator form (a real rank runs it straight through, the emulated world in lockstep).
+ops are the flat ones (``steps.py``) with the inter-node leg added: the flat kernels move what
+stays inside a node (the near columns of ``send_row``, the near sources' rows), the kernels of
+``tlx/comm/hier.py`` the rest, and every rank ends with the flat exchange's receive rows, so the
+expand, gate-gradient and reduce-receive kernels are the flat ones. No per-layer receive regions,
+copy engines or overlap (their rows go by the relays); receive copies and sums after the whole op's
+rows (``policy.py``: "after").
 
-The extra symmetric regions (``HierLayout``) follow the flat ones in the same allocation. The
-per-leg counters (:attr:`HierState.counters`, int64 ``[8]`` on the device) accumulate what each
-leg moved: see :data:`COUNTER_NAMES`.
+The per-leg counters (``SymmBuffers.hier.counters``, int64 ``[8]`` on the device,
+``hier_layout.LEG_COUNTERS``) add up what each leg moved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Generator, Optional
 
 import torch
 
-from .hier_reference import check_hier_topology
-from .symm import (Steps, SymmHandle, _acc_dtype, _check_bufs, _clock, _common, _expand, _gate_grad_recv, _kernels,
-                   _next_pow2, _reduce_recv, _reduce_send, _route, _send_tokens, _shape, expanded_rows)
-from .symm_buffers import SymmBuffers, SymmLayout, _align, _start_protocol, _timeout_s
+from .buffers import SymmBuffers
+from .handle import SymmHandle, _check_bufs, expanded_rows
+from . import launch as flat
+from .tuning import _next_pow2, launch_shape
 
-__all__ = ["HierLayout", "HierState", "HierRoute", "HierHandle", "COUNTER_NAMES", "hier_emulated_buffers",
-           "hier_dispatch_steps", "hier_combine_steps", "hier_combine_grad_steps", "hier_dispatch_grad_steps",
-           "hier_combine_rows_steps", "hier_combine_rows_grad_steps", "hier_dispatch_rows_grad_steps",
-           "leg_counters_dict"]
+__all__ = ["HierRoute", "HierHandle", "dispatch_steps", "combine_steps", "combine_grad_steps", "dispatch_grad_steps",
+           "combine_rows_steps", "combine_rows_grad_steps", "dispatch_rows_grad_steps"]
 
-# ctr[i] of tlx/comm/hier.py: dispatch-direction ops (dispatch, combine's backward) and combine-direction
-# ops (combine, dispatch's backward) separately; rows and their payload bytes (rows * D * itemsize).
-COUNTER_NAMES = ("dispatch_nic_rows", "dispatch_nic_bytes", "dispatch_nvl_rows", "dispatch_nvl_bytes",
-                 "combine_nic_rows", "combine_nic_bytes", "combine_nvl_rows", "combine_nvl_bytes")
-
-
-@dataclass(frozen=True)
-class HierLayout:
-    """Byte offsets of the hierarchical regions (``tlx/comm/hier.py``), after the flat layout's
-    ``base_nbytes``; ``nbytes`` is the whole allocation. ``hmeta_words``: HM = 2K + L + 1."""
-
-    ranks_per_node: int
-    num_nodes: int
-    hmeta_words: int
-    off_hflag: int
-    off_hcnt: int
-    off_harrive: int
-    off_hcarr: int
-    off_hdone: int
-    off_hmeta: int
-    off_hcomb: int
-    off_shcnt: int
-    off_shmeta: int
-    nbytes: int
-
-    @classmethod
-    def build(cls, base: SymmLayout, ranks_per_node: int) -> "HierLayout":
-        W, T, K, D = base.world_size, base.max_tokens, base.top_k, base.hidden
-        N = check_hier_topology(W, ranks_per_node)
-        L = ranks_per_node
-        hm = 2 * K + L + 1
-        off, offs = _align(base.nbytes), {}
-        sizes = [("hflag", 8 * W), ("hcnt", 8 * W), ("harrive", 8 * W), ("hcarr", 8 * W), ("hdone", 16),
-                 ("hmeta", 4 * W * T * hm), ("hcomb", D * base.dtype.itemsize * N * T * L)]
-        if base.staging:
-            sizes += [("shcnt", 8 * N), ("shmeta", 4 * T * N * hm)]
-        for name, size in sizes:
-            offs[name] = off
-            off = _align(off + size)
-        return cls(L, N, hm, offs["hflag"], offs["hcnt"], offs["harrive"], offs["hcarr"], offs["hdone"],
-                   offs["hmeta"], offs["hcomb"], offs.get("shcnt", 0), offs.get("shmeta", 0), off)
-
-
-class HierState:
-    """A rank's hierarchical part of a :class:`SymmBuffers` (``bufs.hier``): the layout and the
-    per-leg counters ``counters`` (int64 ``[8]``, :data:`COUNTER_NAMES`), zeroed by :meth:`reset`."""
-
-    def __init__(self, layout: HierLayout, device: torch.device):
-        self.layout = layout
-        self.counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=device)
-
-    def reset(self) -> None:
-        self.counters.zero_()
-
-
-def leg_counters_dict(counters: torch.Tensor) -> dict:
-    """``{name: int}`` of a counters tensor (host sync: for tests and benchmark reports)."""
-    return dict(zip(COUNTER_NAMES, (int(v) for v in counters.tolist())))
-
-
-def hier_emulated_buffers(world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                          dtype: torch.dtype, *, ranks_per_node: int, device=None, timeout_s: Optional[float] = None,
-                          nvshmem: Optional[bool] = None) -> list:
-    """W virtual ranks in one allocation (as :meth:`SymmBuffers.emulated`) whose exchange is the
-    hierarchical one over nodes of ``ranks_per_node``. ``nvshmem`` (default: on CPU): ranks of other
-    nodes get pointer 0 and are reached through the NVSHMEM route, which the Triton interpreter
-    emulates (``tlx/comm/nvshmem.py``); off (one GPU): every rank keeps its pointer and the
-    inter-node leg is plain stores -- the same rows, counts and relays."""
-    N = check_hier_topology(world_size, ranks_per_node)
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    nvshmem = device.type == "cpu" if nvshmem is None else bool(nvshmem)
-    if nvshmem and device.type != "cpu":
-        raise ValueError(f"nvshmem=True emulates NVSHMEM, which only the Triton interpreter (device='cpu') can; "
-                         f"on {device} use nvshmem=False (the inter-node leg by pointer stores)")
-    far = nvshmem and N > 1
-    base = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=far)
-    hl = HierLayout.build(base, ranks_per_node)
-    layout = dataclasses.replace(base, nbytes=hl.nbytes)
-    timeout = _timeout_s(timeout_s)
-    mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
-    for v in range(world_size):
-        _start_protocol(mem[v * layout.nbytes:(v + 1) * layout.nbytes], layout)
-    ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
-    if far:
-        from tlx.comm.nvshmem import emulate_heaps
-        emulate_heaps([(p, layout.nbytes) for p in ptrs])
-    out = []
-    L = ranks_per_node
-    for v in range(world_size):
-        b = SymmBuffers.__new__(SymmBuffers)
-        seen = [p if not far or d // L == v // L else 0 for d, p in enumerate(ptrs)]
-        b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], seen, list(range(world_size)),
-                "emulated", None, timeout)
-        b._world_mem = mem
-        b.hier = HierState(hl, device)
-        # the relays' rows land without the flat row form's per-block counters: whole-op waits
-        b._recv_mode = "after"
-        b._comb_mode = "after"
-        b._ce_mode_v = False
-        out.append(b)
-    return out
+Steps = Generator[None, None, object]
 
 
 @dataclass(frozen=True)
@@ -172,7 +72,7 @@ class HierHandle(SymmHandle):
 
 
 def _hkernels(device: torch.device):
-    _kernels(device)  # checks TRITON_INTERPRET against the device
+    flat.kernels(device)  # checks TRITON_INTERPRET against the device
     from tlx.comm import hier
     return hier
 
@@ -196,11 +96,8 @@ def _node_route(bufs: SymmBuffers, idx_TK: torch.Tensor, send_row_TW: torch.Tens
     _hkernels(dev)._node_route_kernel[(1,)](
         idx_TK, send_row_TW, counts_C, nrow, near, comb_row, ncnt, comb_to, T, bufs.rank, K=K, KP=_next_pow2(K),
         E=L.num_experts, E_LOCAL=L.num_experts // W, W=W, WP=_next_pow2(W), L=H.ranks_per_node, N=N,
-        NP=_next_pow2(N), BLOCK_T=_NODE_ROUTE_BLOCK_T or min(256, _next_pow2(max(1, T))))
+        NP=_next_pow2(N), BLOCK_T=bufs.config.route_block or min(256, _next_pow2(max(1, T))))
     return HierRoute(nrow, near, comb_row, ncnt, comb_to)
-
-
-_NODE_ROUTE_BLOCK_T = 0  # tests: tokens per block of the node route's walk (a power of two; 0 = automatic)
 
 
 def _count(bufs: SymmBuffers, slot: int, rows: torch.Tensor) -> None:
@@ -237,7 +134,7 @@ def _hier_send(bufs: SymmBuffers, x_TD: torch.Tensor, route: HierRoute, send_row
                q_TK=None, start_E=None, gate_TK=None, with_meta: bool = False, raw_meta: bool = False) -> None:
     L, H, k = bufs.layout, bufs.hier.layout, _hkernels(bufs.device)
     T, D = x_TD.shape
-    bt, bd, warps, grid = _shape("send", D, T, bufs.device)
+    bt, bd, warps, grid = launch_shape(bufs.config.send, D, T, bufs.device)
     dummy = route.nrow_TN
     kern = k._hier_send_kernel
     kern[grid](x_TD, x_TD.stride(0), T, route.nrow_TN, send_row_TW, idx_TK if with_meta else dummy,
@@ -251,13 +148,13 @@ def _hier_send(bufs: SymmBuffers, x_TD: torch.Tensor, route: HierRoute, send_row
 
 def _relay_forward(bufs: SymmBuffers, route: HierRoute, from_region: bool) -> None:
     L, H, k = bufs.layout, bufs.hier.layout, _hkernels(bufs.device)
-    br, bd, warps, grid = _shape("expand", L.hidden, L.max_tokens, bufs.device)
+    br, bd, warps, grid = launch_shape(bufs.config.expand, L.hidden, L.max_tokens, bufs.device)
     k._relay_forward_kernel[grid](
         route.hmeta_RM, route.hcnt_W, route.hexp_W, bufs.hier.counters, bufs.peers, bufs.rank, **_hier_meta(bufs),
         LP=_next_pow2(H.ranks_per_node), META_W=L.meta_words, DT=_tl_dtype(L.dtype), OFF_STATE=L.off_state,
         OFF_RECV=L.off_recv, OFF_META=L.off_meta, OFF_GATES=L.off_gates, OFF_ARRIVE=L.off_arrive, OFF_HMETA=H.off_hmeta,
         OFF_HFLAG=H.off_hflag, OFF_HCNT=H.off_hcnt, OFF_HARRIVE=H.off_harrive, OFF_HDONE=H.off_hdone,
-        FROM_REGION=from_region, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(), BLOCK_R=br, BLOCK_D=bd,
+        FROM_REGION=from_region, TIMEOUT_NS=bufs.timeout_ns, CLOCK=flat.clock(), BLOCK_R=br, BLOCK_D=bd,
         num_warps=warps)
 
 
@@ -269,30 +166,30 @@ def _tl_dtype(dtype: torch.dtype):
 
 def _hier_reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: HierHandle, gated: bool, rows: bool) -> None:
     L, H, k = bufs.layout, bufs.hier.layout, _hkernels(bufs.device)
-    br, bd, warps, grid = _shape("reduce_send", L.hidden, L.recv_rows, bufs.device)
+    br, bd, warps, grid = launch_shape(bufs.config.reduce_send, L.hidden, L.recv_rows, bufs.device)
     k._hier_reduce_send_kernel[grid](
         y, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.hier.counters, bufs.peers, bufs.rank, h.num_recv_rows,
         W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k), L=H.ranks_per_node,
         D=L.hidden, T_MAX=L.max_tokens, OFF_HCOMB=H.off_hcomb, OFF_HCARR=H.off_hcarr, GATED=gated, ROWS=rows,
-        ACC=_common(bufs)["ACC"], BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        ACC=flat._common(bufs)["ACC"], BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
 
 
 def _relay_combine(bufs: SymmBuffers, h: HierHandle) -> None:
     L, H, k = bufs.layout, bufs.hier.layout, _hkernels(bufs.device)
     r = h.route
-    br, bd, warps, grid = _shape("reduce_recv", L.hidden, L.max_tokens, bufs.device)
+    br, bd, warps, grid = launch_shape(bufs.config.reduce_recv, L.hidden, L.max_tokens, bufs.device)
     kern = k._relay_combine_kernel
     kern[grid](r.hmeta_RM, r.hcnt_W, r.hexp_W, bufs.hier.counters, bufs.peers, bufs.rank, W=L.world_size,
                WP=_next_pow2(L.world_size), K=L.top_k, L=H.ranks_per_node, LP=_next_pow2(H.ranks_per_node),
-               D=L.hidden, T_MAX=L.max_tokens, HM=H.hmeta_words, DT=_tl_dtype(L.dtype), ACC=_common(bufs)["ACC"],
+               D=L.hidden, T_MAX=L.max_tokens, HM=H.hmeta_words, DT=_tl_dtype(L.dtype), ACC=flat._common(bufs)["ACC"],
                OFF_STATE=L.off_state, OFF_ARRIVE=L.off_arrive, OFF_COMB=L.off_comb, OFF_HCOMB=H.off_hcomb,
-               OFF_HCARR=H.off_hcarr, OFF_HDONE=H.off_hdone, TIMEOUT_NS=bufs.timeout_ns, CLOCK=_clock(),
+               OFF_HCARR=H.off_hcarr, OFF_HDONE=H.off_hdone, TIMEOUT_NS=bufs.timeout_ns, CLOCK=flat.clock(),
                BLOCK_R=br, BLOCK_D=bd, num_warps=warps, **_far_meta(bufs, kern))
 
 
 # ---------------------------------------------------------------- the ops, as phase generators
 
-def hier_dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
+def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
                         gate_TK: Optional[torch.Tensor] = None, capacity="worst", rows: bool = False) -> Steps:
     """Phases of one hierarchical dispatch on rank ``bufs.rank``; returns what
     :func:`tlx_dist.comm.symm.dispatch_steps` returns (``(x_exp_ND, HierHandle)``, or with ``rows``
@@ -307,7 +204,7 @@ def hier_dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Ten
         x_TD = x_TD.contiguous()
     n = expanded_rows(capacity, bufs)
     raw = n is not None
-    q_TK, send_row_TW, counts_C = _route(bufs, idx)  # + the flat counts, to every rank
+    q_TK, send_row_TW, counts_C = flat.route(bufs, idx)  # + the flat counts, to every rank
     route = _node_route(bufs, idx, send_row_TW, counts_C)
     yield
     lay = torch.empty(E + e + W, dtype=torch.int64, device=dev)
@@ -317,7 +214,7 @@ def hier_dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Ten
              else gate_TK.detach() if gate_TK.is_contiguous() else gate_TK.detach().contiguous())
     recv_RD = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=dev) if rows else None
     # the flat send (the op's barrier, and without raw codes this rank's layout) for this node's ranks ...
-    _send_tokens(bufs, x_TD, route.near_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
+    flat.send_tokens(bufs, x_TD, route.near_TW, idx, q_TK, lay, gates, with_meta=True, offs=offsets_e, offs_cap=n,
                  own_rows=recv_RD, skip_own=not rows, raw_meta=raw, rows_from=rows_from_W)
     # ... then one row per (token, remote node) to its relay
     _hier_send(bufs, x_TD, route, send_row_TW, idx, q_TK, start_E, gates, with_meta=True, raw_meta=raw)
@@ -338,14 +235,14 @@ def hier_dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Ten
     tok_R = torch.empty(R, dtype=torch.int32, device=dev)
     layout = (lay, offsets_e, n) if raw else None
     if rows:
-        gate_N = torch.empty(n, dtype=_acc_dtype(L.dtype), device=dev)
+        gate_N = torch.empty(n, dtype=flat.acc_dtype(L.dtype), device=dev)
         src_N = torch.empty(n, dtype=torch.int32, device=dev)
-        _expand(bufs, recv_RD, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+        flat.expand(bufs, recv_RD, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 n_exp=n, gate_N=gate_N, copy=False, end=True, recv_copy=True, src_row_N=src_N, layout=layout)
         x_exp = recv_RD
     else:
         x_exp = torch.empty(n, L.hidden, dtype=L.dtype, device=dev)
-        _expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
+        flat.expand(bufs, x_exp, src_map, pos_RK, gate_RK, tok_R, rows_from_W, None, from_meta=True, gate_grad=False,
                 end=True, x_own=x_TD, layout=layout)
     route = dataclasses.replace(route, rows_from_near_W=torch.where(_same_node_W(bufs), rows_from_W, 0))
     handle = HierHandle(
@@ -366,30 +263,30 @@ def _hier_reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: HierHandle, gat
     also the given gate gradients to their sources (flat, in the first phase); returns then
     ``(g_TD, g_gate_TK)``."""
     r = h.route
-    y = _reduce_send(bufs, y_ND, dataclasses.replace(h, rows_from_W=r.rows_from_near_W), gated, rows)
+    y = flat.reduce_send(bufs, y_ND, dataclasses.replace(h, rows_from_W=r.rows_from_near_W), gated, rows)
     _hier_reduce_send(bufs, y, h, gated, rows)
     _count(bufs, 6, r.rows_from_near_W.sum() - r.rows_from_near_W[bufs.rank])
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
-        g = g_gate_N.to(_acc_dtype(bufs.layout.dtype)).contiguous()
-        _expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
+        g = g_gate_N.to(flat.acc_dtype(bufs.layout.dtype)).contiguous()
+        flat.expand(bufs, bufs.recv_rows(), scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, g, from_meta=False,
                 gate_grad=True, n_exp=h.num_recv_rows, copy=False, dgate_given=True, wait_rows=False)
     yield
     _relay_combine(bufs, h)
     yield
     comb = dataclasses.replace(h, send_row_TW=r.comb_row_TW, rows_to_W=r.comb_to_W)
-    out = _reduce_recv(bufs, comb, end=not rows or g_gate_N is None, part=y if rows else None)
+    out = flat.reduce_recv(bufs, comb, end=not rows or g_gate_N is None, part=y if rows else None)
     if rows and g_gate_N is not None:
-        return out, _gate_grad_recv(bufs, h)
+        return out, flat.gate_grad_recv(bufs, h)
     return out
 
 
-def hier_combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: HierHandle) -> Steps:
+def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: HierHandle) -> Steps:
     """``out_TD = sum_k gate[t, k] * y[t, k]``, partial rows summed inside each node first."""
     return (yield from _hier_reduce_steps(bufs, y_ND, h, gated=True))
 
 
-def hier_combine_grad_steps(bufs: SymmBuffers, g_ND: torch.Tensor, h: HierHandle) -> Steps:
+def combine_grad_steps(bufs: SymmBuffers, g_ND: torch.Tensor, h: HierHandle) -> Steps:
     """Backward of dispatch: an ungated hierarchical combine of ``g_ND``."""
     return (yield from _hier_reduce_steps(bufs, g_ND, h, gated=False))
 
@@ -399,14 +296,14 @@ def _hier_rows_out(bufs: SymmBuffers, g_TD: torch.Tensor, h: HierHandle, **send)
     the op's barrier) and over the inter-node leg | the relays forward them (no metadata: the
     dispatch's)."""
     r = h.route
-    _send_tokens(bufs, g_TD, r.near_TW, None, None, None, None, with_meta=False, **send)
+    flat.send_tokens(bufs, g_TD, r.near_TW, None, None, None, None, with_meta=False, **send)
     _hier_send(bufs, g_TD, r, h.send_row_TW)
     _count(bufs, 2, _near_send_rows(bufs, r))
     yield
     _relay_forward(bufs, r, from_region=False)
 
 
-def hier_dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tensor, h: HierHandle) -> Steps:
+def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tensor, h: HierHandle) -> Steps:
     """Backward of combine: a hierarchical dispatch of ``g_TD``; returns ``(g_y_ND, g_gate_TK)`` as
     :func:`tlx_dist.comm.symm.dispatch_grad_steps` (gate gradients go to their sources directly)."""
     L = bufs.layout
@@ -417,19 +314,19 @@ def hier_dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.
     g_y = torch.empty(n, L.hidden, dtype=L.dtype, device=bufs.device)
     scratch = torch.empty(n, dtype=torch.int32, device=bufs.device)
     y = y_ND if y_ND.is_contiguous() else y_ND.contiguous()
-    _expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True,
+    flat.expand(bufs, g_y, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, y, from_meta=False, gate_grad=True,
             x_own=g_TD)
     yield
-    return g_y, _gate_grad_recv(bufs, h)
+    return g_y, flat.gate_grad_recv(bufs, h)
 
 
-def hier_combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: HierHandle) -> Steps:
+def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: HierHandle) -> Steps:
     """The row form's combine: row r of ``part_RD`` ``[R, D]`` goes home through its node's relay."""
     return (yield from _hier_reduce_steps(bufs, part_RD, h, gated=False, rows=True))
 
 
-def hier_combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: HierHandle) -> Steps:
-    """Backward of :func:`hier_combine_rows_steps`: ``g_part[r] = g_TD[token of r]``, the token rows
+def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: HierHandle) -> Steps:
+    """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]``, the token rows
     travelling as in the dispatch; returns ``g_part_RD``."""
     L = bufs.layout
     g_TD = g_TD if g_TD.stride(-1) == 1 else g_TD.contiguous()
@@ -437,14 +334,14 @@ def hier_combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: HierH
     yield from _hier_rows_out(bufs, g_TD, h, own_rows=g_part, rows_from=h.rows_from_W)
     yield
     scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
-    _expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
+    flat.expand(bufs, g_part, scratch, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, None, from_meta=False,
             gate_grad=False, n_exp=h.num_recv_rows, copy=False, end=True, recv_copy=True)
     return g_part
 
 
-def hier_dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Optional[torch.Tensor],
+def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Optional[torch.Tensor],
                                   h: HierHandle) -> Steps:
-    """Backward of ``hier_dispatch_steps(rows=True)``: a hierarchical combine of the receive-row
+    """Backward of ``dispatch_steps(rows=True)``: a hierarchical combine of the receive-row
     gradients (and the given gate gradients to their sources); returns ``(g_TD, g_gate_TK or None)``."""
     res = yield from _hier_reduce_steps(bufs, g_RD, h, gated=False, rows=True, g_gate_N=g_gate_N)
     return res if g_gate_N is not None else (res, None)
