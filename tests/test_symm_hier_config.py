@@ -83,7 +83,8 @@ def test_emulated_buffers_take_the_topology():
 def test_a_set_keeps_its_topology():
     """Its regions depend on it: a dispatcher or a reconfigure asking for the other raises."""
     hier = _emulated("auto")
-    with pytest.raises(ValueError, match="asks for the flat exchange; this buffer set was built for the hierarchical exchange over nodes of 2"):
+    with pytest.raises(ValueError, match="asks for the flat exchange; this buffer set was built for the "
+                                         "hierarchical exchange over nodes of 2"):
         SymmDispatcher(8, buffers=hier[0], config=ExchangeConfig(topology="flat"))
     with pytest.raises(ValueError, match="asks for the flat exchange"):
         hier[0].reconfigure(ExchangeConfig(topology="flat"))
@@ -109,3 +110,22 @@ def test_leg_counters_surface():
     assert w.hierarchical and w.leg_counters() == [dict.fromkeys(LEG_COUNTERS, 0)] * 4
     with pytest.raises(ValueError, match="leg counters belong to the hierarchical exchange"):
         EmulatedWorld(4, 8, 16, 2, 8, torch.bfloat16, device="cpu").leg_counters()
+
+
+def test_topology_in_the_training_recipe(tmp_path):
+    """``[parallel.exchange] topology`` in a recipe reaches the training config; a bad value names the key."""
+    from test_symm_config import RECIPE
+    from train.config import load_config
+
+    base = open(RECIPE).read()
+    head = "[parallel]\nep = 1\n"
+    assert head in base
+    for value in ("hierarchical", "flat"):
+        path = tmp_path / f"{value}.toml"
+        path.write_text(base.replace(head, f'{head}\n[parallel.exchange]\ntopology = "{value}"\n'))
+        assert load_config(path).parallel.exchange.topology == value
+    path = tmp_path / "bad.toml"
+    path.write_text(base.replace(head, f'{head}\n[parallel.exchange]\ntopology = "mesh"\n'))
+    with pytest.raises(ValueError, match=r"parallel.exchange.topology='mesh' must be one of"):
+        load_config(path)
+    assert load_config(RECIPE).parallel.exchange.topology == "auto"

@@ -107,11 +107,11 @@ def test_hierarchical_layer_matches_the_reference(group, dtype):
     disp = hier_dispatch_reference(xs, idxs, E, L).counts
     c = leg_counters_dict(sd.leg_counters())
     two = 2  # each direction ran twice: dispatch + combine's backward, combine + dispatch's backward
-    assert c == {"dispatch_nic_rows": two * int(disp.nic_rows_W[r]), "dispatch_nic_bytes": two * int(disp.nic_bytes_W[r]),
-                 "dispatch_nvl_rows": two * int(disp.nvl_rows_W[r]), "dispatch_nvl_bytes": two * int(disp.nvl_bytes_W[r]),
-                 "combine_nic_rows": two * int(comb_counts.nic_rows_W[r]),
-                 "combine_nic_bytes": two * int(comb_counts.nic_bytes_W[r]),
-                 "combine_nvl_rows": two * int(comb_counts.nvl_rows_W[r]),
-                 "combine_nvl_bytes": two * int(comb_counts.nvl_bytes_W[r])}, c
+    want = {}
+    for leg, counts in (("dispatch", disp), ("combine", comb_counts)):
+        for path, rows in (("nic", counts.nic_rows_W), ("nvl", counts.nvl_rows_W)):
+            want[f"{leg}_{path}_rows"] = two * int(rows[r])
+            want[f"{leg}_{path}_bytes"] = two * int(rows[r]) * counts.row_bytes
+    assert c == want, (c, want)
     sd.reset_leg_counters()
     dist.barrier()
