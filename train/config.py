@@ -62,8 +62,9 @@ class ParallelConfig:
     is FSDP-sharded over all dp*ep ranks.
 
     dispatcher: the token exchange of the MoE layers: ``"auto"`` (the deduplicated symmetric-memory
-    exchange on CUDA when ep > 1 inside one node, all-to-all across nodes and on CPU; one rank: no
-    exchange), ``"all_to_all"``
+    exchange on CUDA when ep > 1 -- inside one node, and across nodes where NVSHMEM runs, there the
+    hierarchical exchange (``exchange.topology``); all-to-all elsewhere (CPU / gloo, across nodes
+    without NVSHMEM); one rank: no exchange), ``"all_to_all"``
     (NCCL/gloo ``all_to_all_single``) or ``"symm"`` (CUDA only). capacity_factor (symm): expanded
     expert rows per rank as a factor of tokens*top_k; 0 = exact (one host read per layer per step),
     > 0 = static (no host sync; overflow raises at the next log step, naming this key).
@@ -89,7 +90,9 @@ class ParallelConfig:
     optimizer step. One node: the same as "full".
     ranks_per_node: ranks of one node; 0 (default) = torchrun's ``LOCAL_WORLD_SIZE`` (no torchrun:
     one node). Set it to emulate nodes (e.g. 4 processes as 2 nodes x 2); ranks ``n * ranks_per_node
-    + [0, ranks_per_node)`` form node n, torchrun's placement.
+    + [0, ranks_per_node)`` form node n, torchrun's placement. The meshes and the symmetric exchange
+    both take their nodes from it (the exchange: which peers it reaches by NVSHMEM, and the nodes of
+    its hierarchical form).
     exchange: the symmetric exchange's settings, the table ``[parallel.exchange]`` (the fields of
     :class:`tlx_dist.comm.ExchangeConfig`, e.g. ``copy_engine = "off"``; a kernel's launch shape
     as ``[parallel.exchange.send]``). ``overlap = true`` (the arrival-driven overlap of the layers

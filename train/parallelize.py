@@ -114,21 +114,32 @@ def _ep_in_one_node(pd: ParallelDims) -> bool:
     return Topology.from_group(pd.ep_group).single_node
 
 
+def _symm_runs(pd: ParallelDims, device: torch.device) -> bool:
+    """Whether the symmetric exchange runs this rank's EP group on ``device`` (CUDA): inside one
+    node always (peer pointers); across nodes where NVSHMEM does."""
+    if _ep_in_one_node(pd):
+        return True
+    from tlx_dist import comm
+    return comm.nvshmem_supported(device)
+
+
 def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     """``parallel.dispatcher`` -> what the MoE layers get: ``"auto"`` = the deduplicated symmetric
-    exchange on CUDA when ep > 1 and the EP group sits inside one node (one SymmDispatcher for every
-    layer, its buffers sized for this recipe's tokens per rank), the layer's own default otherwise
-    (local / all-to-all). An EP group across nodes gets all-to-all unless ``"symm"`` is pinned: the
-    NVSHMEM leg of the exchange has run only with one GPU per "node" over NVLink (2 x H200), never
-    over InfiniBand. ``parallel.moe_pipeline="fused"`` at ep > 1 needs the symmetric exchange."""
+    exchange on CUDA when ep > 1 -- an EP group inside one node over peer pointers, one that spans
+    nodes where NVSHMEM runs (``tlx_dist.comm.nvshmem_supported``; the hierarchical exchange there,
+    ``parallel.exchange.topology``) -- one SymmDispatcher for every layer, its buffers sized for this
+    recipe's tokens per rank and placed on the mesh's nodes (``parallel.ranks_per_node`` /
+    ``LOCAL_WORLD_SIZE``); the layer's own default otherwise (local / all-to-all: CPU, gloo, a group
+    across nodes without NVSHMEM). ``parallel.moe_pipeline="fused"`` at ep > 1 needs the symmetric
+    exchange."""
     p = cfg.parallel
     kind = p.dispatcher
     if kind == "auto":
-        kind = "symm" if (device.type == "cuda" and pd.ep > 1 and _ep_in_one_node(pd)) else "auto"
+        kind = "symm" if device.type == "cuda" and pd.ep > 1 and _symm_runs(pd, device) else "auto"
     if p.moe_pipeline == "fused" and pd.ep > 1 and kind != "symm":
         raise UsageError(f"parallel.moe_pipeline='fused' at ep={pd.ep} runs over the symmetric exchange, which "
-                         f"needs CUDA GPUs of one node here (parallel.dispatcher={p.dispatcher!r} resolved to "
-                         f"{kind!r}); use moe_pipeline='separate' or 'auto'")
+                         f"needs CUDA GPUs (and NVSHMEM across nodes) here (parallel.dispatcher={p.dispatcher!r} "
+                         f"resolved to {kind!r}); use moe_pipeline='separate' or 'auto'")
     if kind != "symm":
         return kind
     if device.type != "cuda":
@@ -148,10 +159,13 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     m = cfg.model
     fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and _narrow_experts(m.moe))
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
+    # the exchange's nodes are the mesh's (parallel.ranks_per_node, else LOCAL_WORLD_SIZE): which peers
+    # are reached by NVSHMEM and, with topology "auto" / "hierarchical", the hierarchy's nodes
+    R = getattr(pd, "ranks_per_node", 0)
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
-                          config=exchange)
+                          config=exchange, ranks_per_node=R if R and pd.ep > 1 else None)
 
 
 def check_exchange(model: Transformer) -> None:

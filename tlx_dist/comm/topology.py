@@ -62,13 +62,20 @@ class Topology:
         return tuple(self.node_of(d) for d in range(self.world_size))
 
     @classmethod
-    def from_ranks(cls, global_ranks: Sequence[int], rank: int,
-                   env: Optional[Mapping[str, str]] = None) -> "Topology":
-        """``LOCAL_WORLD_SIZE`` from ``env`` (default ``os.environ``); absent means one node."""
-        env = os.environ if env is None else env
+    def from_ranks(cls, global_ranks: Sequence[int], rank: int, env: Optional[Mapping[str, str]] = None,
+                   ranks_per_node: Optional[int] = None) -> "Topology":
+        """``ranks_per_node`` global ranks a node where given (a training recipe's
+        ``parallel.ranks_per_node``, which may pose one machine's ranks as several nodes; the
+        environment is then not read), else ``LOCAL_WORLD_SIZE`` from ``env`` (default
+        ``os.environ``); neither means one node."""
         global_ranks = tuple(int(g) for g in global_ranks)
         if not 0 <= rank < len(global_ranks):
             raise ValueError(f"rank={rank} is outside the group of {len(global_ranks)} ranks")
+        if ranks_per_node is not None:
+            if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node={ranks_per_node!r} must be None or a positive integer")
+            return cls(global_ranks, ranks_per_node, rank)
+        env = os.environ if env is None else env
         lws = _env_int(env, "LOCAL_WORLD_SIZE", max(global_ranks) + 1 if global_ranks else 1)
         node = env.get("GROUP_RANK")
         if node not in (None, "") and _env_int(env, "GROUP_RANK", 0) != global_ranks[rank] // lws:
@@ -77,12 +84,13 @@ class Topology:
         return cls(global_ranks, lws, rank)
 
     @classmethod
-    def from_group(cls, group=None) -> "Topology":
+    def from_group(cls, group=None, ranks_per_node: Optional[int] = None) -> "Topology":
+        """The placement of ``group``'s ranks (``ranks_per_node``: as in :meth:`from_ranks`)."""
         import torch.distributed as dist
 
         world = dist.get_world_size(group)
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
-        return cls.from_ranks(ranks, dist.get_rank(group))
+        return cls.from_ranks(ranks, dist.get_rank(group), ranks_per_node=ranks_per_node)
 
 
 def exchange_ranks_per_node(setting: str, nodes) -> int:

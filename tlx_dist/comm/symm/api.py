@@ -85,23 +85,24 @@ _EP_BUFFERS: dict = {}
 
 def ep_buffers(group: Optional[dist.ProcessGroup], max_tokens: int, hidden: int, top_k: int, num_experts: int,
                dtype: torch.dtype, device=None, timeout_s: Optional[float] = None, row_regions: int = 0,
-               config: Optional[ExchangeConfig] = None) -> SymmBuffers:
+               config: Optional[ExchangeConfig] = None, ranks_per_node: Optional[int] = None) -> SymmBuffers:
     """The one :class:`SymmBuffers` of an EP group for these sizes: built (collectively) on the
     first call, returned from a cache afterwards, so every layer of a model shares it. Every rank
     of ``group`` must call it with the same arguments. ``config``: the settings its ops run with
     (``policy.adopt``: a cached set running another config raises); its ``timeout_s`` (or
-    ``timeout_s``) is part of the key. ``close()`` on the result frees it (the next call builds a
-    new set)."""
+    ``timeout_s``) is part of the key, and so is ``ranks_per_node`` (the node placement,
+    :class:`SymmBuffers`). ``close()`` on the result frees it (the next call builds a new set)."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     if config is not None and config.timeout_s is not None:
         if timeout_s is not None and float(timeout_s) != float(config.timeout_s):
             raise ValueError(f"timeout_s={timeout_s!r} differs from config.timeout_s={config.timeout_s!r}: give one")
         timeout_s = config.timeout_s
-    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s, row_regions)
+    key = (id(group), max_tokens, hidden, top_k, num_experts, dtype, str(device), timeout_s, row_regions,
+           ranks_per_node)
     bufs = _EP_BUFFERS.get(key)
     if bufs is None or bufs.closed:
         bufs = SymmBuffers(max_tokens, hidden, top_k, num_experts, dtype, group, device=device, timeout_s=timeout_s,
-                           row_regions=row_regions, config=config)
+                           row_regions=row_regions, config=config, ranks_per_node=ranks_per_node)
         _EP_BUFFERS[key] = bufs
     elif config is not None:
         adopt(bufs, config)
@@ -166,6 +167,10 @@ class SymmDispatcher(Dispatcher):
             hierarchical across nodes, :meth:`leg_counters` -- and the wait timeout).
             They belong to the buffer set: every dispatcher that shares one must give the same
             config (a different one raises), and a dispatcher given none runs with its set's.
+        ranks_per_node: global ranks a node, where the group's placement is not torchrun's
+            ``LOCAL_WORLD_SIZE`` (a training recipe's ``parallel.ranks_per_node``, which may pose one
+            machine's ranks as several nodes): decides which peers are reached by NVSHMEM and the
+            hierarchical exchange's nodes (``config.topology``). Default None: ``LOCAL_WORLD_SIZE``.
         timeout_s, overlap, copy_engine: shorthands for those fields of a default config (not
             together with ``config``): ``timeout_s`` seconds a wait spins before it records an error
             (default 30); ``overlap=True`` the arrival-driven overlap of the fused EP pipeline;
@@ -176,8 +181,9 @@ class SymmDispatcher(Dispatcher):
     def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None, *,
                  buffers: Optional[SymmBuffers] = None, max_tokens: Optional[int] = None,
                  capacity: Capacity = "exact", validate: bool = True, row_regions: int = 0,
-                 config: Optional[ExchangeConfig] = None, timeout_s: Optional[float] = None,
-                 overlap: Optional[bool] = None, copy_engine: Union[str, bool, None] = None, **removed):
+                 config: Optional[ExchangeConfig] = None, ranks_per_node: Optional[int] = None,
+                 timeout_s: Optional[float] = None, overlap: Optional[bool] = None,
+                 copy_engine: Union[str, bool, None] = None, **removed):
         if "bulk_send" in removed:
             raise TypeError("SymmDispatcher(bulk_send=...) was removed: the bulk-copy send moved rows no faster than "
                             "the register copy (docs/decisions.md); drop the argument")
@@ -196,6 +202,12 @@ class SymmDispatcher(Dispatcher):
             raise ValueError(f"max_tokens={max_tokens!r} must be a positive integer")
         if isinstance(row_regions, bool) or not isinstance(row_regions, int) or row_regions < 0:
             raise ValueError(f"row_regions={row_regions!r} must be a non-negative int")
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be None or a positive integer")
+        if buffers is not None and ranks_per_node is not None:
+            raise ValueError("ranks_per_node places the ranks of the buffers this dispatcher builds: give it to "
+                             "the buffers (ep_buffers(ranks_per_node=...)), not beside them")
         if buffers is not None and buffers.layout.row_regions < row_regions:
             raise ValueError(f"buffers hold {buffers.layout.row_regions} row regions, fewer than row_regions="
                              f"{row_regions}: build them with SymmBuffers(row_regions=...) / ep_buffers(row_regions=...)")
@@ -205,6 +217,7 @@ class SymmDispatcher(Dispatcher):
         self.max_tokens = max_tokens
         self.capacity = check_capacity(capacity)
         self.row_regions = row_regions
+        self.ranks_per_node = ranks_per_node
         self._claimed_regions = 0
         if buffers is not None and self._asked is not None:
             adopt(buffers, self._asked)
@@ -258,7 +271,8 @@ class SymmDispatcher(Dispatcher):
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
                 T = int(t.item())  # one-time setup sync
             self.buffers = ep_buffers(self.group, T, x_TD.shape[1], K, self.num_experts, x_TD.dtype,
-                                      device=x_TD.device, row_regions=self.row_regions, config=self._asked)
+                                      device=x_TD.device, row_regions=self.row_regions, config=self._asked,
+                                      ranks_per_node=self.ranks_per_node)
         return self.buffers
 
     def dispatch(self, x_TD, idx_TK, gate_TK=None):

@@ -45,7 +45,8 @@ from ..topology import Topology, exchange_ranks_per_node
 from .config import ExchangeConfig
 from .hier_layout import HierLayout, HierState
 
-__all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library"]
+__all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library",
+           "nvshmem_supported"]
 
 _ALIGN = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -259,11 +260,15 @@ class SymmBuffers:
         config: the :class:`ExchangeConfig` every op on this set runs with (default
             ``ExchangeConfig()``, which the first dispatcher that asks for another may replace;
             given here, every dispatcher must ask for this one: ``policy.adopt``).
+        ranks_per_node: global ranks a node (:meth:`Topology.from_ranks`): what decides which peers
+            are reached by pointer and which by NVSHMEM, and the hierarchical exchange's nodes;
+            default None: torchrun's ``LOCAL_WORLD_SIZE``.
     """
 
     def __init__(self, max_tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
                  group=None, *, backend: str = "auto", device=None, timeout_s: Optional[float] = None,
-                 row_regions: int = 0, config: Optional[ExchangeConfig] = None):
+                 row_regions: int = 0, config: Optional[ExchangeConfig] = None,
+                 ranks_per_node: Optional[int] = None):
         import torch.distributed as dist
 
         world = dist.get_world_size(group) if group is not None else 1
@@ -281,7 +286,7 @@ class SymmBuffers:
             _start_protocol(mem, layout)
             self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout, cfg)
             return
-        topo = Topology.from_group(group)
+        topo = Topology.from_group(group, ranks_per_node)
         if backend == "auto":
             backend = "cuda" if topo.single_node else "nvshmem"
         if backend == "cuda" and not topo.single_node:
@@ -625,6 +630,25 @@ def _use_nvshmem_backend(symm_mem, device) -> None:
     except RuntimeError as err:  # fixed by the first symmetric allocation of the process
         raise RuntimeError(f"cannot switch torch symmetric memory to its NVSHMEM backend ({err}): build the "
                            f"cross-node buffers before any other symmetric memory of this process") from err
+
+
+def nvshmem_supported(device) -> bool:
+    """Whether buffers of a group that spans nodes (``backend="nvshmem"``) can be built on ``device``:
+    a CUDA (not ROCm) device, a torch built with NVSHMEM, and NVSHMEM's device bitcode for the
+    GPU's generation found (``nvshmem_device_library``). Never raises; starts nothing."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            return False
+        cap = torch.cuda.get_device_capability(device)
+        nvshmem_device_library(cap[0] * 10 + cap[1])
+    except (ImportError, RuntimeError, AttributeError, AssertionError):
+        return False
+    return True
 
 
 def nvshmem_device_library(capability: int) -> str:
