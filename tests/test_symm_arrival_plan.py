@@ -31,7 +31,7 @@ def _plan() -> RowsOverlap:
 def test_rows_overlap_is_an_arrival_plan():
     plan = _plan()
     assert isinstance(plan, ArrivalPlan)
-    assert plan.own_rows == (4, 8) and plan.side_sms == 32 and plan.offsets_V.shape == (6,)
+    assert plan.present_rows == (4, 8) and plan.side_sms == 32 and plan.offsets_V.shape == (6,)
     assert not isinstance(object(), ArrivalPlan)
 
 

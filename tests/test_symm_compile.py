@@ -180,7 +180,7 @@ def _specs(amd: bool = False):
                               dict(W=W, OFF_STATE=0, **wait)),
         "_phase_offsets_kernel": ("_phase_offsets_kernel",
                                   dict(starts_ptr="*i64", counts_ptr="*i64", offs_ptr="*i32", out_ptr="*i32",
-                                       RANK="i32", CAP="i32"),
+                                       LO="i32", HI="i32", CAP="i32"),
                                   dict(W=W, E_LOCAL=E // W, EP=E // W)),
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)

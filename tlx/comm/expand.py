@@ -55,7 +55,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
                    lay_ptr=None, offs_ptr=None, starts_ptr=None, E: tl.constexpr = 1, EP: tl.constexpr = 1,
                    E_LOCAL: tl.constexpr = 1, NC: tl.constexpr = 1, OFF_COUNTS: tl.constexpr = 0,
                    OFFS_CAP: tl.constexpr = -1, BLK: tl.constexpr = False,
-                   OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1):
+                   OFF_RBLK: tl.constexpr = 0, RB: tl.constexpr = 64, NRB: tl.constexpr = 1,
+                   NEAR_L: tl.constexpr = 0):
     """Waits for ``rows_from[s]`` token rows from every source s, then for each received row n
     and slot k with ``0 <= pos[n, k] < N_EXP``: ``out[pos] = recv[n]`` (GATE_GRAD: ``gate[n, k] *
     recv[n]``, the product in the activation dtype as autograd of ``gate * y`` gives it, and the
@@ -80,7 +81,9 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
     and layout of ``_await`` (``lay``, ``offs`` capped at OFFS_CAP, and the per-source ``starts``
     table; ``rows_from`` must point at ``lay[E+e:]``), then each slot's raw META code ``q * e + j``
     becomes the expanded row ``starts[s, j] + q``. BLK (with RECV_COPY): that copy goes block by block as RBLK counts the
-    rows landed (``_copy_arrived``; the emulated world's form of the send kernel's RECV_ROLE)."""
+    rows landed (``_copy_arrived``; the emulated world's form of the send kernel's RECV_ROLE).
+    NEAR_L > 0 (with RECV_COPY, not BLK; the overlapped hierarchical dispatch): only the rows of the
+    sources on this rank's node of NEAR_L ranks are copied (the other nodes' rows are still landing)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -111,6 +114,8 @@ def _expand_kernel(out_ptr, src_map_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_p
             tok = tl.load(tok_ptr + n, mask=valid, other=-1)
         if RECV_COPY and not BLK:  # the other sources' receive rows, out of the shared region before the op ends
             cv = valid & (s != RANK)
+            if NEAR_L > 0:
+                cv = cv & ((s // NEAR_L) == (RANK // NEAR_L))
             for c0 in range(0, D, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
                 cm = cv[:, None] & (cols < D)[None, :]

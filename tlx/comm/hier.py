@@ -69,7 +69,7 @@ import triton.language as tl
 
 from . import nvshmem as nv
 from .reduce import _reduce_slot
-from .protocol import _nvshmem_signal, _publish, _release_to_peer, _wait_geq
+from .protocol import _end_op, _nvshmem_signal, _publish, _release_to_peer, _wait_geq
 
 OP_RELAY_ROWS = tl.constexpr(6)      # a relay waiting for a remote source's count or inter-node rows
 OP_RELAY_PARTIALS = tl.constexpr(7)  # a relay waiting for its node's partial rows of a remote source
@@ -174,7 +174,7 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                       OFF_HARRIVE: tl.constexpr, WITH_META: tl.constexpr, RAW_META: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, pes_ptr=None, OFF_SROWS: tl.constexpr = 0,
                       OFF_SGATES: tl.constexpr = 0, OFF_SHMETA: tl.constexpr = 0, OFF_SHCNT: tl.constexpr = 0,
-                      USE_NVSHMEM: tl.constexpr = False):
+                      USE_NVSHMEM: tl.constexpr = False, SPLIT: tl.constexpr = 0, OFF_HRROWS: tl.constexpr = 0):
     """The inter-node leg of a dispatch-direction op (after the flat send, which passed the op's
     barrier and, without RAW_META, computed ``start``): token t goes to row ``RANK*T_MAX + nrow[t, m]``
     of relay (m, l)'s RECV for every node m with ``nrow[t, m] >= 0``; WITH_META also its HMETA row
@@ -184,7 +184,11 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
     epoch (so a relay expecting nothing still hears from every source). USE_NVSHMEM: relays
     without a pointer get the rows, HMETA rows and gates staged (SROWS once per token, SHMETA per
     (token, node), SGATES) and put, the count put from SHCNT, and the adds and the flag as NVSHMEM
-    signals. Counters: ctr[0] += rows sent, ctr[1] += their payload bytes."""
+    signals. Counters: ctr[0] += rows sent, ctr[1] += their payload bytes.
+    SPLIT (the overlapped dispatch, its two halves): 1 -- WITH_META, everything but the token rows
+    (the count, the flag, HMETA rows and gates; the HARRIVE add then counts the rows whose metadata
+    landed; no counters); 2 -- the token rows alone, outside the op (the relays' HRROWS add instead
+    of HARRIVE; the counters)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     pid = tl.program_id(0)
@@ -244,11 +248,12 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
             near = sent & (base != 0)
             dst = (RANK * T_MAX + r).to(tl.int64)
             recv = tl.multiple_of((base + OFF_RECV).to(tl.pointer_type(DT)), 16) + dst * D
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = near[:, None] & (cols < D)[None, :]
-                v = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=cm)
-                tl.store(recv[:, None] + cols[None, :], v, mask=cm)
+            if SPLIT != 1:
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = near[:, None] & (cols < D)[None, :]
+                    v = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=cm)
+                    tl.store(recv[:, None] + cols[None, :], v, mask=cm)
             if WITH_META:
                 hm = (base + OFF_HMETA).to(tl.pointer_type(tl.int32)) + dst * HM
                 _hmeta_pieces(hm, t, near, g, q, start_ptr, m, L, LP, K, KP, E_LOCAL, RAW_META, send_row_ptr, W)
@@ -262,12 +267,13 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                     _hmeta_pieces(shm, t, far, g, q, start_ptr, m, L, LP, K, KP, E_LOCAL, RAW_META, send_row_ptr, W)
         if USE_NVSHMEM:
             rem = far_any > 0
-            srows = tl.multiple_of((my + OFF_SROWS).to(tl.pointer_type(DT)), 16) + t64 * D
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                cm = rem[:, None] & (cols < D)[None, :]
-                tl.store(srows[:, None] + cols[None, :],
-                         tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=cm), mask=cm)
+            if SPLIT != 1:
+                srows = tl.multiple_of((my + OFF_SROWS).to(tl.pointer_type(DT)), 16) + t64 * D
+                for c0 in range(0, D, BLOCK_D):
+                    cols = c0 + tl.arange(0, BLOCK_D)
+                    cm = rem[:, None] & (cols < D)[None, :]
+                    tl.store(srows[:, None] + cols[None, :],
+                             tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=cm), mask=cm)
             if WITH_META:
                 sg = (my + OFF_SGATES).to(tl.pointer_type(DT)) + t64 * K
                 tl.store(sg[:, None] + kk[None, :], gk, mask=rem[:, None] & (kk < K)[None, :])
@@ -285,8 +291,10 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                             pe = tl.load(pes_ptr + rr)
                             if (base == 0) & (rj >= 0):
                                 dst = (RANK * T_MAX + rj).to(tl.int64)
-                                nv.putmem_block(my + OFF_RECV + dst * (D * ES), my + OFF_SROWS + tj64 * (D * ES),
-                                                tl.full([], D * ES, tl.int64), pe)
+                                if SPLIT != 1:
+                                    nv.putmem_block(my + OFF_RECV + dst * (D * ES),
+                                                    my + OFF_SROWS + tj64 * (D * ES), tl.full([], D * ES, tl.int64),
+                                                    pe)
                                 if WITH_META:
                                     nv.putmem_block(my + OFF_HMETA + dst * (HM * 4),
                                                     my + OFF_SHMETA + (tj64 * N + m) * (HM * 4),
@@ -294,11 +302,16 @@ def _hier_send_kernel(x_ptr, stride_x, T, nrow_ptr, send_row_ptr, idx_ptr, q_ptr
                                     nv.putmem_block(my + OFF_GATES + dst * (K * ES),
                                                     my + OFF_SGATES + tj64 * (K * ES),
                                                     tl.full([], K * ES, tl.int64), pe)
-    _publish(hist, peers_ptr, tl.full([], OFF_HARRIVE, tl.int64) + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    if SPLIT == 2:
+        _publish(hist, peers_ptr, tl.full([], OFF_HRROWS, tl.int64) + RANK * 8, W, WP, pes_ptr, RANK, USE_NVSHMEM)
+    else:
+        _publish(hist, peers_ptr, tl.full([], OFF_HARRIVE, tl.int64) + RANK * 8, W, WP, pes_ptr, RANK,
+                 USE_NVSHMEM)
     rows = tl.sum(hist)
-    if rows > 0:
-        tl.atomic_add(ctr_ptr, rows, sem="relaxed")
-        tl.atomic_add(ctr_ptr + 1, rows * D * ES, sem="relaxed")
+    if SPLIT != 1:
+        if rows > 0:
+            tl.atomic_add(ctr_ptr, rows, sem="relaxed")
+            tl.atomic_add(ctr_ptr + 1, rows * D * ES, sem="relaxed")
 
 
 # ---------------------------------------------------------------- the relay's forward (phase 3)
@@ -313,7 +326,10 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
                           OFF_GATES: tl.constexpr, OFF_ARRIVE: tl.constexpr, OFF_HMETA: tl.constexpr,
                           OFF_HFLAG: tl.constexpr, OFF_HCNT: tl.constexpr, OFF_HARRIVE: tl.constexpr,
                           OFF_HDONE: tl.constexpr, FROM_REGION: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                          CLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                          CLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SPLIT: tl.constexpr = 0, OFF_HRROWS: tl.constexpr = 0, OFF_HFROWS: tl.constexpr = 0,
+                          END: tl.constexpr = False, WP3: tl.constexpr = 4, OFF_FLAGS: tl.constexpr = 0,
+                          pes_ptr=None, USE_NVSHMEM: tl.constexpr = False):
     """The relay's side of a dispatch-direction op. For every source s = (n, l) of another node
     (this rank's local index l): FROM_REGION (a dispatch) waits until HFLAG[s] reaches this op's
     epoch, takes the row count from HCNT[s] into ``hcnt[s]``, and copies each HMETA row out to
@@ -327,7 +343,14 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
     got to ARRIVE[s] there: the flat expand kernel's wait. FROM_REGION also adds, per source, the
     rows times their owners to ``hexp[s]`` (zeroed by the host): the partial rows its combine
     waits for. The last program zeroes HARRIVE. Counters: ctr[2] += rows stored into other ranks,
-    ctr[3] += their payload bytes."""
+    ctr[3] += their payload bytes.
+    SPLIT (the overlapped dispatch, the halves of ``_hier_send_kernel``'s SPLIT): 1 -- FROM_REGION,
+    everything but the token rows (HARRIVE counts the rows whose HMETA landed; the ARRIVE adds then
+    say their META and gates are in place; no counters); 2 -- not FROM_REGION, the token rows alone
+    (the dispatch's ``hcnt`` / ``hmeta``), after HRROWS[s] holds them, added to HFROWS[s] of each
+    local rank instead of ARRIVE (``_rows_wait_kernel`` waits there); the last program takes the rows
+    off HRROWS (the sources add the next dispatch's only once this rank ended this op). END: the
+    op's last kernel (``_end_op``; USE_NVSHMEM: its readiness signals to other nodes)."""
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -352,7 +375,8 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
                     tl.store(hcnt_ptr + s, cnt)
             else:
                 cnt = tl.load(hcnt_ptr + s)
-            _wait_geq((my + OFF_HARRIVE + s * 8).to(tl.pointer_type(tl.int64)), cnt, err_ptr, OP_RELAY_ROWS, s,
+            arrive = OFF_HRROWS if SPLIT == 2 else OFF_HARRIVE
+            _wait_geq((my + arrive + s * 8).to(tl.pointer_type(tl.int64)), cnt, err_ptr, OP_RELAY_ROWS, s,
                       TIMEOUT_NS, CLOCK)
             tl.debug_barrier()
             hist = tl.zeros([WP], tl.int64)
@@ -389,14 +413,15 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
                     dst = (s * T_MAX + dr).to(tl.int64)
                     hist += tl.where(wr == j, tl.sum(go.to(tl.int64)), 0)
                     other = go & (i != l)
-                    if i != l:
-                        out = tl.multiple_of((base + OFF_RECV).to(tl.pointer_type(DT)), 16)
-                        for c0 in range(0, D, BLOCK_D):
-                            cols = c0 + tl.arange(0, BLOCK_D)
-                            cm = other[:, None] & (cols < D)[None, :]
-                            v = tl.load(recv + n64[:, None] * D + cols[None, :], mask=cm)
-                            tl.store(out + dst[:, None] * D + cols[None, :], v, mask=cm)
-                        fwd += tl.sum(other.to(tl.int64))
+                    if SPLIT != 1:
+                        if i != l:
+                            out = tl.multiple_of((base + OFF_RECV).to(tl.pointer_type(DT)), 16)
+                            for c0 in range(0, D, BLOCK_D):
+                                cols = c0 + tl.arange(0, BLOCK_D)
+                                cm = other[:, None] & (cols < D)[None, :]
+                                v = tl.load(recv + n64[:, None] * D + cols[None, :], mask=cm)
+                                tl.store(out + dst[:, None] * D + cols[None, :], v, mask=cm)
+                            fwd += tl.sum(other.to(tl.int64))
                     if FROM_REGION:
                         meta = (base + OFF_META).to(tl.pointer_type(tl.int32)) + dst * META_W
                         mg = go[:, None] & (kk < K)[None, :]
@@ -407,7 +432,10 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
                             mo = other[:, None] & (kk < K)[None, :]
                             tl.store(gdst[:, None] + kk[None, :], tl.load(gsrc[:, None] + kk[None, :], mask=mo),
                                      mask=mo)
-            _publish(hist, peers_ptr, OFF_ARRIVE + s * 8, W, WP, peers_ptr, RANK, False)
+            if SPLIT == 2:
+                _publish(hist, peers_ptr, OFF_HFROWS + s * 8, W, WP, peers_ptr, RANK, False)
+            else:
+                _publish(hist, peers_ptr, OFF_ARRIVE + s * 8, W, WP, peers_ptr, RANK, False)
             if FROM_REGION:
                 if owners > 0:
                     tl.atomic_add(hexp_ptr + s, owners, sem="relaxed")
@@ -415,12 +443,20 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
         tl.atomic_add(ctr_ptr + 2, fwd, sem="relaxed")
         tl.atomic_add(ctr_ptr + 3, fwd * D * ES, sem="relaxed")
     # the last program zeroes the arrival counters: no source adds to them before this rank has
-    # ended the op (their next send waits for that)
+    # ended the op (their next send waits for that); SPLIT 2 takes its rows off (its own done slot)
     tl.debug_barrier()
-    done = (my + OFF_HDONE).to(tl.pointer_type(tl.int64))
+    done = (my + OFF_HDONE + (16 if SPLIT == 2 else 0)).to(tl.pointer_type(tl.int64))
     if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == nprog - 1:
         tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
-        tl.store((my + OFF_HARRIVE).to(tl.pointer_type(tl.int64)) + wr, tl.zeros([WP], tl.int64), mask=wr < W)
+        if SPLIT == 2:
+            for s in range(W):
+                if ((s % L) == l) & ((s // L) != node):
+                    tl.atomic_add((my + OFF_HRROWS + s * 8).to(tl.pointer_type(tl.int64)), -tl.load(hcnt_ptr + s),
+                                  sem="relaxed", scope="sys")
+        else:
+            tl.store((my + OFF_HARRIVE).to(tl.pointer_type(tl.int64)) + wr, tl.zeros([WP], tl.int64), mask=wr < W)
+    if END:  # the overlapped dispatch's last kernel: ready for the next op
+        _end_op(peers_ptr, RANK, W, WP3, OFF_STATE, OFF_FLAGS, OFF_ARRIVE, pes_ptr, USE_NVSHMEM)
 
 
 # ---------------------------------------------------------------- combine: owners -> relay (phase 1)

@@ -31,20 +31,20 @@ def _rows_wait_kernel(want_ptr, peers_ptr, RANK, RCNT_OFF, W: tl.constexpr, OFF_
 
 
 @triton.jit
-def _phase_offsets_kernel(starts_ptr, counts_ptr, offs_ptr, out_ptr, RANK, CAP, W: tl.constexpr,
+def _phase_offsets_kernel(starts_ptr, counts_ptr, offs_ptr, out_ptr, LO, HI, CAP, W: tl.constexpr,
                           E_LOCAL: tl.constexpr, EP: tl.constexpr):
     """The overlapped gate/up GEMM's virtual experts (one program): for local expert j, three runs
-    of its expert-major rows -- sources before RANK, RANK's own, sources after -- as cumulative
-    ends ``out[3j] = start(RANK, j)``, ``out[3j + 1] = start(RANK, j) + own rows``, ``out[3j + 2] =
+    of its expert-major rows -- sources before LO, the present sources ``[LO, HI)`` (the flat
+    overlap: this rank alone; the hierarchical one: its node's ranks), sources from HI on -- as
+    cumulative ends ``out[3j] = start(LO, j)``, ``out[3j + 1] = start(HI, j)``, ``out[3j + 2] =
     offs[j]``, each capped at CAP (the capacity; ``offs`` is capped already), int32. ``starts``:
     ``[W, E_LOCAL]`` first expanded row of (source, expert) (``_await`` STARTS), ``counts``:
-    ``[E_LOCAL]`` rows per expert; the end of (s, j)'s run is the next source's start, or for
-    the last source the expert's first row + its rows."""
+    ``[E_LOCAL]`` rows per expert; ``start(W, j)`` is the expert's first row + its rows."""
     j = tl.arange(0, EP)
     jm = j < E_LOCAL
-    lo = tl.load(starts_ptr + RANK * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
-    if RANK + 1 < W:
-        hi = tl.load(starts_ptr + (RANK + 1) * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    lo = tl.load(starts_ptr + LO * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    if HI < W:
+        hi = tl.load(starts_ptr + HI * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
     else:
         hi = tl.load(starts_ptr + j, mask=jm, other=0).to(tl.int64) + tl.load(counts_ptr + j, mask=jm,
                                                                                 other=0).to(tl.int64)

@@ -1,9 +1,11 @@
 """What the fused EP forward needs of an overlapped dispatch's receive plan: :class:`ArrivalPlan`.
 
-An overlapped dispatch returns before the peers' token rows have landed in the receive rows
-``x_RD``; its plan tells the fused GEMMs which expert-major rows are already there (this rank's
-own) and how to wait for the rest. The fused layer depends on this protocol only; the symmetric
-exchange's ``tlx_dist.comm.symm.RowsOverlap`` is one implementation (nothing here imports it).
+An overlapped dispatch returns before some sources' token rows have landed in the receive rows
+``x_RD``; its plan tells the fused GEMMs which expert-major rows are present now -- a contiguous
+range of sources: this rank's own rows (the flat exchange), or every source of this rank's node
+(the hierarchical one, whose other nodes' rows come over the slow inter-node leg) -- and how to
+wait for the rest. The fused layer depends on this protocol only; the symmetric exchange's
+``tlx_dist.comm.symm.RowsOverlap`` and ``HierRowsOverlap`` implement it (nothing here imports them).
 
 Legend: e local experts, R receive rows (``W * T_max``), N expert-major rows.
 """
@@ -23,16 +25,16 @@ class ArrivalPlan(Protocol):
 
     Attributes:
         offsets_V: ``[3e]`` int32 cumulative ends of each local expert's expert-major rows as three
-            runs -- rows from sources before this rank | this rank's own rows (present) | rows from
-            sources after -- the "virtual experts" of the phased gate/up and down GEMMs.
-        own_rows: ``(lo, hi)``: the receive rows of this rank's own tokens (already present; their
-            partial rows never leave this rank).
-        side_sms: SMs the dispatch's side-stream send keeps busy while the GEMMs compute the own
-            rows (the GEMMs' first launches take the rest).
+            runs -- rows from sources before the present ones | the present sources' rows | rows
+            from sources after -- the "virtual experts" of the phased gate/up and down GEMMs.
+        present_rows: ``(lo, hi)``: the receive rows of the present sources (already there when
+            the dispatch returns; their partial rows are computed last, and leave with the combine).
+        side_sms: SMs the dispatch's side-stream work keeps busy while the GEMMs compute the
+            present rows (the GEMMs' first launches take the rest).
     """
 
     offsets_V: torch.Tensor
-    own_rows: tuple[int, int]
+    present_rows: tuple[int, int]
     side_sms: int
 
     def check_rows(self, src_N: torch.Tensor, dst_N: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
@@ -43,12 +45,14 @@ class ArrivalPlan(Protocol):
         ...
 
     def wait(self) -> None:
-        """Enqueues on the current stream the wait for every peer's rows (bounded; idempotent)."""
+        """Enqueues on the current stream the wait for every other source's rows (bounded;
+        idempotent); the rows are in ``x_RD`` for what the stream runs after it."""
         ...
 
     def send_partials(self, part_RD: torch.Tensor) -> None:
-        """Sends the peers' partial rows of ``part_RD`` (``[R, D]``, final for every receive row but
-        this rank's own) home ahead of the combine, which must then get ``part_RD`` as it is."""
+        """Sends the partial rows of ``part_RD`` (``[R, D]``) outside ``present_rows`` -- final, the
+        present rows still being computed -- on their way home ahead of the combine, which must
+        then get ``part_RD`` as it is."""
         ...
 
     def finish(self) -> None:

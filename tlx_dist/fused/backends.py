@@ -154,14 +154,15 @@ def phase_tile_cums(offsets_V, n_rows: int, block_m: int):
 
 def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov: ArrivalPlan):
     """The EP overlap's forward (``ov``: an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): each local
-    expert's rows as three runs -- sources before this rank | its own rows | sources after
-    (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
-      gate/up GEMM, own runs   (the peers' rows are still landing; on the SMs the send leaves free)
-      ov.wait()                (every peer's rows landed)
+    expert's rows as three runs -- sources before the present ones | the present sources' rows
+    (``ov.present_rows``: this rank's own, or its node's under the hierarchical exchange) | sources
+    after (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
+      gate/up GEMM, present runs (the other rows are still landing; on the SMs the side stream leaves free)
+      ov.wait()                (every other source's rows landed)
       gate/up GEMM, the rest + padding
-      down GEMM, peers' runs   -> the peers' partial rows are final: cast, and ``ov.send_partials``
-                                 sends them home (the combine's first kernel, on the side stream)
-      down GEMM, own runs      (on the SMs that send leaves free) -> cast the own partial rows
+      down GEMM, other runs    -> those partial rows are final: cast, and ``ov.send_partials``
+                                 starts them home (the combine's first kernel, on the side stream)
+      down GEMM, present runs  (on the SMs the side stream leaves free) -> cast the present partial rows
     Same tiles' arithmetic as the one-launch forms (h and a bit for bit; the partial rows' fp32
     atomic sums in another order). The expert-major rows of source s's tokens only ever add into
     receive rows of source s, so after the peers' runs those receive rows are complete."""
@@ -175,7 +176,7 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets
     acc = torch.promote_types(x_RD.dtype, torch.float32)
     out = torch.zeros(num_dst, w2_EFD.shape[2], dtype=acc, device=x_RD.device)
     part = torch.empty(num_dst, w2_EFD.shape[2], dtype=x_RD.dtype, device=x_RD.device)
-    lo, hi = ov.own_rows
+    lo, hi = ov.present_rows
     if not N:
         ov.wait()
         h = x_RD.new_empty(0, F2)

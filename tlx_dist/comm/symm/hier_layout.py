@@ -26,7 +26,8 @@ def _align(n: int, a: int = 256) -> int:
 @dataclass(frozen=True)
 class HierLayout:
     """Byte offsets of the hierarchical regions, from ``base_nbytes`` (the flat layout's end);
-    ``nbytes``: the whole allocation. ``hmeta_words``: HM = 2K + L + 1 int32 a relay row."""
+    ``nbytes``: the whole allocation. ``hmeta_words``: HM = 2K + L + 1 int32 a relay row.
+    ``off_hrrows`` / ``off_hfrows``: the overlapped dispatch's row counters (``tlx/comm/hier.py``)."""
 
     ranks_per_node: int
     num_nodes: int
@@ -41,6 +42,8 @@ class HierLayout:
     off_shcnt: int
     off_shmeta: int
     nbytes: int
+    off_hrrows: int = 0
+    off_hfrows: int = 0
 
     @classmethod
     def build(cls, base_nbytes: int, world_size: int, max_tokens: int, top_k: int, hidden: int, itemsize: int,
@@ -52,15 +55,17 @@ class HierLayout:
         N = W // L
         hm = 2 * K + L + 1
         off, offs = _align(base_nbytes), {}
-        sizes = [("hflag", 8 * W), ("hcnt", 8 * W), ("harrive", 8 * W), ("hcarr", 8 * W), ("hdone", 16),
-                 ("hmeta", 4 * W * T * hm), ("hcomb", hidden * itemsize * N * T * L)]
+        sizes = [("hflag", 8 * W), ("hcnt", 8 * W), ("harrive", 8 * W), ("hcarr", 8 * W), ("hdone", 24),
+                 ("hrrows", 8 * W), ("hfrows", 8 * W), ("hmeta", 4 * W * T * hm),
+                 ("hcomb", hidden * itemsize * N * T * L)]
         if staging:
             sizes += [("shcnt", 8 * N), ("shmeta", 4 * T * N * hm)]
         for name, size in sizes:
             offs[name] = off
             off = _align(off + size)
         return cls(L, N, hm, offs["hflag"], offs["hcnt"], offs["harrive"], offs["hcarr"], offs["hdone"],
-                   offs["hmeta"], offs["hcomb"], offs.get("shcnt", 0), offs.get("shmeta", 0), off)
+                   offs["hmeta"], offs["hcomb"], offs.get("shcnt", 0), offs.get("shmeta", 0), off,
+                   off_hrrows=offs["hrrows"], off_hfrows=offs["hfrows"])
 
 
 class HierState:

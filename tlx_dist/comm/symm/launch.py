@@ -226,7 +226,7 @@ def expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, f
            n_exp: Optional[int] = None, gate_N: Optional[torch.Tensor] = None, copy: bool = True,
            dgate_given: bool = False, wait_rows: bool = True, end: bool = False, recv_copy: bool = False,
            src_row_N: Optional[torch.Tensor] = None,
-           x_own: Optional[torch.Tensor] = None, layout: Optional[tuple] = None):
+           x_own: Optional[torch.Tensor] = None, layout: Optional[tuple] = None, near_l: int = 0):
     """``_expand_kernel``. ``copy=False`` (with ``n_exp`` expanded rows) is the fused-EP form: only
     the index maps (and ``gate_N``, or given gate gradients ``y_ND``) move, and ``out_ND`` is written
     only with ``recv_copy`` (the other sources' receive rows into ``[W*T_max, D]``, whose own-rank
@@ -234,7 +234,9 @@ def expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, f
     sent with ``send_tokens(skip_own=True)``, read there for its own tokens; ``end``: the op's last kernel;
     ``layout`` = ``(lay, offs, offs_cap)`` after a ``raw_meta`` send: this kernel waits for the
     counts, computes ``lay`` and ``offs`` (``rows_from_W`` must be ``lay[E+e:]``) and decodes META;
-    returns then the ``[W, e]`` int64 first expanded row of each (source, local expert), else None."""
+    returns then the ``[W, e]`` int64 first expanded row of each (source, local expert), else None.
+    ``near_l`` > 0 (with ``recv_copy``): only the rows of this rank's node of ``near_l`` ranks are
+    copied (the overlapped hierarchical dispatch)."""
     L, k = bufs.layout, kernels(bufs.device)
     br, bd, warps, grid = launch_shape(bufs.config.expand, L.hidden, L.recv_rows, bufs.device)
     extra = {}
@@ -250,7 +252,7 @@ def expand(bufs, out_ND, src_map_N, pos_RK, gate_RK, tok_R, rows_from_W, y_ND, f
         extra.update(_end_meta(bufs))
     mode = recv_mode(bufs)
     if recv_copy and mode != "overlap":  # "overlap": the send kernel copied them
-        extra.update(RECV_COPY=True)
+        extra.update(RECV_COPY=True, **({"NEAR_L": near_l} if near_l else {}))
         if mode == "blocks":
             extra.update(BLK=True, **_recv_blocks(L))
     if src_row_N is not None:

@@ -28,8 +28,8 @@ class RowsOverlap:
     before this rank | this rank's own rows, already present | sources after), cumulative ends:
     what the gate/up GEMM's first launch computes while the rows land
     (:func:`tlx_dist.fused.fused_experts_rows` ``overlap=``). ``side_sms``: the send's SM budget
-    (``ExchangeConfig.overlap_sms``). ``own_rows``: ``(lo, hi)`` receive rows of this rank's own
-    tokens (their partial rows never cross a link).
+    (``ExchangeConfig.overlap_sms``). ``present_rows``: ``(lo, hi)`` receive rows of this rank's own
+    tokens, present on return (their partial rows never cross a link).
     :meth:`wait` enqueues the arrival wait (one program; bounded, an unarrived peer is reported by
     ``check()`` like every exchange wait) on the current stream; :meth:`finish` (the combine calls
     it) waits if nobody did and joins the side stream into the current one."""
@@ -50,7 +50,7 @@ class RowsOverlap:
         self.joined = False
         L = bufs.layout
         # the receive rows of this rank's own tokens (their partial rows never cross a link)
-        self.own_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
+        self.present_rows = (bufs.rank * L.max_tokens, (bufs.rank + 1) * L.max_tokens)
         # data_ptr of the part_RD whose peers' rows went home early (send_partials); not the tensor,
         # which carries the autograd graph (held here, it would keep the graph's AccumulateGrad nodes,
         # and their streams, alive into the next step: a CUDA-graph capture then fails)
@@ -142,6 +142,6 @@ def rows_overlap(h: SymmHandle, region: int, starts: torch.Tensor, lay: torch.Te
     E, W = L.num_experts, L.world_size
     e = E // W
     offsets_V = torch.empty(3 * e, dtype=torch.int32, device=bufs.device)
-    kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], h.offsets_e, offsets_V, bufs.rank, cap,
-                                                     W=W, E_LOCAL=e, EP=_next_pow2(e), num_warps=1)
+    kernels(bufs.device)._phase_offsets_kernel[(1,)](starts, lay[E:E + e], h.offsets_e, offsets_V, bufs.rank,
+                                                     bufs.rank + 1, cap, W=W, E_LOCAL=e, EP=_next_pow2(e), num_warps=1)
     return RowsOverlap(h, region, offsets_V, side_sms, side_done)

@@ -52,8 +52,9 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         region_RD = bufs.rows_region(region)
     if region is not None and (not rows or bufs.use_nvshmem):
         region, region_RD = None, None
-    if bufs.hier is not None:  # the hierarchical exchange (hier.py; its rows go by relays: no regions)
-        return (yield from hier.dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=rows))
+    if bufs.hier is not None:  # the hierarchical exchange (hier.py; its rows go by relays: no regions; its
+        # overlap needs none: hier_overlap.py)
+        return (yield from hier.dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=rows, overlap=overlap))
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
