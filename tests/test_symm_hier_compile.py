@@ -69,7 +69,17 @@ def _specs():
                                    dict(send_cx, RAW_META=True, **far)),
         "_relay_combine_kernel": ("_relay_combine_kernel", dict(rc_sig, pes_ptr="*i32"),
                                   dict(rc_cx, USE_NVSHMEM=True, OFF_SCOMB=base.off_scomb)),
+        # the overlapped dispatch's halves: everything but the token rows in the op, the rows after it
+        "_hier_send_kernel[split1]": ("_hier_send_kernel", dict(send_sig, pes_ptr="*i32"),
+                                      dict(send_cx, RAW_META=True, SPLIT=1, OFF_HRROWS=H.off_hrrows, **far)),
+        "_hier_send_kernel[split2]": ("_hier_send_kernel", dict(send_sig, pes_ptr="*i32"),
+                                      dict(send_cx, WITH_META=False, SPLIT=2, OFF_HRROWS=H.off_hrrows, **far)),
     }
+    # ... and the relays' forward of those rows, which ends the op (its readiness signals to the other node)
+    ending = {"_relay_forward_kernel[split2_end]": ("_relay_forward_kernel", dict(fwd_sig, pes_ptr="*i32"),
+                                                   dict(fwd_cx, FROM_REGION=False, SPLIT=2, OFF_HRROWS=H.off_hrrows,
+                                                        OFF_HFROWS=H.off_hfrows, END=True, WP3=64,
+                                                        OFF_FLAGS=base.off_flags, USE_NVSHMEM=True))}
     plain = {
         "_node_route_kernel": route,
         "_hier_send_kernel[peer]": ("_hier_send_kernel", send_sig, send_cx),
@@ -78,11 +88,13 @@ def _specs():
         "_hier_reduce_send_kernel": ("_hier_reduce_send_kernel", rs_sig, rs_cx),
         "_hier_reduce_send_kernel[rows]": ("_hier_reduce_send_kernel", rs_sig, dict(rs_cx, GATED=False, ROWS=True)),
         "_relay_combine_kernel[peer]": ("_relay_combine_kernel", rc_sig, rc_cx),
+        "_relay_forward_kernel[split1]": ("_relay_forward_kernel", fwd_sig,
+                                          dict(fwd_cx, SPLIT=1, OFF_HRROWS=H.off_hrrows, OFF_HFROWS=H.off_hfrows)),
     }
     # the dy rows of combine's backward: rows only, no count post (the relay has the dispatch's)
     grad = {"_hier_send_kernel[grad]": ("_hier_send_kernel", dict(send_sig, pes_ptr="*i32"),
                                         dict(send_cx, WITH_META=False, **far))}
-    return nvshmem, grad, plain
+    return {**nvshmem, **ending}, grad, plain
 
 
 def _compile_all(arch: str, lib: str) -> dict:
@@ -130,7 +142,9 @@ def compiled(request):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-SENDERS = ("_hier_send_kernel", "_hier_send_kernel[raw]", "_hier_send_kernel[grad]", "_relay_combine_kernel")
+SENDERS = ("_hier_send_kernel", "_hier_send_kernel[raw]", "_hier_send_kernel[grad]", "_relay_combine_kernel",
+           "_hier_send_kernel[split1]", "_hier_send_kernel[split2]", "_relay_forward_kernel[split2_end]")
+PUTTERS = tuple(n for n in SENDERS if n != "_relay_forward_kernel[split2_end]")  # (it only signals readiness)
 # Tensors whose bytes a put must never read directly (addresses may derive from index tensors:
 # nrow, hmeta's token ids)
 PAYLOAD = ("x_ptr", "gate_ptr", "ncnt_ptr")
@@ -143,7 +157,7 @@ def test_hier_kernels_compile(compiled):
         assert compiled[name]["state"], name
     for name in ("_node_route_kernel", "_hier_send_kernel[peer]", "_relay_forward_kernel",
                  "_relay_forward_kernel[grad]", "_hier_reduce_send_kernel", "_hier_reduce_send_kernel[rows]",
-                 "_relay_combine_kernel[peer]"):
+                 "_relay_combine_kernel[peer]", "_relay_forward_kernel[split1]"):
         assert compiled[name]["nvshmem"] == 0, f"{name} references NVSHMEM without USE_NVSHMEM"
 
 
@@ -159,7 +173,7 @@ def test_hier_signals_by_one_thread(compiled):
 
 
 def test_hier_puts_block_collective_from_symmetric_memory(compiled):
-    for name in SENDERS:
+    for name in PUTTERS:
         puts = [c for c in compiled[name]["calls"] if c["fn"] == "nvshmemx_putmem_block"]
         assert puts, f"{name}: no put"
         for c in puts:

@@ -24,6 +24,11 @@ Ops (``tlx_dist.comm.hier``), kernels in launch order ("|": a phase boundary):
     combine's backward: _send_tokens (flat, near) + _hier_send (dy rows, no metadata) | _relay_forward
                (rows only, from the dispatch's saved HMETA) | _expand GATE_GRAD (flat) | _gate_grad_recv
     dispatch's backward: the combine, ungated.
+    overlapped dispatch (the row form): _route + _node_route | _send_tokens + _hier_send SPLIT=1 (all
+               but the token rows) | _relay_forward SPLIT=1 (META and gates) | _expand (NEAR_L: copies
+               this node's rows; does not end the op) -- the op returns -- then on the side stream
+               _hier_send SPLIT=2 (the token rows, HRROWS adds) | _relay_forward SPLIT=2 (rows to the
+               owners, HFROWS adds; ends the op); the owner's _rows_wait_kernel waits on HFROWS.
   Gate gradients of combine's backward go from each owner to the source directly (K * 8 bytes a row,
   the flat route): only token and partial rows follow the hierarchy.
 
@@ -33,7 +38,12 @@ Symmetric region (after the flat regions; offsets from the host, ``tlx_dist.comm
     HARRIVE [W]     int64  inter-node rows of source s landed here (ADD); the forward zeroes it
     HCARR   [W]     int64  partial rows of source s's tokens landed here from this node's owners (ADD);
                            the relay's combine zeroes it
-    HDONE   [2]     int64  programs of _relay_forward / _relay_combine done (the last one zeroes)
+    HDONE   [3]     int64  programs of _relay_forward / _relay_combine / _relay_forward SPLIT=2 done
+                           (the last one zeroes)
+    HRROWS  [W]     int64  an overlapped dispatch's inter-node token rows of source s landed here (ADD);
+                           its _relay_forward SPLIT=2 takes them off
+    HFROWS  [W]     int64  its rows of source s on another node forwarded into this rank's RECV (ADD);
+                           the owner's wait takes them off
     HMETA   [R, HM] int32  HM = 2K + L + 1 words per inter-node row (source s's block, row r):
                            [0, K)      slot k's code on this node (what the flat send puts in META:
                                        the expanded row, or the raw code q * e + j), -1: another node
