@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["plot"]
@@ -81,14 +82,30 @@ def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     return paths
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """``python -m train.plot``: 0 after writing the plots; a missing or unreadable file, a record
+    without the plotted fields or a missing matplotlib is one ``error:`` line naming it (status 2 for
+    a path that is not a file, 1 otherwise)."""
     ap = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.splitlines()[0])
     ap.add_argument("jsonl")
     ap.add_argument("--out", default="", help="output folder (default: beside the JSONL)")
     a = ap.parse_args(argv)
-    for p in plot(Path(a.jsonl), Path(a.out) if a.out else Path(a.jsonl).parent):
+    jsonl = Path(a.jsonl)
+    if not jsonl.is_file():
+        print(f"error: {jsonl} {'is not a file' if jsonl.exists() else 'does not exist'}", file=sys.stderr)
+        return 2
+    try:
+        paths = plot(jsonl, Path(a.out) if a.out else jsonl.parent)
+    except ImportError as e:
+        print(f"error: cannot plot {jsonl}: {e} (pip install matplotlib)", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # unreadable, bad JSON, missing fields
+        print(f"error: cannot plot {jsonl}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    for p in paths:
         print(p)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
