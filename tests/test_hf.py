@@ -288,6 +288,27 @@ def test_deepseek_keeps_fp32_router_in_bf16_model():
         assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
 
 
+def test_deepseek_fp64_bias_round_trips_exactly():
+    """An fp64 model whose correction bias holds values fp32 cannot (fresh fp64 draws): patch,
+    export and unpatch give back every tensor bit for bit, the bias included."""
+    hf = fp64_copy(tiny_model("deepseek_v3"))
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    sd = hf.state_dict()
+    assert any(k.endswith("e_score_correction_bias") and not torch.equal(v.float().double(), v) for k, v in sd.items())
+    ours = patch_moe(copy.deepcopy(hf))
+    exported = hf_state_dict(ours)
+    for k, v in sd.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    back = unpatch_moe(ours)
+    for k, v in back.state_dict().items():
+        assert v.dtype == sd[k].dtype and torch.equal(v, sd[k]), k
+    ids = _batch(5)
+    torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fine_tuning_lowers_loss_like_hf(arch):
     """Eight AdamW steps on one fixed batch (loss includes the aux loss where the model has one):
