@@ -20,6 +20,8 @@ import time
 
 import torch
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
+
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -53,7 +55,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--providers", default="tlx,triton,torch,cublas")
     ap.add_argument("--rep", type=int, default=100)
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("grouped_gemm", args)
     providers = [p for p in args.providers.split(",") if p in ("torch", "cublas") or p in available_backends()]
     dev = "cuda"
     rows = []
@@ -136,6 +140,12 @@ def main() -> int:
     with open(args.json, "w") as fh:
         json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "T": T,
                    "rows": rows, "summary": summary}, fh, indent=1)
+    for r in rows:  # TFLOP/s of do_bench's median time: no spread kept
+        shape = {k: r[k] for k in ("shape", "routing", "N", "D", "F", "E")}
+        for p in providers:
+            rec.row(r["form"], p, shape, r[p], unit="TFLOP/s", vs_torch=r.get(f"{p}_vs_torch"),
+                    rel_err=r.get(f"{p}_relerr"), first_call_s=r.get(f"{p}_first_s"))
+    rec.write()
     return 0
 
 

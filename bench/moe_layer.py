@@ -56,6 +56,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
 from _profile import gap_profile, host_profile, interleaved_times, kernel_profile, round_ratios  # bench/_profile.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
@@ -209,7 +210,7 @@ def _graph_in_child(shape: str, provider: str, T: int, reps: int, capture_mode: 
         cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--providers", provider,
                "--tokens", "", "--latency-tokens", str(T), "--reps", str(reps), "--graph-in-process",
                "--capture-mode", capture_mode,
-               "--json", out]
+               "--json", out, "--no-results"]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
@@ -229,8 +230,8 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def ep_main(args) -> int:
-    """The torchrun mode (module docstring)."""
+def ep_main(args, rec) -> int:
+    """The torchrun mode (module docstring); ``rec``: rank 0's :class:`_results.Recorder`."""
     import os
 
     import torch.distributed as dist
@@ -349,6 +350,14 @@ def ep_main(args) -> int:
                   + " |")
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "world": W, "rows": rows}, fh, indent=1)
+        for v in rows:  # the median over --reps steps: no spread kept
+            shape = {k: v[k] for k in ("shape", "W", "T", "D", "F", "E", "K")}
+            for p in providers:
+                if f"{p}_ms" in v:
+                    rec.row("fwd_bwd", p, shape, v[f"{p}_ms"], unit="ms", tflops=v[f"{p}_tflops"],
+                            vs_all_to_all=v.get(f"{p}/all_to_all"), out_rel_err=v.get(f"{p}_out_relerr"),
+                            dx_rel_err=v.get(f"{p}_dx_relerr"))
+        rec.write()
     dist.destroy_process_group()
     return 0
 
@@ -381,7 +390,10 @@ def main() -> int:
                          "relaxed was invalidated by an unsafe CUDA call on another thread)")
     ap.add_argument("--graph-in-process", action="store_true",
                     help="capture the CUDA graphs in this process (default: one child process per capture)")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("moe_layer", args, enabled=os.environ.get("RANK", "0") == "0",
+                            world=_results.env_world())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if args.providers == ",".join(PROVIDERS):
             args.providers = ",".join(EP_PROVIDERS)
@@ -389,7 +401,7 @@ def main() -> int:
             args.shapes = "olmoe"
         if args.tokens == "4096,16384":
             args.tokens = "16384"
-        return ep_main(args)
+        return ep_main(args, rec)
     providers = args.providers.split(",")
     ints = lambda v: {int(t) for t in v.split(",") if t.strip()}  # noqa: E731
     lat_tokens, tflops_tokens = ints(args.latency_tokens), ints(args.tokens)
@@ -516,6 +528,18 @@ def main() -> int:
     with open(args.json, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "rows": rows, "summary": summary}, fh, indent=1)
+    for r in rows:  # medians over --reps steps: no spread kept; fused/q: see the table's note above
+        shape = {k: r[k] for k in ("shape", "T", "D", "F", "E", "K")}
+        for p in providers:
+            ratios = {f"fused/{q}": r.get(f"fused/{q}") for q in providers if p == "fused" and q != p}
+            ranges = {f"fused/{q} range": r[f"fused/{q} range"] for q in providers if f"fused/{q} range" in r
+                      and p == "fused"}
+            if f"{p}_eager_ms" in r:
+                rec.row("fwd_bwd", p, shape, r[f"{p}_eager_ms"], unit="ms", tflops=r[f"{p}_tflops"],
+                        fused_backend=r["fused_backend"], **ratios, **ranges)
+            if f"{p}_graph_ms" in r:
+                rec.row("fwd_bwd_graph", p, shape, r[f"{p}_graph_ms"], unit="ms")
+    rec.write()
     return 0
 
 

@@ -162,8 +162,9 @@ def plot_projection(cal: Calibration, path: str, measured: Optional[list] = None
     plt.close(fig)
 
 
-def project_main(args) -> int:
-    """``bench/scaling.py --project``: assumptions, measured vs projected, scaling tables, plot."""
+def project_main(args, rec=None) -> int:
+    """``bench/scaling.py --project``: assumptions, measured vs projected, scaling tables, plot;
+    ``rec`` (a ``_results.Recorder``) gets one row per projected scaling point."""
     cal = load_calibration(args.calibration)
     extra = [row for p in args.measured for row in measured_from_harness(p)]
     print("# Scaling projection (bench/scaling_model.py): every number below is PROJECTED unless marked measured\n")
@@ -183,6 +184,12 @@ def project_main(args) -> int:
     if args.plot:
         plot_projection(cal, args.plot, checks)
         print(f"wrote {args.plot}")
+    for recipe, hw in REPORT_RECIPES if rec is not None else ():
+        for p in scaling_rows(recipe, hw, cal):  # projected, not measured: no spread
+            sc = p.scenario
+            rec.row("step", sc.preset, dict(recipe=recipe, hardware=sc.hardware, gpus=sc.gpus, ep=sc.ep), p.step_ms,
+                    unit="ms", projected=True, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu, mfu=p.mfu,
+                    exchange_gb=p.exchange_gb, bottleneck=p.bottleneck, phases_ms=p.phases_ms)
     if args.json:
         out = {"checks": [{k: v for k, v in r.items() if k != "projection"} | {"predicted_phases_ms": r["projection"].phases_ms}
                           for r in checks],

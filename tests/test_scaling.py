@@ -28,7 +28,7 @@ SCRIPT = str(ROOT / "bench" / "scaling.py")
 # The tiny training-test model (tests/_train.py), 2 sequences per rank, few timed steps.
 HARNESS_ARGS = ["--config", str(ROOT / "configs" / "debug_cpu.toml")] + \
     [a for o in TINY + ["data.batch_size=2"] for a in ("--override", o)] + \
-    ["--steps", "2", "--rounds", "1", "--warmup", "1"]
+    ["--steps", "2", "--rounds", "1", "--warmup", "1", "--no-results"]
 
 
 # ------------------------------------------------------------------------------ phase attribution
@@ -322,8 +322,8 @@ def test_measured_from_harness(cal, tmp_path):
 def test_project_cli_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png, js = tmp_path / "scaling.png", tmp_path / "proj.json"
-    p = subprocess.run([sys.executable, SCRIPT, "--project", "--plot", str(png), "--json", str(js)],
-                       cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, SCRIPT, "--project", "--plot", str(png), "--json", str(js), "--results-dir",
+                        str(tmp_path / "results")], cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
     assert "PROJECTED unless marked measured" in out and "[measured]" in out and "[assumed]" in out
@@ -336,6 +336,10 @@ def test_project_cli_and_plot(tmp_path):
     d = json.loads(js.read_text())
     assert len(d["checks"]) == len(cal.measurements)
     assert {s["scenario"]["gpus"] for s in d["scaling"]} == set(sm.GPU_COUNTS)
+    md, = (tmp_path / "results").glob("scaling_projected_*.md")   # bench/_results.py: the printed report ...
+    assert "PROJECTED unless marked measured" in md.read_text()
+    rows = [json.loads(l) for l in md.with_suffix(".jsonl").read_text().splitlines()]   # ... and its rows
+    assert len(rows) == len(d["scaling"]) and {r["machine"] for r in rows} == {"projected"}
 
 
 # ------------------------------------------------------------------------------ harness (T1)
@@ -360,10 +364,15 @@ def test_harness_one_process(tmp_path):
     """One rank on CPU: the fast path is the one-rank path (LocalDispatcher), the reference the
     all-to-all dispatcher on a one-rank gloo group; both for the step and the layer."""
     out = tmp_path / "one.json"
-    p = subprocess.run([sys.executable, SCRIPT, *HARNESS_ARGS, "--json", str(out)], cwd=ROOT, env=_env(1),
+    args = [a for a in HARNESS_ARGS if a != "--no-results"] + ["--results-dir", str(tmp_path / "results")]
+    p = subprocess.run([sys.executable, SCRIPT, *args, "--json", str(out)], cwd=ROOT, env=_env(1),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.loads(out.read_text())
+    jsonl, = (tmp_path / "results").glob("scaling_cpu_*.jsonl")   # bench/_results.py's rows: one per mode and path
+    rows = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert sorted((r["op"], r["provider"]) for r in rows) == sorted((m, p) for m in ("step", "layer") for p in d[m]["paths"])
+    assert all(r["median"] == d[r["op"]]["paths"][r["provider"]]["step_ms"] and r["unit"] == "ms" for r in rows)
     assert d["meta"]["world"] == 1 and d["meta"]["timer"] == "wall_clock"
     tokens = 2 * 32
     for mode, expected in (("step", EXPECTED_STEP), ("layer", EXPECTED_LAYER)):
