@@ -38,7 +38,8 @@ ranks' launch skew is not counted), with its own ratio. ``disp ss`` / ``comb ss`
 state for one op alone (``--pair-reps`` of it back to back): its latency once the GPU never waits for
 the host to launch the next replay (which the per-op medians, one event pair per op, count). ``--profile`` prints rank 0's per-kernel GPU
 time per pair for the symm providers (where the time goes: layout, barrier, send, expand, reduce).
-NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (``scripts/device/x2_exchange.sh``).
+NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (as the ``per-gpu-node`` checks of
+scripts/gpu_checks.toml do).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def capture(step, capture_mode: str = "global") -> "torch.cuda.CUDAGraph":
     """``step()`` in a CUDA graph, replayed once: warmed up twice on a side stream, run once more
     with host syncs made errors (a syncing op is named by its traceback instead of surfacing as an
     invalidated capture), then captured; the first error inside the capture is printed with its
-    frames (capture_end's own error only follows it). Also scripts/device/graph_bisect.py's."""
+    frames (capture_end's own error only follows it)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
