@@ -6,18 +6,43 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+
+from conftest import note
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
 def run_interpreted_suite(*case_files: str, timeout: int = 540) -> None:
-    """Asserts that pytest over ``case_files`` (names in tests/) passes in the child, skipping none."""
+    """Asserts that pytest over ``case_files`` (names in tests/) passes in the child, skipping none.
+    The child's output is read as it comes: its latest line goes to the parent's heartbeat
+    (``conftest.note``), so a long child is never a silent stretch."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu and not multigpu",
-                        *(os.path.join(HERE, f) for f in case_files)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m",
+                          "not gpu and not multigpu", *(os.path.join(HERE, f) for f in case_files)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read():
+        for line in p.stdout:
+            lines.append(line)
+            if line.strip():
+                note(f"child: {line.strip()}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        reader.join(timeout=10)
+        raise AssertionError(f"the interpreted suite {case_files} ran past {timeout} s:\n" + "".join(lines)[-4000:])
+    reader.join(timeout=30)
+    out = "".join(lines)
+    tail = out[-6000:]
+    assert p.returncode == 0, tail
+    last = out.rstrip().splitlines()[-1] if out.strip() else ""
+    assert " passed" in last and " failed" not in last, tail
