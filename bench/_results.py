@@ -8,8 +8,11 @@ and UTC date, ``<topic>_<machine>_<yyyymmdd>``:
   ``.jsonl``  one JSON object per measurement: ``op``, ``provider``, ``shape``, ``median``, ``p20``,
               ``p80`` (``null`` where the bench keeps no spread), ``unit`` (the bench's own: ``ms``,
               ``us``, ``TFLOP/s``, ``GB/s``), then ``gpu``, ``machine``, ``world``, ``date``, ``run``
-              (UTC time of the run), ``commit``, ``torch``, ``triton``, ``topic`` and ``extra`` (the
-              bench's other fields for that measurement).
+              (UTC time of the run), ``commit``, ``torch``, ``triton``, ``topic``, ``bench`` (the
+              script) and ``extra`` (the bench's other fields for that measurement).
+
+Topics group what a reader compares: ``exchange`` (bench/dispatch.py and bench/exchange_tiles.py),
+``p2p_link`` (bench/p2p_copy.py), otherwise the script's name.
 
 A second run on the same day appends to both files (the ``.md`` gets one section per run; the
 ``.jsonl`` rows carry their ``run``). ``machine`` is the GPU's short name (``h200``, ``b200``,
@@ -265,7 +268,8 @@ class Recorder:
         commit = git_commit()
         run = self.now.strftime("%Y-%m-%dT%H:%M:%SZ")
         common = {"gpu": self.gpu, "machine": self.machine, "world": self.world, "date": f"{self.now:%Y-%m-%d}",
-                  "run": run, "commit": commit, "torch": v["torch"], "triton": v["triton"], "topic": self.topic}
+                  "run": run, "commit": commit, "torch": v["torch"], "triton": v["triton"], "topic": self.topic,
+                  "bench": Path(self.argv[0]).name if self.argv else None}
         with jl.open("a") as f:
             for r in self.rows:
                 f.write(json.dumps({**r, **common}, default=str) + "\n")

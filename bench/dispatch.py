@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--json", default="bench_dispatch.json")
     _results.add_args(ap)
     args = ap.parse_args()
-    rec = _results.Recorder("dispatch", args, enabled=os.environ.get("RANK", "0") == "0",
+    rec = _results.Recorder("exchange", args, enabled=os.environ.get("RANK", "0") == "0",
                             world=_results.env_world())
     if args.emulate:
         return emulated(args, rec)

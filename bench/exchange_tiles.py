@@ -122,7 +122,7 @@ def main() -> int:
     args = ap.parse_args()
     specs = args.configs.split(";")
     shapes = [parse(s) for s in specs]  # bad specs fail before any process group exists
-    rec = _results.Recorder("exchange_tiles", args, enabled=os.environ.get("RANK", "0") == "0",
+    rec = _results.Recorder("exchange", args, enabled=os.environ.get("RANK", "0") == "0",
                             world=_results.env_world())
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

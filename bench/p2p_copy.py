@@ -126,7 +126,7 @@ def main() -> int:
                     help="also other SM push kernels (wider blocks, 4-block unrolled, one program per SM)")
     _results.add_args(ap)
     args = ap.parse_args()
-    rec = _results.Recorder("p2p_copy", args, world=2)  # GPUs 0 and 1 of this host, one process
+    rec = _results.Recorder("p2p_link", args, world=2)  # GPUs 0 and 1 of this host, one process
     if (args.sm or args.sm_variants or args.mixed) and triton is None:
         print("--sm, --sm-variants and --mixed need triton")
         return 1

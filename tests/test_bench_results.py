@@ -22,7 +22,7 @@ import _results  # noqa: E402
 
 NOW = datetime.datetime(2026, 3, 4, 5, 6, 7, tzinfo=datetime.timezone.utc)
 ROW_KEYS = {"op", "provider", "shape", "median", "p20", "p80", "unit", "gpu", "machine", "world", "date", "run",
-            "commit", "torch", "triton", "topic", "extra"}
+            "commit", "torch", "triton", "topic", "bench", "extra"}
 
 
 @pytest.mark.parametrize("gpu, world, name", [
@@ -94,19 +94,19 @@ def test_a_run_writes_the_printed_tables_and_raw_rows(tmp_path, capsys):
     assert c["median"] is None and c["shape"] == "olmoe"
     assert {(r["gpu"], r["machine"], r["world"], r["date"], r["run"]) for r in rows} == {
         ("NVIDIA H200", "h200", 1, "2026-03-04", "2026-03-04T05:06:07Z")}
-    assert rows[0]["torch"] and rows[0]["commit"]
+    assert rows[0]["torch"] and rows[0]["commit"] and rows[0]["bench"] == "grouped_gemm.py"
 
 
 def test_a_second_run_the_same_day_appends(tmp_path):
     for i, when in enumerate((NOW, NOW + datetime.timedelta(hours=1))):
-        rec = _results.Recorder("dispatch", _args(tmp_path), gpu="NVIDIA H200", world=2, now=when, capture=False)
+        rec = _results.Recorder("exchange", _args(tmp_path), gpu="NVIDIA H200", world=2, now=when, capture=False)
         rec.text(f"| T | us |\n|---|---|\n| 128 | {i} |")
         rec.row("dispatch", "symm", {"W": 2, "T": 128}, float(i), unit="us")
         rec.write()
     md, = tmp_path.glob("*.md")
-    assert md.name == "dispatch_h200x2_20260304.md"
+    assert md.name == "exchange_h200x2_20260304.md"
     text = md.read_text()
-    assert text.count("# dispatch results") == 1 and text.count("## Run ") == 2 and "| 128 | 1 |" in text
+    assert text.count("# exchange results") == 1 and text.count("## Run ") == 2 and "| 128 | 1 |" in text
     rows = [json.loads(line) for line in md.with_suffix(".jsonl").read_text().splitlines()]
     assert [r["median"] for r in rows] == [0.0, 1.0] and rows[0]["run"] != rows[1]["run"]
 
