@@ -15,4 +15,6 @@ if [[ "${1:-}" == "--release" ]]; then
   select=(-m "release and not gpu and not multigpu")
 fi
 bash scripts/setup.sh test
+# unbuffered: CI's log is a pipe, and a block-buffered progress line would arrive minutes late
+export PYTHONUNBUFFERED=1
 exec "${PYTHON:-python3}" -m pytest -v --durations=10 "${select[@]}" "$@"
