@@ -14,14 +14,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def run_interpreted_suite(*case_files: str, timeout: int = 540) -> None:
-    """Asserts that pytest over ``case_files`` (names in tests/) passes in the child, skipping none.
+def run_interpreted_suite(*case_files: str, timeout: int = 540, release: bool = False) -> None:
+    """Asserts that pytest over ``case_files`` (names in tests/) passes in the child, skipping none:
+    the cases of the fast tier, or with ``release`` those marked ``release`` (the big worlds).
     The child's output is read as it comes: its latest line goes to the parent's heartbeat
     (``conftest.note``), so a long child is never a silent stretch."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m",
-                          "not gpu and not multigpu", *(os.path.join(HERE, f) for f in case_files)],
+    tier = "release and not gpu and not multigpu" if release else "not gpu and not multigpu and not release"
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", tier,
+                          *(os.path.join(HERE, f) for f in case_files)],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
 

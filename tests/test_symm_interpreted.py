@@ -23,6 +23,12 @@ def test_symm_dispatch_interpreted_suite():
 
 
 @_SKIP
+@pytest.mark.release
+def test_symm_dispatch_interpreted_suite_release():
+    run_interpreted_suite("symm_interpreted_cases.py", release=True)  # its W >= 8 worlds, 1-row tiles
+
+
+@_SKIP
 def test_symm_nvshmem_route_interpreted_suite():
     run_interpreted_suite("symm_nvshmem_interpreted_cases.py")  # the emulated cross-node route
 
