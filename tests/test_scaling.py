@@ -394,6 +394,7 @@ def test_harness_bad_args():
     assert p.returncode == 2 and "--steps=0" in p.stderr
 
 
+@pytest.mark.release  # the training loop's own 2-node loopback test stays in the fast tier
 def test_harness_two_nodes_two_procs_loopback(tmp_path):
     """Two torchrun 'nodes' on 127.0.0.1 with 2 processes each (gloo): the step at EP=2 x DP=2,
     the layer at EP=4 across both nodes; the fast path is skipped on CPU and says why."""
