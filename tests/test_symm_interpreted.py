@@ -41,3 +41,11 @@ def test_symm_rows_interpreted_suite():
 @_SKIP
 def test_symm_copy_engine_interpreted_suite():
     run_interpreted_suite("symm_ce_interpreted_cases.py")  # its copy-engine row form
+
+
+# the release tier's cases of the other three files (their 4-rank worlds), one child for all three
+@_SKIP
+@pytest.mark.release
+def test_symm_rows_nvshmem_copy_engine_interpreted_suites_release():
+    run_interpreted_suite("symm_nvshmem_interpreted_cases.py", "symm_rows_interpreted_cases.py",
+                          "symm_ce_interpreted_cases.py", release=True)
