@@ -762,8 +762,10 @@ def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
     return world
 
 
-@pytest.mark.parametrize("Ts,kind,rows", [([7, 5], "random", True), ([4, 0, 6, 2], "random", False),
-                                          ([5, 3, 6, 2], "heavy_imbalance", True),
+# the 4-rank worlds in the release tier; both row modes stay in the fast tier at W = 2
+@pytest.mark.parametrize("Ts,kind,rows", [([7, 5], "random", True),
+                                          pytest.param([4, 0, 6, 2], "random", False, marks=pytest.mark.release),
+                                          pytest.param([5, 3, 6, 2], "heavy_imbalance", True, marks=pytest.mark.release),
                                           ([6, 6], "zero_token_experts", False)])
 def test_combine_counts_partial_rows_per_token_block(monkeypatch, Ts, kind, rows):
     """The combine's per-token-block arrival counters (CBLK; ``symm._comb_mode`` "blocks" in the
