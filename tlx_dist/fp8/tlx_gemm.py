@@ -12,6 +12,8 @@ K-contiguous for the reduction they run). Nothing reads device values on the hos
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +23,7 @@ from ..grouped_gemm.host import max_m_tiles, num_sms, prep_offsets, ragged_descr
 from .quant import GROUP, Fp8Cols
 
 __all__ = ["Fp8GemmConfig", "CANDIDATES", "default_config", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
-           "SMEM_LIMIT"]
+           "SMEM_LIMIT", "config_from_json"]
 
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 _OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -33,14 +35,21 @@ class Fp8GemmConfig:
     (the scale group) are fixed. Each consumer keeps BN / 2 fp32 accumulator registers and runs
     its wgmmas SUBN columns at a time into a partial of SUBN / 2 registers (ptxas may keep two
     partials live to overlap one's promotion with the next wgmma), so BN / 2 + SUBN <= 192 of its
-    240 registers: 128 x 256 tiles go in 64-column slices, 128 x 128 tiles in one."""
+    240 registers: 128 x 256 tiles go in 64-column slices, 128 x 128 tiles in one.
+
+    ``precision`` is always ``"fp8"``: it is what ``MoELayer(precision=..., gemm_config=...)``
+    checks against (the bf16 kernels' configs are :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`)."""
 
     BN: int = 256
     SUBN: int = 64
     STAGES: int = 3
     GROUP_M: int = 1  # rows of tiles walked together (L2 reuse); 1 = row-major
+    precision: str = "fp8"
 
     def __post_init__(self):
+        if self.precision != "fp8":
+            raise ValueError(f"Fp8GemmConfig.precision={self.precision!r} must be 'fp8' (bf16 tile configs are "
+                             "GroupedGemmConfig)")
         if self.BN not in (128, 256):
             raise ValueError(f"Fp8GemmConfig.BN={self.BN} must be 128 or 256")
         if self.SUBN not in (64, 128) or self.SUBN > self.BN:
@@ -59,6 +68,16 @@ class Fp8GemmConfig:
     def smem_bytes(self) -> int:
         ring = self.STAGES * (128 + self.BN) * GROUP  # fp8 A [128, 128] + B [BN, 128] per stage
         return ring + 128 * self.BN * 2  # + the bf16 epilogue tile
+
+    def to_json(self) -> str:
+        """The fields as JSON (how a pinned config travels through the FP8 custom ops)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def config_from_json(text: str) -> Optional[Fp8GemmConfig]:
+    """Inverse of :meth:`Fp8GemmConfig.to_json`; ``""`` (no pinned config) gives None."""
+    return Fp8GemmConfig(**json.loads(text)) if text else None
 
 
 # The configs the bench compares (``bench/grouped_gemm.py --precision fp8 --fp8-configs``) and the
