@@ -27,8 +27,8 @@ LAYER_CASES = [
     ("outlier_per_row", {}, "outlier", "a 1e4 outlier in every row: its 128-wide group's scale is set by it"),
     ("zero_blocks", {}, "zero_blocks", "all-zero activation tiles and an all-zero 128 x 128 weight block"),
     ("tiny_scales", {}, "tiny", "rows scaled by 1e-20: scales far below 1, values must not flush to zero"),
-    ("k_not_128", dict(dim=208, moe_inter_dim=80), None,
-     "D = 208 and F = 80: every reduction ends in a partial 128-group (multiples of 16 for torch's path)"),
+    ("k_not_128", dict(dim=208, moe_inter_dim=48), None,
+     "D = 208 and F = 48: every reduction ends in a partial 128-group (multiples of 16 for torch's path)"),
 ]
 
 
@@ -53,11 +53,12 @@ def _layer_run(layer, x, dy):
     return out.detach(), {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, [x] + params, grads)}
 
 
-def check_layer_fp8_vs_fp64(case, backend, device, T=96, seed=0):
+def check_layer_fp8_vs_fp64(case, backend, device, T=48, seed=0):
     """The FP8 layer with ``gemm_backend=backend`` on ``device`` against the float64 loop, its
     output and the gradients of x and of every parameter bounded by torch's FP8 path's errors."""
     name, over, how, why = case
-    kw = dict(dim=256, moe_inter_dim=128, num_experts=8, top_k=2, init_std=0.05, dtype="bfloat16")
+    # small: torch._scaled_mm (the oracle's FP8 products) is slow on CPU
+    kw = dict(dim=256, moe_inter_dim=64, num_experts=4, top_k=2, init_std=0.05, dtype="bfloat16")
     kw.update(over)
     cfg = make_cfg(**kw)
     torch.manual_seed(seed)
@@ -101,10 +102,10 @@ def _offsets(counts, device):
 
 # (counts, N, D, F, why): routings the layer's router does not produce on demand
 EXPERT_CASES = [
-    ([0, 70, 0, 26, 0], 96, 256, 128, "zero-token experts (first, middle, last)"),
-    ([0, 96, 0, 0], 96, 256, 128, "one expert takes every row"),
-    ([40, 0, 150, 7], 210, 208, 80, "K not a multiple of 128, 13 padding rows, a 7-row expert"),
-    ([130, 126], 256, 384, 64, "experts straddling the 128-row tiles of the weight gradient"),
+    ([0, 40, 0, 23, 0], 64, 256, 64, "zero-token experts (first, middle, last)"),
+    ([0, 64, 0, 0], 64, 256, 64, "one expert takes every row"),
+    ([40, 0, 50, 7], 110, 208, 48, "K not a multiple of 128, 13 padding rows, a 7-row expert"),
+    ([130, 126], 256, 128, 32, "experts straddling the 128-row tiles of the weight gradient"),
 ]
 
 
