@@ -61,7 +61,7 @@ def test_fp8_argument_errors(kw, exc, match):
 
 
 def test_bf16_layer_rejects_an_fp8_tile_config():
-    with pytest.raises(TypeError, match=r"GroupedGemmConfig or None with precision='bf16', got Fp8GemmConfig"):
+    with pytest.raises(TypeError, match=r"GroupedGemmConfig or None, got Fp8GemmConfig \(precision='bf16'.*needs precision='fp8'\)"):
         MoELayer(make_cfg(dim=32, moe_inter_dim=16), gemm_config=Fp8GemmConfig())
     with pytest.raises(ValueError, match=r"Fp8GemmConfig.precision='bf16' must be 'fp8'"):
         Fp8GemmConfig(precision="bf16")
@@ -224,3 +224,10 @@ def test_step_refresh_ignores_rewrites_between_steps():
     layer.load_state_dict(by_version.state_dict())
     torch.testing.assert_close(layer(x), by_version(x), rtol=0, atol=0)
     assert layer.fp8_quantizations == 6
+
+
+def test_a_pinned_fp8_config_is_not_dropped():
+    # on CPU the reference runs, which has no tiles: the pinned config is an error at the call
+    layer = MoELayer(make_cfg(dim=32, moe_inter_dim=16), precision="fp8", gemm_config=Fp8GemmConfig(128, 128, 5))
+    with pytest.raises(ValueError, match=r"config= pins the TLX FP8 kernel's tile config, but backend 'reference'"):
+        layer(torch.randn(4, 32))

@@ -167,8 +167,8 @@ class MoELayer(nn.Module):
         if precision == "fp8":
             _check_fp8_args(cfg, pipeline, gemm_backend, gemm_config, fused_config, device)
         elif gemm_config is not None and not isinstance(gemm_config, GroupedGemmConfig):
-            raise TypeError(f"gemm_config must be a GroupedGemmConfig or None with precision='bf16', got "
-                            f"{type(gemm_config).__name__}")
+            raise TypeError(f"gemm_config must be a GroupedGemmConfig or None, got {type(gemm_config).__name__} "
+                            "(precision='bf16' runs the bf16 kernels; an Fp8GemmConfig needs precision='fp8')")
         if fused_config is not None and not isinstance(fused_config, FusedConfig):
             raise TypeError(f"fused_config must be a FusedConfig or None, got {type(fused_config).__name__}")
         if fused_config is not None and pipeline == "separate":

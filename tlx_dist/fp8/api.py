@@ -317,6 +317,9 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
     name = select_fp8_backend(x_ND.device, D, F, backend, f"w_EDF's (D, F) = ({D}, {F})")
     if name != "reference" and x_ND.dtype not in _OUT:
         raise TypeError(f"precision='fp8' backend={name!r}: x_ND must be bfloat16 or float16, got {x_ND.dtype}")
+    if config is not None and name != "tlx":
+        raise ValueError(f"config= pins the TLX FP8 kernel's tile config, but backend {name!r} runs here, which has "
+                         "no tiles (pin backend='tlx' on sm_90, or drop the config)")
     if w_fp8 is None:
         w_fp8 = quantize_weight(w_EDF.detach(), backend=_quant_backend(name))
     return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name,
