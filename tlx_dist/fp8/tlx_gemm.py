@@ -22,7 +22,7 @@ import torch
 from ..grouped_gemm.host import max_m_tiles, num_sms, prep_offsets, ragged_descriptor, search_steps
 from .quant import GROUP, Fp8Cols
 
-__all__ = ["Fp8GemmConfig", "CANDIDATES", "default_config", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
+__all__ = ["Fp8GemmConfig", "CANDIDATES", "default_config", "with_default_raster", "mm_fp8_tlx", "wgrad_fp8_tlx", "kernel_signature", "shape_reason",
            "SMEM_LIMIT", "config_from_json"]
 
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
@@ -37,6 +37,10 @@ class Fp8GemmConfig:
     partials live to overlap one's promotion with the next wgmma), so BN / 2 + SUBN <= 192 of its
     240 registers: 128 x 256 tiles go in 64-column slices, 128 x 128 tiles in one.
 
+    ``PINGPONG``: the two consumer groups take turns to issue their wgmmas (tlx/hopper/
+    fp8_grouped_gemm.py), so one group's promotion runs while the other's wgmma does, instead of
+    both promoting at once with the tensor core idle; the same registers, two named barriers.
+
     ``precision`` is always ``"fp8"``: it is what ``MoELayer(precision=..., gemm_config=...)``
     checks against (the bf16 kernels' configs are :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`)."""
 
@@ -44,6 +48,7 @@ class Fp8GemmConfig:
     SUBN: int = 64
     STAGES: int = 3
     GROUP_M: int = 1  # rows of tiles walked together (L2 reuse); 1 = row-major
+    PINGPONG: bool = False
     precision: str = "fp8"
 
     def __post_init__(self):
@@ -61,6 +66,8 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig.STAGES={self.STAGES} must be in [2, 8]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"Fp8GemmConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
+        if type(self.PINGPONG) is not bool:
+            raise TypeError(f"Fp8GemmConfig.PINGPONG={self.PINGPONG!r} must be a bool")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"Fp8GemmConfig(BN={self.BN}, STAGES={self.STAGES}) needs {self.smem_bytes()} bytes of "
                              f"shared memory (limit {SMEM_LIMIT})")
@@ -81,18 +88,26 @@ def config_from_json(text: str) -> Optional[Fp8GemmConfig]:
 
 
 # The configs the bench compares (``bench/grouped_gemm.py --precision fp8 --fp8-configs``) and the
-# compile tests check: 128 x 128 in one 128-column slice, and 128 x 256 in four 64-column slices,
-# which halves the L2 traffic per FLOP but reads A from shared memory twice as often.
-CANDIDATES = (Fp8GemmConfig(128, 128, 5), Fp8GemmConfig(256, 64, 3))
+# compile tests check. 128 x 128 in one 128-column slice (the default); 128 x 256 in four 64-column
+# slices, which halves the L2 traffic per FLOP but reads A from shared memory twice as often and
+# spills in the dW form (forward / dX only); and the PINGPONG variants of 128 x 128, in one slice and
+# in two 64-column slices (finer turns, A read twice). Each spill-free where the compile tests say.
+CANDIDATES = (Fp8GemmConfig(128, 128, 5), Fp8GemmConfig(256, 64, 3), Fp8GemmConfig(128, 128, 5, PINGPONG=True),
+              Fp8GemmConfig(128, 64, 5, PINGPONG=True))
+
+
+def with_default_raster(cfg: Fp8GemmConfig, form: str, NN: int) -> Fp8GemmConfig:
+    """``cfg`` with the default tile walk: wide outputs (>= 16 column tiles) walk 8 rows of tiles
+    together so the tiles in flight share B in L2 (mm forms; dW's tiles of one expert already share
+    its K range); row-major otherwise."""
+    group_m = 8 if form != "dW" and -(-NN // cfg.BN) >= 16 else 1
+    return dataclasses.replace(cfg, GROUP_M=group_m)
 
 
 def default_config(form: str, NN: int) -> Fp8GemmConfig:
     """The first candidate (128 x 128 tiles, 5-deep ring; no register spills in any form) for every
-    form. Wide outputs (>= 16 column tiles) walk 8 rows of tiles together so the tiles in flight
-    share B in L2 (mm forms; dW's tiles of one expert already share its K range)."""
-    base = CANDIDATES[0]
-    group_m = 8 if form != "dW" and -(-NN // base.BN) >= 16 else 1
-    return dataclasses.replace(base, GROUP_M=group_m)
+    form (``"mm"`` or ``"dW"``), with the default tile walk (:func:`with_default_raster`)."""
+    return with_default_raster(CANDIDATES[0], form, NN)
 
 
 def shape_reason(K: int, NN: int) -> Optional[str]:
@@ -117,7 +132,8 @@ def _launch(cfg: Fp8GemmConfig, wgrad: bool, a_desc, b_desc, c_desc, sa, sb, off
     grid = (max(1, min(sms, bound)),)
     _kernel()[grid](a_desc, b_desc, c_desc, sa, sb, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN, stride_sa,
                     WGRAD=wgrad, BM=128, BN=cfg.BN, BK=GROUP, SUBN=cfg.SUBN, NUM_STAGES=cfg.STAGES, NUM_SMS=grid[0],
-                    SEARCH_STEPS=search_steps(E), GROUP_M=cfg.GROUP_M, num_warps=4, num_stages=1)
+                    SEARCH_STEPS=search_steps(E), GROUP_M=cfg.GROUP_M, PINGPONG=cfg.PINGPONG, num_warps=4,
+                    num_stages=1)
 
 
 def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Tensor,
@@ -188,7 +204,7 @@ def kernel_signature(wgrad: bool, cfg: Optional[Fp8GemmConfig] = None, E: int = 
            "tile_cum_ptr": "*i32", "N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32",
            "stride_sa": "i32"}
     constexprs = {"WGRAD": wgrad, "BM": 128, "BN": cfg.BN, "BK": GROUP, "SUBN": cfg.SUBN, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
-                  "SEARCH_STEPS": search_steps(E), "GROUP_M": cfg.GROUP_M}
+                  "SEARCH_STEPS": search_steps(E), "GROUP_M": cfg.GROUP_M, "PINGPONG": cfg.PINGPONG}
     for k in constexprs:
         sig[k] = "constexpr"
     return _kernel(), sig, constexprs, {"num_warps": 4, "num_stages": 1}
