@@ -121,8 +121,12 @@ def _mm_check(a, b_q, b_s, off, cfg, what):
     assert (y[int(off[-1]):] == 0).all(), f"{what}: padding rows must be zero"
 
 
+def _cfg_id(c):
+    return "default" if c is None else f"BN{c.BN}_SUBN{c.SUBN}" + ("_pingpong" if c.PINGPONG else "")
+
+
 @needs_tlx
-@pytest.mark.parametrize("cfg", [None, CANDIDATES[1]], ids=["default", "BN256_SUBN64"])
+@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[1:]), ids=_cfg_id)
 @pytest.mark.parametrize("counts,N,D,F,adv,why", CASES, ids=[c[5] for c in CASES])
 def test_mm_forward_and_dgrad(counts, N, D, F, adv, why, cfg):
     x, w, dy, off = _data(counts, N, D, F, adversarial=adv)
@@ -132,12 +136,13 @@ def test_mm_forward_and_dgrad(counts, N, D, F, adv, why, cfg):
 
 
 @needs_tlx
+@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[2:]), ids=_cfg_id)  # (CANDIDATES[1]: forward / dX only)
 @pytest.mark.parametrize("counts,N,D,F,adv,why", CASES, ids=[c[5] for c in CASES])
-def test_wgrad(counts, N, D, F, adv, why):
+def test_wgrad(counts, N, D, F, adv, why, cfg):
     x, w, dy, off = _data(counts, N, D, F, adversarial=adv)
     xc, dyc = fp8.quantize_cols(x, off), fp8.quantize_cols(dy, off)
     _poison(len(counts) * D * F * 2)
-    dw = wgrad_fp8_tlx(xc, dyc)
+    dw = wgrad_fp8_tlx(xc, dyc, cfg=cfg)
     _close(dw, fp8.wgrad_fp8_torch(xc, dyc), fp8.wgrad_fp8_ref(xc, dyc, torch.float64), f"dW ({why})")
     for e, n in enumerate(counts):
         if n == 0:
