@@ -164,7 +164,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher, SymmDispatcher
-    from tlx_dist.comm.symm_buffers import SymmBuffers
+    from tlx_dist.comm.symm.buffers import SymmBuffers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,512,4096,16384")
@@ -230,8 +230,8 @@ def main() -> int:
                 if not args.no_rows and not args.no_regions and W > 1:
                     # the row form into a per-layer receive region: the rows stay where they land
                     # SM stores (regions_graph) and copy engines (regions_ce_graph, the dense layout); the
-                    # library's "auto" picks the latter from T_max >= 8192 where nearly every token
-                    # reaches every peer (symm._ce_mode)
+                    # library's "auto" picks the latter from T_max >= 4096 where nearly every token
+                    # reaches every peer (ExchangeConfig.copy_engine)
                     symm_r = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1,
                                             copy_engine=False)
                     rows_check(symm_r, x, idx, gate, ra, mask_TW.sum(1), region=0)

@@ -41,7 +41,7 @@ Providers there (same router and expert weights on every provider, T tokens per 
   fused_ep_static   regions + a static capacity (SymmDispatcher(capacity=EP_CAPACITY): no host read
               of the row count; rows past the last expert are padding the GEMMs skip or zero)
   fused_ep_overlap  fused_ep_static + overlap=True: the dispatch ends once the peers' metadata landed,
-              their rows follow on a side stream (TLX_DIST_EP_OVERLAP_SMS SMs) while the gate/up GEMM
+              their rows follow on a side stream (ExchangeConfig.overlap_sms SMs) while the gate/up GEMM
               computes this rank's own rows, then waits for the rest (issue 9, item 3)
   symm        MoELayer(dispatcher="symm", pipeline="separate"): deduplicated exchange, expert-major copy
   all_to_all  MoELayer(dispatcher="all_to_all"): NCCL all_to_all_single + separate ops (the anchor)

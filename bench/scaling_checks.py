@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 from scaling_model import (GPU_COUNTS, HARDWARE, PRESETS, ROOT, Calibration, Projection, Scenario, _rates, group_phases,
-                           load_recipe, project, row_op_fit)
+                           load_recipe, memory_point_state_gb, project, row_op_fit)
 
-__all__ = ["check_measurements", "scaling_rows", "describe_assumptions", "measured_from_harness"]
+__all__ = ["check_measurements", "check_memory", "scaling_rows", "describe_assumptions", "measured_from_harness"]
 
 
 def check_measurements(cal: Calibration, extra: Optional[list] = None) -> list[dict]:
@@ -36,6 +36,25 @@ def check_measurements(cal: Calibration, extra: Optional[list] = None) -> list[d
                      "predicted_tps": pr.tokens_per_s_per_gpu, "measured_mfu": m.get("mfu"),
                      "predicted_mfu": pr.mfu, "source": m["source"], "projection": pr,
                      "measured_phases_ms": group_phases(m["phases_ms"]) if "phases_ms" in m else None})
+    return rows
+
+
+def check_memory(cal: Calibration) -> list[dict]:
+    """Measured vs estimated peak memory (GiB) of every measured point with ``peak_mem_gib``: the
+    counted state + the activation estimate (A7). The ``profile.memory`` point sets the activation
+    rate (use "calibration", reproduced by construction); the others are checks."""
+    act_bytes = _rates(cal).act_bytes
+    rows = []
+    for m in cal.measurements:
+        if "peak_mem_gib" not in m:
+            continue
+        state_gb, T, width = memory_point_state_gb(m)
+        act = act_bytes * T * width
+        est = (state_gb * 1e9 + act) / 2 ** 30
+        rows.append({"id": m["id"], "use": "calibration" if m["id"] == cal.profile["memory"] else "check",
+                     "gpus": m["gpus"], "tokens_per_gpu": T, "measured_gib": m["peak_mem_gib"],
+                     "state_gib": state_gb * 1e9 / 2 ** 30, "activations_gib": act / 2 ** 30, "estimated_gib": est,
+                     "error": est / m["peak_mem_gib"] - 1})
     return rows
 
 
@@ -69,6 +88,7 @@ def describe_assumptions(cal: Calibration) -> list[str]:
     lines = [f"- calibration: {where}",
              f"- profile [{p['status']}] {p['recipe']} {' '.join(p['overrides'])} on {cal.hardware}: fused = "
              f"{p['fused']}, separate = {p['separate']}; {p['source']}",
+             f"- profile.memory [measured] {p['memory']}: {p['memory_source']}",
              f"- exchange_profile [{x['status']}] W={x['world']} T={x['tokens']} D={x['dim']} E={x['experts']} "
              f"K={x['top_k']}, us per pair: " + ", ".join(f"{k} {v}" for k, v in x["kernels_us"].items())
              + f"; {x['source']}",
@@ -93,7 +113,8 @@ def describe_assumptions(cal: Calibration) -> list[str]:
                  f"separate pipeline's symmetric kernels (TB/s of expanded rows): expand {r.expand_eff * hbm:.2f}, "
                  f"reduce_send {r.reduce_eff * hbm:.2f}, reduce_recv {r.recv_eff * hbm:.2f}; barrier wait "
                  f"{r.barrier_s * 1e6:.0f} us per op; row form: dispatch {r.row_fixed_s[0] * 1e6:.1f} us + payload at "
-                 f"{r.row_eff_up[0]:.3f} of NVLink, combine {r.row_fixed_s[1] * 1e6:.1f} us + {r.row_eff_up[1]:.3f}")
+                 f"{r.row_eff_up[0]:.3f} of NVLink, combine {r.row_fixed_s[1] * 1e6:.1f} us + {r.row_eff_up[1]:.3f}; "
+                 f"activations {r.act_bytes:.2f} B per token and activation-width element")
     for tokens, op, use, meas, fit in row_op_fit(cal)["checks"]:
         lines.append(f"- row form {op} T={tokens} [{use}]: measured {meas:.1f} us, model {fit:.1f} us "
                      f"({100 * (fit / meas - 1):+.1f}%)")

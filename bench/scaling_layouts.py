@@ -24,8 +24,15 @@ Shardings (``parallel.sharding``; ``train/mesh.py`` builds the meshes, ``train/p
           the replicas (NIC) -- ``set_requires_all_reduce(False)`` before it.
 Either way, once a step (``finish_grads``): the router / shared-expert gradient shards are summed
 over ep, and the rest of the step (norm, optimizer) runs on the shard a GPU holds.
-Gradients are reduced in fp32 (FSDP2's ``reduce_dtype`` in ``train/parallelize.py``) unless
-``reduce_dtype="bf16"``.
+Gradients cross the links in ``parallel.reduce_dtype`` ("float32" | "bfloat16": FSDP2's
+``reduce_dtype`` and ``finish_grads``' all-reduce, ``train/parallelize.py``). Under "bfloat16" the
+sums over micro-batches stay fp32, which changes two things: a fully sharded unit reduce-scatters
+every micro-batch (into its fp32 sharded gradient) instead of the last only, and an HSDP unit's
+partial sum of the reduce-scatters is cast to fp32 after each micro-batch but the last
+(``detail["partial_sum_params"]``: the elements cast, per GPU). ``detail["accumulation_params"]``:
+the fp32 elements a GPU keeps between micro-batches beside its sharded gradient (an HSDP unit's
+partial sum of its shard; a fully sharded unit's unsharded gradient while it skips the
+reduce-scatter).
 
 Collective times (one unit; bytes S per GPU; link bandwidth B at its efficiency, hop latency a):
   ring all-gather / reduce-scatter over n ranks of an unsharded unit of S bytes:
@@ -50,11 +57,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["SHARDINGS", "Unit", "LayoutPlan", "plan_layout", "node_size", "ring_ag_rs_s", "all_reduce_s",
+__all__ = ["SHARDINGS", "REDUCE_BYTES", "Unit", "LayoutPlan", "plan_layout", "node_size", "ring_ag_rs_s", "all_reduce_s",
            "exposed_comm_s"]
 
 SHARDINGS = ("full", "hybrid")     # train.config ParallelConfig.sharding
 BF16, FP32 = 2, 4
+REDUCE_BYTES = {"float32": FP32, "bfloat16": BF16}   # train.config ParallelConfig.reduce_dtype
 
 
 def node_size(G: int, domain: int) -> int:
@@ -120,19 +128,21 @@ class LayoutPlan:
 
 
 def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: dict, hop: dict,
-                reduce_dtype: str = "fp32") -> LayoutPlan:
+                reduce_dtype: str = "float32") -> LayoutPlan:
     """The collectives of ``sharding`` (module docstring) for G GPUs, EP degree ``ep``.
 
     params: {"dense_units": [params of each dense unit], "moe_layers": L_moe, "experts": all routed
     expert parameters, "replicated": router + shared experts of all MoE layers}. bw / hop:
     {"nvlink": bytes/s, "nic": bytes/s} per GPU at link efficiency / hop latencies in seconds.
-    reduce_dtype: "fp32" | "bf16", the dtype gradients are reduced in.
+    reduce_dtype: a ``REDUCE_BYTES`` key, the dtype gradients are communicated in.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}")
-    if reduce_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"reduce_dtype={reduce_dtype!r} must be 'fp32' or 'bf16'")
-    RED = FP32 if reduce_dtype == "fp32" else BF16
+    if reduce_dtype not in REDUCE_BYTES:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} must be one of {tuple(REDUCE_BYTES)}")
+    RED = REDUCE_BYTES[reduce_dtype]
+    hybrid = sharding == "hybrid"
+    rs_every = hybrid or RED == BF16   # reduce-scatter every micro-batch: HSDP, and bf16 (fp32 sums)
     if G % ep:
         raise ValueError(f"gpus={G} must be a multiple of ep={ep}")
     s = node_size(G, domain)
@@ -142,7 +152,7 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
     dense_units = list(params["dense_units"])
     moe_layer = params["experts"] / ep / Lm + params["replicated"] / Lm   # one MoE module on one rank
     units: list[Unit] = []
-    hybrid = sharding == "hybrid"
+    kept = {"partial": 0.0, "all": 0.0}   # elements kept between micro-batches: HSDP partial sums / all
     # (shard ranks, do they span nodes, replicas across nodes) of the dense and the MoE meshes
     if hybrid:
         dense_mesh = (s, False, G // s)
@@ -155,14 +165,18 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
     def unit(what: str, p: float, mesh: tuple) -> None:
         """One FSDP2 unit of p parameters: bf16 all-gathers in forward and backward (every
         micro-batch), the gradient reduce-scatter (every micro-batch under HSDP, whose no-sync
-        micro-batches skip only the all-reduce; the last one only under full sharding), and under
-        HSDP the all-reduce of the shard across the replicas (the last micro-batch)."""
+        micro-batches skip only the all-reduce, and under bf16 reduction; else the last one only),
+        and under HSDP the all-reduce of the shard across the replicas (the last micro-batch)."""
         n, spans, R = mesh
         if n > 1:
             ln = "nic" if spans else "nvlink"
-            for when, nbytes in (("fwd", BF16 * p), ("bwd", BF16 * p), ("bwd" if hybrid else "step", RED * p)):
+            for when, nbytes in (("fwd", BF16 * p), ("bwd", BF16 * p), ("bwd" if rs_every else "step", RED * p)):
                 units.append(Unit(what, when, ln, nbytes * (n - 1) / n, ring_ag_rs_s(nbytes, n, bw[ln], hop[ln])))
+            if not rs_every:
+                kept["all"] += p
         if R > 1:
+            kept["partial"] += p / n
+            kept["all"] += p / n
             shard = RED * p / n
             units.append(Unit(f"{what} all-reduce across nodes", "step", "nic", 2 * shard * (R - 1) / R,
                               all_reduce_s(shard, R, bw["nic"], hop["nic"])))
@@ -186,7 +200,8 @@ def plan_layout(sharding: str, G: int, ep: int, domain: int, params: dict, bw: d
         "dense_shard": dense_mesh[0], "expert_shard": n_moe, "dense_replicas": dense_mesh[2],
         "expert_replicas": moe_mesh[2], "local_dense": 0.0 if G > 1 else dense_p,
         "local_moe": 0.0 if edp > 1 else Lm * moe_layer, "held_experts": params["experts"] / ep / n_moe,
-        "reduce_scatter_every_micro_batch": hybrid})
+        "reduce_scatter_every_micro_batch": rs_every, "partial_sum_params": kept["partial"], "accumulation_params": kept["all"],
+        "reduce_dtype": reduce_dtype})
 
 
 def exposed_comm_s(plan: LayoutPlan, grad_accum: int, fwd_s: float, bwd_s: float, busy_fwd: dict,

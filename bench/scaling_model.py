@@ -68,7 +68,10 @@ Assumptions (numbers in the JSON's ``assumptions``):
   A5 routing is balanced: i.i.d. router logits, equal rows per rank (``imbalance`` scales the experts);
   A6 the exchange and the layout's collectives share each link (``scaling_layouts``' overlap rule);
      SM time NCCL takes from the GEMMs is not counted;
-  A7 activation memory is not checked (``state_gb`` counts weights, gradients and AdamW state only);
+  A7 activation memory scales with tokens x the blocks' activation width (``activation_width``:
+     D + K·F + the shared experts' F per MoE block, D + F per dense block), at the bytes per token and
+     width element of the measured peak of ``profile.memory`` less its counted state (``state_gb``:
+     weights, gradients, AdamW state); exchange buffers and allocator slack are inside that rate;
   A8 the exchange's per-op fixed costs measured at W=2 hold at any W; its per-byte rates at any D.
 """
 
@@ -81,7 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from scaling_layouts import SHARDINGS, exposed_comm_s, node_size, plan_layout
+from scaling_layouts import REDUCE_BYTES, SHARDINGS, exposed_comm_s, node_size, plan_layout
 from scaling_traffic import TRAFFIC, Legs, Routing, exchange_rows, hit_probabilities, ranks_per_node
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +92,8 @@ DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "scaling_calibration.jso
 
 __all__ = ["Hardware", "HARDWARE", "PRESETS", "EXCHANGES", "RECIPE_HARDWARE", "HARNESS_PHASES", "CATEGORIES",
            "Calibration", "load_calibration", "group_phases", "load_recipe", "Workload", "workload", "Scenario",
-           "Projection", "project", "row_op_fit", "GPU_COUNTS", "LINK_EFFICIENCY_OUT_MAX", "TRAFFIC", "SHARDINGS"]
+           "Projection", "project", "row_op_fit", "GPU_COUNTS", "LINK_EFFICIENCY_OUT_MAX", "TRAFFIC", "SHARDINGS",
+           "REDUCE_BYTES", "activation_width", "memory_point_state_gb"]
 
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 LINK_EFFICIENCY_OUT_MAX = 0.8    # DeepEP and UCCL-EP's reported RDMA throughput / NIC line rate
@@ -283,6 +287,8 @@ def load_calibration(path=DEFAULT_CALIBRATION) -> Calibration:
             raise ValueError(f"{where}: measurements[{i}].tokens_per_s_per_gpu must be a positive number")
         if "phases_ms" in m:
             group_phases(m["phases_ms"], f"{where}: measurements[{i}].phases_ms")
+        if "peak_mem_gib" in m and not _positive(m["peak_mem_gib"]):
+            raise ValueError(f"{where}: measurements[{i}].peak_mem_gib must be a positive number")
     p = d["profile"]
     for k in ("recipe", "overrides", "fused", "separate", "status", "source"):
         if k not in p:
@@ -300,6 +306,10 @@ def load_calibration(path=DEFAULT_CALIBRATION) -> Calibration:
         missing = [c for c in cats if got[c] <= 0]
         if missing:
             raise ValueError(f"{where}: profile.{role}={p[role]!r} has no time in phases {missing}")
+    mem = by_id.get(p.get("memory"))
+    if mem is None or "peak_mem_gib" not in mem:
+        raise ValueError(f"{where}: profile.memory={p.get('memory')!r} must name a measurement with peak_mem_gib "
+                         "(the activation bytes per token come from its peak)")
     x = d["exchange_profile"]
     for k in ("world", "tokens", "dim", "experts", "top_k", "kernels_us", "status", "source"):
         if k not in x:
@@ -414,6 +424,15 @@ class Workload:
     root_params: int             # embedding + head + final norm
 
 
+def activation_width(cfg) -> int:
+    """The width a token's activations scale with, summed over blocks (A7; ``_Rates.act_bytes`` is
+    the measured bytes per token and unit of it): D + K·F + F_shared for an MoE block (residual
+    stream, routed and shared expert intermediates), D + F for a dense block."""
+    m, moe = cfg.model, cfg.model.moe
+    moe_w = m.dim + moe.top_k * moe.moe_inter_dim + moe.shared_dim
+    return (m.n_layers - m.n_dense_layers) * moe_w + m.n_dense_layers * (m.dim + m.dense_inter_dim)
+
+
 def workload(cfg) -> Workload:
     from train.metrics import flops_per_token, param_counts
     m, moe = cfg.model, cfg.model.moe
@@ -449,8 +468,9 @@ class Scenario:
     "auto"). node_limit: M -- node-limited routing with groups = the EP group's nodes, a token
     using at most M of them (None: the recipe's own routing). sharding: ``SHARDINGS`` (None: the
     recipe's ``parallel.sharding``, else "full"). grad_accum: micro-batches per optimizer step (None: the recipe's, else 1).
-    nic_scale: NIC line rate x this (what-if rows; 1 = the datasheet). reduce_dtype: "fp32" (FSDP2's
-    policy in ``train/parallelize.py``) or "bf16" gradient reduce-scatters and all-reduces.
+    nic_scale: NIC line rate x this (what-if rows; 1 = the datasheet). reduce_dtype: the dtype of the
+    gradient reduce-scatters and all-reduces, "float32" | "bfloat16" (None: the recipe's
+    ``parallel.reduce_dtype``, else "float32"; ``train/parallelize.py``).
     """
 
     hardware: str
@@ -464,7 +484,7 @@ class Scenario:
     sharding: Optional[str] = None
     grad_accum: Optional[int] = None
     nic_scale: float = 1.0
-    reduce_dtype: str = "fp32"
+    reduce_dtype: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -473,7 +493,8 @@ class Projection:
     sends per optimizer step for the token exchange, both legs (GB). legs_gb: per op ("dispatch",
     "combine", "dispatch_bwd", "combine_bwd") and for "grad_sync", {"nvlink": GB, "nic": GB} sent per
     optimizer step. state_gb: fp32 weights + gradients + AdamW moments this GPU holds (+ persistent
-    bf16 copies), activations excluded."""
+    bf16 copies, + the fp32 accumulators kept between micro-batches when grad_accum > 1).
+    activation_gb: the activations of one micro-batch (A7, an estimate)."""
 
     scenario: Scenario
     phases_ms: dict
@@ -484,6 +505,7 @@ class Projection:
     legs_gb: dict = field(default_factory=dict)
     state_gb: float = 0.0
     detail: dict = field(default_factory=dict)
+    activation_gb: float = 0.0
 
     @property
     def bottleneck(self) -> str:
@@ -515,6 +537,7 @@ class _Rates:
     bwd_share_experts: float      # and of the (fused) expert phase
     row_fixed_s: tuple            # row-form (dispatch, combine) fixed cost per op
     row_eff_up: tuple             # row-form (dispatch, combine) payload rate / datasheet scale-up bandwidth
+    act_bytes: float              # activation bytes per token and activation-width element (A7)
 
 
 def _next_pow2(n: int) -> int:
@@ -592,7 +615,40 @@ def _rates(cal: Calibration) -> _Rates:
         layout_s_per_row=k["cumsum"] * 1e-6 / _route_rows(Tx, Ex, Kx),
         bwd_share_attn=share("attention"), bwd_share_experts=share("experts"),
         row_fixed_s=(rf["dispatch"][0], rf["combine"][0]),
-        row_eff_up=(rf["dispatch"][1] / up_w, rf["combine"][1] / up_w))
+        row_eff_up=(rf["dispatch"][1] / up_w, rf["combine"][1] / up_w),
+        act_bytes=_activation_bytes(cal))
+
+
+def _layout_params(w: Workload, cfg) -> dict:
+    """``plan_layout``'s parameter counts of a workload."""
+    return {"dense_units": [w.block_params] * cfg.model.n_layers + [w.root_params], "moe_layers": w.moe_layers,
+            "experts": w.params_expert, "replicated": w.params_rep}
+
+
+def _state_bytes(plan) -> float:
+    """fp32 master + gradient + AdamW moments of the held shard, + the persistent bf16 copies of the
+    parameters kept outside FSDP2."""
+    return 16 * plan.held_params + 2 * (plan.detail["local_dense"] + plan.detail["local_moe"])
+
+
+def memory_point_state_gb(m: dict) -> tuple:
+    """(state GB, tokens, activation width) of measured point ``m`` at the layout it ran with."""
+    cfg = load_recipe(m["recipe"], m["overrides"])
+    w, ep = workload(cfg), cfg.parallel.ep
+    G = int(m["gpus"])
+    plan = plan_layout(m.get("sharding", "full"), G, ep, HARDWARE[m["hardware"]].domain, _layout_params(w, cfg),
+                       {"nvlink": 1.0, "nic": 1.0}, {"nvlink": 0.0, "nic": 0.0})
+    return _state_bytes(plan) / 1e9, w.tokens, activation_width(cfg)
+
+
+def _activation_bytes(cal: Calibration) -> float:
+    m = cal.measurement(cal.profile["memory"])
+    state_gb, T, width = memory_point_state_gb(m)
+    act = m["peak_mem_gib"] * 2 ** 30 - state_gb * 1e9
+    if act <= 0:
+        raise ValueError(f"profile.memory={m['id']!r}: peak {m['peak_mem_gib']} GiB is not above its counted state "
+                         f"({state_gb:.1f} GB)")
+    return act / (T * width)
 
 
 def _recipe_default(cfg, section: str, name: str, default):
@@ -641,6 +697,9 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
         raise ValueError(f"grad_accum={A!r} must be a positive integer")
     if not isinstance(sc.nic_scale, (int, float)) or not sc.nic_scale > 0:
         raise ValueError(f"nic_scale={sc.nic_scale!r} must be a positive number")
+    rdt = sc.reduce_dtype or _recipe_default(cfg, "parallel", "reduce_dtype", "float32")
+    if rdt not in REDUCE_BYTES:
+        raise ValueError(f"reduce_dtype={rdt!r} must be one of {tuple(REDUCE_BYTES)}")
     hw, r, w = HARDWARE[sc.hardware], _rates(cal), workload(cfg)
     hw = dataclasses.replace(hw, out_gb_s=hw.out_gb_s * sc.nic_scale)
     if w.num_experts % sc.ep:
@@ -672,9 +731,7 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     # --- who holds what, and the collectives that move it (scaling_layouts)
     bw = {"nvlink": r.link_efficiency_up * hw.up_bandwidth(s - 1), "nic": eff_out * hw.out_gb_s * 1e9}
     hop = {"nvlink": hw.up_latency_us * 1e-6, "nic": hw.out_latency_us * 1e-6}
-    plan = plan_layout(sharding, G, ep, hw.domain, {
-        "dense_units": [w.block_params] * cfg.model.n_layers + [w.root_params], "moe_layers": Lm,
-        "experts": w.params_expert, "replicated": w.params_rep}, bw, hop, sc.reduce_dtype)
+    plan = plan_layout(sharding, G, ep, hw.domain, _layout_params(w, cfg), bw, hop, rdt)
     cast = cal.value("local_cast_bytes_per_param") / copy
 
     # --- compute of one micro-batch
@@ -727,6 +784,8 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     rs_runs = A if plan.detail["reduce_scatter_every_micro_batch"] else 1
     ph["FSDP copies"] = plan.fsdp_params * (A * cal.value("fsdp_copy_bytes_per_param")
                                             + rs_runs * cal.value("fsdp_chunk_cat_bytes_per_param")) / copy
+    if REDUCE_BYTES[rdt] < 4:   # keep_accumulation_fp32: bf16 partial sums read, fp32 written, but the last
+        ph["FSDP copies"] += (A - 1) * plan.detail["partial_sum_params"] * 6 / copy
 
     step = sum(ph.values())
     tps = A * T / step
@@ -734,7 +793,7 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
     op_gb = {"nvlink": on * A * Lm * T * legs.nvlink * row / 1e9, "nic": on * A * Lm * T * legs.nic * row / 1e9}
     legs_gb = {op: dict(op_gb) for op in ("dispatch", "combine", "dispatch_bwd", "combine_bwd")}
     legs_gb["grad_sync"] = {ln: plan.bytes_per_step(ln, A) / 1e9 for ln in ("nvlink", "nic")}
-    state = (16 * plan.held_params + 2 * (local_dense + local_moe)) / 1e9
+    state = (_state_bytes(plan) + (4 * plan.detail["accumulation_params"] if A > 1 else 0.0)) / 1e9
     detail = {"exchange_link_ms": 4 * on * A * Lm * (link[0] + link[1]) / 2 * 1e3,
               "exchange_link_hidden_ms": A * Lm * hidden * 1e3,
               "rows_per_token_nvlink": legs.nvlink, "rows_per_token_nic": legs.nic, "nodes_hit": legs.nodes_hit,
@@ -742,4 +801,5 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
               "traffic": kind, "overlap": overlap, "sharding": sharding, "grad_accum": A, "node": s,
               "ep_nodes": n, "routing": routing, "tokens_per_step": A * T} | plan.detail
     return Projection(sc, {k: v * 1e3 for k, v in ph.items()}, step * 1e3, tps, tps * w.flops_per_token / peak,
-                      4 * (op_gb["nvlink"] + op_gb["nic"]), legs_gb, state, detail)
+                      4 * (op_gb["nvlink"] + op_gb["nic"]), legs_gb, state, detail,
+                      r.act_bytes * T * activation_width(cfg) / 1e9)

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 import symm_interpreted_cases as cases  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.comm.symm_buffers import SymmBuffers  # noqa: E402
+from tlx_dist.comm.symm.buffers import SymmBuffers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")

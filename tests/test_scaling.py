@@ -267,8 +267,30 @@ def test_hybrid_amortizes_over_grad_accum_and_full_does_not():
     assert math.isclose(h8.detail["held_experts"], 8e8 / 8) and math.isclose(h64.detail["held_experts"], 8e8 / 64)
     h2 = sl.plan_layout("hybrid", 256, 2, 8, _PARAMS, _BW, _HOP)
     assert h2.detail["expert_shard"] == 4 and math.isclose(h2.detail["held_experts"], 8e8 / 8)
-    bf = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bf16")
+    bf = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bfloat16")
     assert math.isclose(bf.bytes_per_step("nic", 1), h8.bytes_per_step("nic", 1) / 2)
+
+
+def test_bf16_reduction_keeps_fp32_sums_as_train_does():
+    # train/parallelize.set_gradient_sync: under bf16 reduction a fully sharded unit reduce-scatters
+    # every micro-batch (its sum over micro-batches is the fp32 sharded gradient); under fp32 only
+    # the last. HSDP reduce-scatters every micro-batch either way, and keeps a partial sum of its
+    # shard between micro-batches (the elements keep_accumulation_fp32 casts under bf16).
+    for G in (8, 256):
+        f32 = sl.plan_layout("full", G, 8, 8, _PARAMS, _BW, _HOP)
+        f16 = sl.plan_layout("full", G, 8, 8, _PARAMS, _BW, _HOP, "bfloat16")
+        assert {u.when for u in f32.units if u.nbytes and u.what != "router/shared all-reduce over ep"} == {"fwd", "bwd", "step"}
+        assert "step" not in {u.when for u in f16.units}
+        assert sum(u.when == "bwd" for u in f16.units) == 2 * sum(u.when == "bwd" for u in f32.units)
+        assert f32.detail["accumulation_params"] > 0 and f16.detail["accumulation_params"] == 0.0
+        assert f16.detail["partial_sum_params"] == f32.detail["partial_sum_params"] == 0.0
+        # per step, 4 bf16 reduce-scatters carry twice the bytes of one fp32 one; the gathers are the same
+        rs32 = sum(u.nbytes for u in f32.units if u.when == "step")
+        rs16 = sum(u.nbytes for u in f16.units if u.when == "bwd") - sum(u.nbytes for u in f32.units if u.when == "bwd")
+        assert math.isclose(4 * rs16, 2 * rs32, rel_tol=1e-12)
+    h = sl.plan_layout("hybrid", 256, 8, 8, _PARAMS, _BW, _HOP, "bfloat16")
+    assert math.isclose(h.detail["partial_sum_params"], h.held_params - h.detail["local_dense"] - h.detail["local_moe"])
+    assert h.detail["accumulation_params"] == h.detail["partial_sum_params"]
 
 
 def test_exposed_rule():
@@ -288,6 +310,70 @@ def test_exposed_rule():
     e4 = sl.exposed_comm_s(plan, 4, 0.1, 0.2, idle, idle)
     assert math.isclose(e4["fwd"], 4 * (0.5 - 0.1 + 0.3)) and math.isclose(e4["bwd"], 3 * (0.5 - 0.2 + 0.5))
     assert math.isclose(e4["last_bwd"], 1.5 - 0.2 + 1.0)
+
+
+def test_reduce_dtype_comes_from_the_recipe(cal):
+    # Scenario.reduce_dtype=None is the recipe's parallel.reduce_dtype; b200_16x8 sets bfloat16
+    b16 = sm.load_recipe("b200_16x8")
+    b32 = sm.load_recipe("b200_16x8", ["parallel.reduce_dtype=float32"])
+    assert b16.parallel.reduce_dtype == "bfloat16"
+    for G in (64, 1024):
+        a = sm.project(b16, sm.Scenario("B200", G, 8, "fused"), cal)
+        b = sm.project(b32, sm.Scenario("B200", G, 8, "fused", reduce_dtype="bfloat16"), cal)
+        c = sm.project(b32, sm.Scenario("B200", G, 8, "fused"), cal)
+        assert a.step_ms == b.step_ms and a.legs_gb == b.legs_gb and a.detail["reduce_dtype"] == "bfloat16"
+        assert c.detail["reduce_dtype"] == "float32"
+        # HSDP, one micro-batch: every gradient byte on the NICs halves, and the step is no longer
+        assert math.isclose(a.legs_gb["grad_sync"]["nic"], c.legs_gb["grad_sync"]["nic"] / 2, rel_tol=1e-12)
+        assert a.step_ms <= c.step_ms
+    with pytest.raises(ValueError, match="reduce_dtype='bf16' must be one of"):
+        sm.project(b16, sm.Scenario("B200", 8, 8, reduce_dtype="bf16"), cal)
+
+
+def test_targets_project_the_recipe_files(cal):
+    # A target's parameters are its recipe's, never overridden: the chosen series runs with the
+    # file's EP, sharding, micro-batches, reduce dtype and tokens per GPU, and every recipe is a
+    # multi-node one (hybrid sharding).
+    for t in rep.TARGETS:
+        cfg = sm.load_recipe(t.recipe)
+        assert cfg.parallel.sharding == "hybrid", t.recipe
+        p = rep.target_series(t, cal, gpus=(1024,))["chosen"][0]
+        assert (p.scenario.sharding, p.scenario.grad_accum, p.scenario.reduce_dtype, p.scenario.node_limit) == (None,) * 4
+        d = p.detail
+        assert (p.scenario.ep, d["sharding"], d["grad_accum"], d["reduce_dtype"]) == (
+            cfg.parallel.ep, cfg.parallel.sharding, cfg.train.grad_accum, cfg.parallel.reduce_dtype), t.recipe
+        assert d["tokens_per_step"] == cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum
+        assert rep.recipe_params(cfg)["tokens"] == cfg.data.batch_size * cfg.data.seq_len
+
+
+def test_memory_estimate(cal, tmp_path):
+    # A7: the profile.memory point reproduces by construction; the other measured peaks are
+    # predicted within 15% (the estimate counts the state exactly and scales one measured
+    # activation rate); activations grow linearly with the tokens of a micro-batch, not with grad_accum
+    rows = sc.check_memory(cal)
+    assert {r["use"] for r in rows} == {"calibration", "check"} and len(rows) >= 3
+    for r in rows:
+        assert abs(r["error"]) < (1e-9 if r["use"] == "calibration" else 0.15), r
+    base = sm.load_recipe("b200_16x8")
+    a = sm.project(base, sm.Scenario("B200", 64, 8, "fused"), cal)
+    b = sm.project(sm.load_recipe("b200_16x8", [f"data.batch_size={2 * base.data.batch_size}"]),
+                   sm.Scenario("B200", 64, 8, "fused"), cal)
+    c = sm.project(base, sm.Scenario("B200", 64, 8, "fused", grad_accum=4), cal)
+    assert math.isclose(b.activation_gb, 2 * a.activation_gb) and a.activation_gb > 0
+    assert c.activation_gb == a.activation_gb and b.state_gb == a.state_gb
+    # grad_accum > 1 under HSDP keeps an fp32 partial sum of the held shard between micro-batches
+    assert c.state_gb > a.state_gb
+    # a check point's peak feeds nothing; the memory point's moves the estimate
+    d = _cal_json()
+    for m in d["measurements"]:
+        if "peak_mem_gib" in m and m["id"] != d["profile"]["memory"]:
+            m["peak_mem_gib"] *= 2
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    assert sm.project(base, sm.Scenario("B200", 64, 8, "fused"), sm.load_calibration(path)).activation_gb == a.activation_gb
+    next(m for m in d["measurements"] if m["id"] == d["profile"]["memory"])["peak_mem_gib"] *= 1.1
+    path.write_text(json.dumps(d))
+    assert sm.project(base, sm.Scenario("B200", 64, 8, "fused"), sm.load_calibration(path)).activation_gb > a.activation_gb
 
 
 def test_layout_bad_input():
@@ -552,7 +638,12 @@ def test_projection_bad_input(cal, tmp_path):
                         (lambda d: d["measurements"][1].update(preset="turbo"), r"measurements\[1\].preset='turbo'"),
                         (lambda d: d["measurements"][2].update(use="maybe"), r"measurements\[2\].use='maybe'"),
                         (lambda d: d["measurements"][3].update(id=d["measurements"][2]["id"]), "is not unique"),
-                        (lambda d: d["measurements"][2]["phases_ms"].update(bogus=1.0), "phase 'bogus'")]:
+                        (lambda d: d["measurements"][2]["phases_ms"].update(bogus=1.0), "phase 'bogus'"),
+                        (lambda d: d["profile"].pop("memory"), "profile.memory=None must name a measurement"),
+                        (lambda d: d["profile"].update(memory="h200x1_fast"), "profile.memory='h200x1_fast' must name"),
+                        (lambda d: use_of(d, d["profile"]["memory"]).update(peak_mem_gib=-1), "peak_mem_gib must be"),
+                        (lambda d: use_of(d, d["profile"]["memory"]).update(peak_mem_gib=1.0),
+                         "is not above its counted state")]:
         d = json.loads(json.dumps(good))
         mutate(d)
         path = tmp_path / "cal.json"

@@ -15,8 +15,8 @@ _SKIP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                            reason="already interpreted: pytest collects the case files directly")
 
 
-# one child per case file, each under its own time limit (the four in one child took 664 s on a slow
-# two-core machine in session 18, past the 540 s limit; ~3 min on the usual one)
+# one child per case file, each under its own time limit (the four in one child could run past a
+# single child's limit on a slow two-core machine)
 @_SKIP
 def test_symm_dispatch_interpreted_suite():
     run_interpreted_suite("symm_interpreted_cases.py")

@@ -7,7 +7,9 @@ one process per GPU:
 
 Same check as the gloo tier (tests/test_train_layouts.py): one step's gradients, gathered to global
 tensors, against the single-process fp32 / fp64 model on the CPU, within twice the fp32 model's
-own error (fp32 training on the GPUs: no bf16 rounding to allow for).
+own error (fp32 training on the GPUs: no bf16 rounding to allow for). And ``parallel.reduce_dtype =
+"bfloat16"`` over NCCL (tests/test_train_reduce_dtype.py's bound against the fp32-reduced step; at
+``grad_accum=2`` the HSDP partial sums are cast to fp32 on FSDP2's reduce-scatter stream).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import os
 import pytest
 import torch
 
-from _train import GLOBAL_BATCH, assert_grads_match, reference_grads, step_grads
+from _train import (GLOBAL_BATCH, assert_bf16_reduction_bound, assert_grads_match, reference_grads,
+                    sequence_grad_magnitudes, step_grads)
 
 pytestmark = [
     pytest.mark.multigpu,
@@ -60,3 +63,18 @@ def test_layout_grads_on_gpus(group, reference, layout, accum):
     res = step_grads(LAYOUTS[layout] + ["parallel.ranks_per_node=1"], W, accum, "cuda")
     assert res["samples"] == GLOBAL_BATCH
     assert_grads_match(res, reference, f"{layout} grad_accum={accum} on {W} GPUs")
+
+
+@pytest.mark.parametrize("layout", ["hybrid_ep1", "full_ep2"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bf16_reduction_on_gpus(group, layout, accum):
+    import torch.distributed as dist
+
+    W = dist.get_world_size()
+    if GLOBAL_BATCH % (W * accum):
+        pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split over {W} ranks x {accum}")
+    base = LAYOUTS[layout] + ["parallel.ranks_per_node=1"]
+    ref = step_grads(base, W, accum, "cuda")
+    got = step_grads(base + ["parallel.reduce_dtype=bfloat16"], W, accum, "cuda")
+    assert_bf16_reduction_bound(got["grads"], ref["grads"], sequence_grad_magnitudes(), W * accum,
+                                f"{layout} grad_accum={accum} on {W} GPUs")

@@ -37,7 +37,7 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
         scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         select = scores.detach() + (expert_bias_E.to(scores.dtype) if cfg.load_balance_bias and expert_bias_E is not None else 0)
         if cfg.group_limited:
-            allowed = torch.tensor(_best_group_experts(select, cfg.n_group, cfg.topk_group))
+            allowed = torch.tensor(_best_group_experts(select, cfg.n_group, cfg.topk_group), device=select.device)
             chosen = allowed[torch.topk(select[allowed], K).indices].tolist()
         else:
             chosen = torch.topk(select, K).indices.tolist()

@@ -37,6 +37,14 @@ fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction. 
 not cast (``cast_forward_inputs=False``): the residual stream is bf16 already, and the RoPE tables
 stay fp32 (FSDP2 would round them to bf16 at every block).
 
+``parallel.reduce_dtype = "bfloat16"``: only the gradient *communication* is bf16 -- FSDP2's
+``reduce_dtype`` (its reduce-scatters and the HSDP all-reduce across nodes) and ``finish_grads``'
+all-reduce over ep. What the ranks hold stays fp32: the sharded gradients (FSDP2 casts each
+reduction's result to the fp32 parameter dtype), the masters, the optimizer state, and the sums over
+``train.grad_accum`` micro-batches (below). Each element then carries the bf16 rounding of the
+operands sent and of every add in the reduction: at most (contributions + 4) * 2^-8 of the
+sum of the contributions' magnitudes (tests/test_train_reduce_dtype.py).
+
 Wrapping and overlap: every block is its own FSDP2 unit and its MoE layer a unit inside it, so each
 unit's reduce-scatter (and HSDP all-reduce) is issued as soon as that unit's backward is done and
 runs on FSDP2's communication streams while earlier blocks compute their backward. Prefetching is
@@ -50,7 +58,11 @@ Gradient accumulation (``train.grad_accum``): ``set_gradient_sync(model, pd, Fal
 micro-batch but the last. An HSDP unit keeps reduce-scattering inside the node (sharded gradients,
 no unsharded copy kept) and skips the all-reduce across nodes; a fully sharded unit skips the
 reduce-scatter and accumulates its unsharded gradient (in the fp32 reduce dtype) until the last
-micro-batch. ``finish_grads`` runs once per optimizer step.
+micro-batch. ``finish_grads`` runs once per optimizer step. With bf16 reduction FSDP2 would
+accumulate in bf16 (its accumulators take the reduce dtype), so instead: a fully sharded unit
+reduce-scatters every micro-batch (in bf16) into its fp32 sharded gradient, and an HSDP unit's
+partial sum of the in-node reduce-scatters is cast to fp32 after each micro-batch
+(``keep_accumulation_fp32``), rounded to bf16 once, for the all-reduce of the last one.
 
 Per step, after backward: ``finish_grads`` (EP reductions), ``clip_grad_norm_`` (fp32 per-tensor
 norms with ``_foreach_norm``, one all-reduce; with the fused AdamW the clip factor is handed to
@@ -77,7 +89,10 @@ from .model import Transformer
 
 __all__ = ["ParallelDims", "build_mesh", "build_model", "make_train_dispatcher", "check_exchange", "finish_grads",
            "clip_grad_norm_", "build_optimizer", "param_role", "OPTIMIZER_ROLES", "set_gradient_sync", "local_tensor",
-           "expert_param_names", "update_router_biases"]
+           "expert_param_names", "update_router_biases", "REDUCE_DTYPES", "keep_accumulation_fp32"]
+
+# parallel.reduce_dtype -> the dtype gradients are communicated in
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -118,9 +133,15 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
         return kind
     if device.type != "cuda":
         raise UsageError("parallel.dispatcher='symm' needs CUDA GPUs (use 'all_to_all' or 'auto' on CPU)")
+    import dataclasses
+
     from tlx_dist.comm import SymmDispatcher
-    # The exchange's bounded waits use the run's collective timeout: a rank may reach the first
-    # dispatch long after another (first-step compilation), which is no failure.
+    # The exchange's bounded waits use the run's collective timeout (unless parallel.exchange.timeout_s
+    # sets one): a rank may reach the first dispatch long after another (first-step compilation),
+    # which is no failure.
+    exchange = p.exchange
+    if exchange.timeout_s is None:
+        exchange = dataclasses.replace(exchange, timeout_s=cfg.train.comm_timeout_s)
     # per-layer receive regions only where a fused EP layer claims one (MoELayer: pipeline "fused",
     # or "auto" with narrow experts, F <= 2D), not for separate ops
     from tlx_dist.moe import _narrow_experts
@@ -128,10 +149,9 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and _narrow_experts(m.moe))
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
-                          max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
+                          max_tokens=cfg.data.batch_size * cfg.data.seq_len,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
-                          overlap=p.ep_overlap, bulk_send=p.exchange_bulk,
-                          copy_engine={"auto": "auto", "on": True, "off": False}[p.exchange_copy_engine])
+                          config=exchange)
 
 
 def check_exchange(model: Transformer) -> None:
@@ -163,8 +183,14 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
     # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the
     # backward hook. Block adds it out of place (h + ffn(h)), so the warning does not apply here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoELayer\) returned a view")
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-          if bf16 else MixedPrecisionPolicy())
+    rd = REDUCE_DTYPES[cfg.parallel.reduce_dtype]
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=rd, cast_forward_inputs=False)
+    elif rd != torch.float32:   # fp32 compute, bf16 on the links
+        mp = MixedPrecisionPolicy(reduce_dtype=rd, cast_forward_inputs=False)
+    else:
+        mp = MixedPrecisionPolicy()
+    model._grad_reduce_dtype = rd
     local: list[nn.Parameter] = []   # parameters outside FSDP (their mesh has one rank)
     if pd.world == 1:
         local = list(model.parameters())
@@ -183,6 +209,8 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
             pairs.append((block, moe_unit))
         fully_shard(model, mesh=pd.dense, mp_policy=mp)
         _set_prefetch(model, pairs)
+        if rd != torch.float32 and cfg.train.grad_accum > 1:
+            _partial_reductions(model)   # fails here, not mid-step, if this FSDP2 keeps them elsewhere
     model._local_mp = LocalMixedPrecision(model, local, torch.bfloat16) if bf16 and local else None
     return model
 
@@ -204,15 +232,58 @@ def set_gradient_sync(model: Transformer, pd: ParallelDims, enabled: bool) -> No
     """Whether the next backward reduces the gradients across ranks (off for every micro-batch of
     ``train.grad_accum`` but the last; module docstring). An HSDP unit (2-D mesh) keeps its
     reduce-scatter inside the node and toggles only the all-reduce across nodes; a 1-D unit toggles
-    its reduce-scatter. Parameters outside FSDP2 accumulate locally either way, and ``finish_grads``
-    (the EP reductions) is called once per step by the caller."""
+    its reduce-scatter, except under bf16 reduction, where it reduce-scatters every micro-batch
+    (FSDP2 would accumulate the unsharded gradient in bf16). Parameters outside FSDP2 accumulate
+    locally either way, and ``finish_grads`` (the EP reductions) is called once per step by the
+    caller."""
+    every_micro_batch = getattr(model, "_grad_reduce_dtype", torch.float32) != torch.float32
     for m in model.modules():
         if isinstance(m, FSDPModule):
             hsdp = (pd.experts if hasattr(m, "expert_range") else pd.dense).ndim == 2
             if hsdp:
                 m.set_requires_all_reduce(enabled, recurse=False)
             else:
-                m.set_requires_gradient_sync(enabled, recurse=False)
+                m.set_requires_gradient_sync(enabled or every_micro_batch, recurse=False)
+
+
+def _partial_reductions(model: Transformer) -> list:
+    """FSDP2's parameter group of every unit. Each holds ``_partial_reduce_output``: an HSDP unit's
+    sum of the reduce-scattered gradient shards of the micro-batches whose all-reduce was skipped,
+    in the reduce dtype, on its reduce-scatter stream (``comm_ctx.reduce_scatter_stream``). Private
+    FSDP2 state: a torch without it is an error naming the key that needs it."""
+    groups = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            pg = m._get_fsdp_state()._fsdp_param_group
+            if pg is None:
+                continue
+            if not (hasattr(pg, "_partial_reduce_output") and hasattr(pg, "comm_ctx")):
+                raise UsageError(f"parallel.reduce_dtype='bfloat16' with train.grad_accum > 1 keeps the sums over "
+                                 f"micro-batches in fp32 through FSDP2's _partial_reduce_output, which torch "
+                                 f"{torch.__version__} does not have; use train.grad_accum = 1 or reduce_dtype 'float32'")
+            groups.append(pg)
+    return groups
+
+
+@torch.no_grad()
+def keep_accumulation_fp32(model: Transformer) -> None:
+    """After the backward of a micro-batch that skipped the cross-node all-reduce: cast each HSDP
+    unit's partial sum of reduce-scattered gradient shards to fp32, so that the next micro-batches
+    add into an fp32 sum (FSDP2 keeps it in the reduce dtype, bf16 under ``parallel.reduce_dtype =
+    "bfloat16"``); the last micro-batch adds its own shard to it and rounds the sum to bf16 once, for
+    the all-reduce. No-op under fp32 reduction. The cast runs on the reduce-scatter stream that
+    produced the sum and reads it next, so the allocator's stream ordering covers both; no host sync."""
+    if getattr(model, "_grad_reduce_dtype", torch.float32) == torch.float32:
+        return
+    for pg in _partial_reductions(model):
+        part = pg._partial_reduce_output
+        if part is None or part.dtype == torch.float32:
+            continue
+        if part.is_cuda:
+            with torch.cuda.stream(pg.comm_ctx.reduce_scatter_stream):
+                pg._partial_reduce_output = part.float()
+        else:
+            pg._partial_reduce_output = part.float()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -243,7 +314,13 @@ def finish_grads(model: Transformer, pd: ParallelDims) -> None:
     grads = [local_tensor(p.grad) for p in rep if p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=pd.ep_group)
+        rd = getattr(model, "_grad_reduce_dtype", flat.dtype)
+        if rd == flat.dtype:
+            dist.all_reduce(flat, group=pd.ep_group)
+        else:   # bf16 on the link, the sum divided and kept in fp32
+            wire = flat.to(rd)
+            dist.all_reduce(wire, group=pd.ep_group)
+            flat = wire.to(flat.dtype)
         flat.div_(pd.ep)
         i = 0
         for g in grads:

@@ -36,7 +36,7 @@ from .data import ByteLoader
 from .fault import failure_message, set_comm_timeouts
 from .metrics import MetricLogger, flops_per_token, param_counts, peak_flops, peak_memory_gib
 from .parallelize import (build_mesh, build_model, build_optimizer, check_exchange, clip_grad_norm_, finish_grads,
-                          lr_lambda, set_gradient_sync, update_router_biases)
+                          keep_accumulation_fp32, lr_lambda, set_gradient_sync, update_router_biases)
 from .profiling import annotate_dispatchers, format_profile, step_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -102,7 +102,8 @@ def _resume(cfg: Config, step: int, model, optimizer, scheduler, loader, pd) -> 
 def accumulate_grads(model, pd, loader, grad_accum: int):
     """Forward and backward of ``grad_accum`` micro-batches from ``loader``, each loss scaled by
     ``1 / grad_accum`` (the step's objective is the mean over all of them); cross-rank gradient
-    reduction only in the last backward where the sharding allows (``set_gradient_sync``).
+    reduction only in the last backward where the sharding allows (``set_gradient_sync``), the sums
+    over micro-batches in fp32 whatever ``parallel.reduce_dtype`` (``keep_accumulation_fp32``).
 
     Returns ``(ce, aux, counts_LE)``: the micro-batches' mean cross-entropy and aux loss (fp32
     0-dim, detached, this rank's) and the tokens each MoE layer routed to each expert, summed over
@@ -117,6 +118,8 @@ def accumulate_grads(model, pd, loader, grad_accum: int):
         aux = model.aux_loss()
         loss = ce + aux
         (loss if grad_accum == 1 else loss / grad_accum).backward()
+        if i < grad_accum - 1:
+            keep_accumulation_fp32(model)
         counts = torch.stack([m.last_stats.tokens_per_expert for m in moe_layers]) if moe_layers else None
         if i == 0:
             ce_sum, aux_sum, counts_LE = ce.detach(), aux.detach(), counts
@@ -159,7 +162,8 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(device, bf16)
     log.print(f"world={pd.world} (dp={pd.dp} x ep={pd.ep}) nodes={pd.nodes} sharding={pd.sharding} "
-              f"grad_accum={cfg.train.grad_accum} device={device.type} dtype={'bf16' if bf16 else 'fp32'} "
+              f"grad_accum={cfg.train.grad_accum} reduce_dtype={cfg.parallel.reduce_dtype} device={device.type} "
+              f"dtype={'bf16' if bf16 else 'fp32'} "
               f"params total={pc.total / 1e6:.1f}M active={pc.active / 1e6:.1f}M flops/token={fpt / 1e9:.3f}G "
               f"peak={'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     log.print(f"compile={'on' if cfg.train.compile else 'off'} activation_checkpoint={cfg.train.activation_checkpoint} "

@@ -2,7 +2,7 @@
 
 Each virtual rank has its own slice of one allocation and its own peer table
 (:meth:`SymmBuffers.emulated`). An op is run by advancing every rank's phase generator
-(``symm.py``) one phase at a time, in rank order, on one stream: every kernel a phase waits on was
+(``symm/steps.py``) one phase at a time, in rank order, on one stream: every kernel a phase waits on was
 launched in an earlier phase, so nothing spins on a signal a later launch would raise.
 Not differentiable (autograd would run one rank at a time); the gradient ops are exposed directly.
 """
@@ -15,7 +15,8 @@ import torch
 
 from .symm import (check_capacity, combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                    dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps)
-from .symm_buffers import SymmBuffers
+from .symm.buffers import SymmBuffers
+from .symm.config import ExchangeConfig
 
 __all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
 
@@ -43,17 +44,22 @@ class EmulatedWorld:
     interpreter). Methods take and return per-rank lists. ``capacity``: expanded rows per rank,
     as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync). ``ranks_per_node``
     (interpreter only): nodes of that many ranks, joined by the emulated NVSHMEM route.
-    ``copy_engine=True``: the copy-engine row form (``symm._ce_mode``; copies in line: ``memmove``
-    on CPU, same-device copies on a GPU) for the row form into a region with a static capacity."""
+    ``config``: every virtual rank's :class:`ExchangeConfig`; ``copy_engine=True`` (not with
+    ``config``): the copy-engine row form (``ExchangeConfig(copy_engine="on")``; copies in line:
+    ``memmove`` on CPU, same-device copies on a GPU) for the row form into a region with a static
+    capacity."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None, row_regions: int = 0, copy_engine: bool = False):
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0, copy_engine: bool = False,
+                 config: Optional[ExchangeConfig] = None):
+        if copy_engine:
+            if config is not None:
+                raise TypeError("give copy_engine inside config= (ExchangeConfig(copy_engine='on')), not beside it")
+            config = ExchangeConfig(copy_engine="on")
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
                                             device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node,
-                                            row_regions=row_regions)
-        for b in self.buffers:
-            b.copy_engine = bool(copy_engine)
+                                            row_regions=row_regions, config=config)
         self.world_size = world_size
         self.num_experts = num_experts
         self.capacity = check_capacity(capacity)

@@ -33,6 +33,7 @@ import torch
 
 import tlx
 
+from .arrival import ArrivalPlan
 from .backends import SCHED_BM, sched_order_offset
 from .config import FusedConfig
 from .selection import get_fused_backend, select_fused_backend
@@ -238,7 +239,7 @@ def _check_config(config, b) -> Optional[FusedConfig]:
 
 def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
                        w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-                       *, backend: Optional[str] = None, overlap=None,
+                       *, backend: Optional[str] = None, overlap: Optional[ArrivalPlan] = None,
                        config: Optional[FusedConfig] = None) -> torch.Tensor:
     """The fused experts in row-index form, differentiable in ``x_RD``, ``gate_N``, ``w13``, ``w2``.
 
@@ -257,7 +258,7 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
         num_dst: rows of the output.
         backend: ``"tlx" | "triton" | "reference"`` to pin one; default automatic.
         overlap: the receive plan of an overlapped EP dispatch (``SymmDispatcher(overlap=True)``,
-            :class:`tlx_dist.comm.symm.RowsOverlap`): the peers' rows of ``x_RD`` may still be
+            an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): the peers' rows of ``x_RD`` may still be
             landing. The Hopper TLX and the portable kernels compute this rank's own rows first,
             wait, then the rest, and send the peers' partial rows home (the combine's first
             kernel) while the down GEMM computes the own ones; the output must then go to

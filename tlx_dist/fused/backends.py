@@ -33,6 +33,7 @@ import torch
 
 from tlx import triton_available
 
+from .arrival import ArrivalPlan
 from .config import DEFAULT, FusedConfig
 from .reference import fused_backward_ref, fused_forward_ref
 
@@ -123,12 +124,12 @@ def _sched_parts(sched, offsets_E):
 
 
 def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None,
-                    overlap=None):
+                    overlap: Optional[ArrivalPlan] = None):
     """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``. ``sched``: the
     scheduler tables already computed with the routing (int32: tile_cum ``[E + 1]`` for ``p``'s tile
     height, then from :func:`sched_order_offset` the dW expert order ``[E]``; the TLX primitives
     only), else the prep kernel runs. ``overlap`` (the EP overlap's receive plan,
-    :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; ``PHASED``
+    an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): rows of ``x_RD`` are still arriving; ``PHASED``
     primitives (the TLX and portable kernels, which take VIRT) run :func:`_forward_overlapped`, the
     others wait for every row first (``overlap.wait()``)."""
     if overlap is not None and getattr(p, "PHASED", False):
@@ -151,8 +152,8 @@ def phase_tile_cums(offsets_V, n_rows: int, block_m: int):
     return prep_offsets(offsets_V, n_rows, block_m, phase=0)[1], prep_offsets(offsets_V, n_rows, block_m, phase=1)[1]
 
 
-def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov):
-    """The EP overlap's forward (``ov``: a :class:`tlx_dist.comm.symm.RowsOverlap`): each local
+def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov: ArrivalPlan):
+    """The EP overlap's forward (``ov``: an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): each local
     expert's rows as three runs -- sources before this rank | its own rows | sources after
     (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
       gate/up GEMM, own runs   (the peers' rows are still landing; on the SMs the send leaves free)
