@@ -231,3 +231,58 @@ def test_a_pinned_fp8_config_is_not_dropped():
     layer = MoELayer(make_cfg(dim=32, moe_inter_dim=16), precision="fp8", gemm_config=Fp8GemmConfig(128, 128, 5))
     with pytest.raises(ValueError, match=r"config= pins the TLX FP8 kernel's tile config, but backend 'reference'"):
         layer(torch.randn(4, 32))
+
+
+# --- FP8 dispatch: packed rows (the exchange itself: tests/symm_fp8_interpreted_cases.py) ----------
+
+
+def test_pack_unpack_roundtrip_and_width():
+    from tlx_dist.fp8.dispatch import pack_rows, packed_width, unpack_rows
+    from tlx_dist.fp8.quant import quantize_rows
+
+    x = torch.randn(7, 300).to(torch.bfloat16)
+    r = quantize_rows(x)
+    p = pack_rows(r, torch.bfloat16)
+    assert p.shape == (7, packed_width(300, torch.bfloat16)) and (p.shape[1] * 2) % 16 == 0
+    assert packed_width(4096, torch.bfloat16) == 2112  # 4096 + 128 bytes: 0.52 of the bf16 row
+    u = unpack_rows(p, 300)
+    assert torch.equal(u.q_MC.view(torch.uint8), r.q_MC.view(torch.uint8)) and torch.equal(u.s_MCb, r.s_MCb)
+    assert u.q_MC.stride() == (p.shape[1] * 2, 1)  # a view of the packed rows, read in place
+    with pytest.raises(ValueError, match=r"packed_NP must be \[N, "):
+        unpack_rows(p[:, :-8], 300)
+
+
+@pytest.mark.parametrize("dispatcher", ["local", "all_to_all"])
+def test_fp8_layer_dispatches_packed_rows(dispatcher, monkeypatch):
+    # The FP8 layer sends packed FP8 rows (dispatch_payload), never the bf16 rows, and its gate/up
+    # GEMM reads the received FP8 rows: the same output as the bf16 dispatch's rows quantized where
+    # they arrive (the quantization is per row), and a gradient back to x.
+    from _train import one_rank_group
+    from tlx_dist.comm import Dispatcher
+    from tlx_dist.fp8 import swiglu_experts_fp8
+    from tlx_dist.fp8.dispatch import packed_width
+
+    cfg = make_cfg(dim=256, moe_inter_dim=64, num_experts=4, top_k=2, dtype="bfloat16", init_std=0.05)
+    seen = []
+    real = Dispatcher.dispatch_payload
+
+    def spy(self, payload, idx, gate, x):
+        seen.append(tuple(payload.shape))
+        return real(self, payload, idx, gate, x)
+
+    monkeypatch.setattr(Dispatcher, "dispatch_payload", spy)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    with one_rank_group():
+        torch.manual_seed(0)
+        kw = dict(ep_group=dist.group.WORLD, dispatcher="all_to_all") if dispatcher == "all_to_all" else {}
+        layer = MoELayer(cfg, precision="fp8", **kw)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.float().square().sum().backward()
+        assert seen == [(40, packed_width(256, torch.bfloat16))]
+        assert xi.grad is not None and torch.isfinite(xi.grad).all() and xi.grad.abs().sum() > 0
+        r = layer.router(x)
+        recv, h = layer.dispatcher.dispatch(x, r.idx_TK, r.gate_TK)
+        y = swiglu_experts_fp8(recv, layer.w13, layer.w2, h.offsets_e)
+        want = layer.dispatcher.combine_weighted(y, h, r.gate_TK)
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)

@@ -11,10 +11,12 @@ E global experts, W expert-parallel ranks, e = E/W local experts, K top-k, N rec
     out_TD           = dispatcher.combine_weighted(y_ND, handle, gate_TK)   # sum_k gate * y
                        (+ shared_experts(x_TD))
 
-``precision="fp8"``: the two grouped GEMMs (and their dgrad and wgrad) run in e4m3 with fp32 block
-scales (:func:`tlx_dist.fp8.swiglu_experts_fp8`): each activation quantized in 1 x 128 tiles where
-it enters its GEMM (``recv_ND`` along D, the SwiGLU output ``a_NF`` along F), the weights in
-128 x 128 blocks once per optimizer step (:class:`~tlx_dist.fp8.Fp8WeightCache`).
+``precision="fp8"``: the token rows leave quantized (1 x 128 tiles along D, about half the bytes;
+:func:`tlx_dist.fp8.dispatch.dispatch_fp8`) and the gate/up GEMM reads them as they arrive; the two
+grouped GEMMs (and their dgrad and wgrad) run in e4m3 with fp32 block scales
+(:func:`tlx_dist.fp8.swiglu_experts_fp8`), the SwiGLU output quantized along F where it enters the
+down GEMM, the weights in 128 x 128 blocks once per optimizer step
+(:class:`~tlx_dist.fp8.Fp8WeightCache`); combine stays in the layer dtype with an fp32 k-sum.
 
 Parameters: ``router.weight [E, D]`` (replicated), ``w13 [e, D, 2F]`` and ``w2 [e, F, D]`` (this
 rank's experts ``[rank*e, (rank+1)*e)``), shared experts ``shared_w13 [D, 2*Fs]``, ``shared_w2
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmDispatcher
 from .config import PRECISIONS, MoEConfig
 from .fp8 import Fp8WeightCache, select_fp8_backend, swiglu_experts_fp8
+from .fp8.dispatch import dispatch_fp8
 from .fp8.tlx_gemm import Fp8GemmConfig
 from .fused import FusedConfig, fused_experts, fused_experts_rows, fused_tlx_supports
 from .grouped_gemm import GroupedGemmConfig, grouped_mm
@@ -315,12 +318,15 @@ class MoELayer(nn.Module):
 
     def _separate(self, x_TD: torch.Tensor, route) -> torch.Tensor:
         """dispatch -> grouped GEMMs with SwiGLU -> gate-weighted combine."""
-        recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
         if self.precision == "fp8":
+            # The token rows leave quantized; the gate/up GEMM reads them as they arrive.
+            recv_ND, rows_N, handle = dispatch_fp8(self.dispatcher, x_TD, route.idx_TK, route.gate_TK,
+                                                   backend="reference" if self.gemm_backend == "reference" else None)
             w13_fp8, w2_fp8 = self._fp8_weights()
             y_ND = swiglu_experts_fp8(recv_ND, self.w13, self.w2, handle.offsets_e, w13_fp8=w13_fp8, w2_fp8=w2_fp8,
-                                      backend=self.gemm_backend, config=self.gemm_config)
+                                      backend=self.gemm_backend, config=self.gemm_config, x_fp8=rows_N)
         else:
+            recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
             h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
             y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
         # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.

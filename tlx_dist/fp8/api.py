@@ -223,19 +223,22 @@ def wgrad_fp8(x: Fp8Cols, dy: Fp8Cols, *, out_dtype: torch.dtype = torch.bfloat1
 @torch.library.custom_op("tlx_dist::grouped_mm_fp8", mutates_args=())
 def _grouped_mm_fp8_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, q_EFD: torch.Tensor, s_EFbDb: torch.Tensor,
                        q_EDF: torch.Tensor, s_EDbFb: torch.Tensor, offsets_E: torch.Tensor, backend: str,
-                       config: str = "") -> torch.Tensor:
-    # w_EDF is here for autograd only (it receives dW); the GEMM reads its FP8 copy.
-    q, s = _quant_rows_op(x_ND, backend)
-    return _mm_op(q, s, q_EFD, s_EFbDb, offsets_E, x_ND.dtype, backend, config)
+                       config: str = "", x_q: Optional[torch.Tensor] = None,
+                       x_s_CbN: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # w_EDF is here for autograd only (it receives dW); the GEMM reads its FP8 copy. x_q / x_s_CbN:
+    # x's rows already quantized (an FP8 dispatch delivered them): the forward reads them instead.
+    if x_q is None:
+        x_q, x_s_CbN = _quant_rows_op(x_ND, backend)
+    return _mm_op(x_q, x_s_CbN, q_EFD, s_EFbDb, offsets_E, x_ND.dtype, backend, config)
 
 
 @_grouped_mm_fp8_op.register_fake
-def _(x_ND, w_EDF, q_EFD, s_EFbDb, q_EDF, s_EDbFb, offsets_E, backend, config=""):
+def _(x_ND, w_EDF, q_EFD, s_EFbDb, q_EDF, s_EDbFb, offsets_E, backend, config="", x_q=None, x_s_CbN=None):
     return x_ND.new_empty(x_ND.shape[0], w_EDF.shape[2])
 
 
 def _setup_context(ctx, inputs, output):
-    x_ND, w_EDF, _, _, q_EDF, s_EDbFb, offsets_E, backend, config = inputs
+    x_ND, w_EDF, _, _, q_EDF, s_EDbFb, offsets_E, backend, config, _, _ = inputs
     ctx.save_for_backward(x_ND, q_EDF, s_EDbFb, offsets_E)
     ctx.backend = backend
     ctx.config = config
@@ -255,7 +258,7 @@ def _backward(ctx, dy_NF):
         out = ctx.w_dtype if ctx.w_dtype in _OUT + (torch.float32,) else torch.float32
         dw = _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x_ND.shape[0], out, ctx.backend,
                        ctx.config).to(ctx.w_dtype)
-    return dx, dw, None, None, None, None, None, None, None
+    return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 _grouped_mm_fp8_op.register_autograd(_backward, setup_context=_setup_context)
@@ -295,7 +298,7 @@ def _check_args(x_ND, w_EDF, offsets_E, w_fp8) -> None:
 
 def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, *,
                    w_fp8: Optional[Fp8Weight] = None, backend: Optional[str] = None,
-                   config: Optional[Fp8GemmConfig] = None) -> torch.Tensor:
+                   config: Optional[Fp8GemmConfig] = None, x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
     """FP8 grouped GEMM over experts, differentiable in ``x_ND`` and ``w_EDF``.
 
     Args:
@@ -309,6 +312,10 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
         config: pin the TLX kernel's :class:`~tlx_dist.fp8.tlx_gemm.Fp8GemmConfig` for every form
             of the call (forward, dX and dW of its backward), as given; default: the host's
             per-form default (``tlx_gemm.default_config``). Read by the tlx backend only.
+        x_fp8: ``x_ND``'s rows already quantized (:class:`Fp8Rows` ``[N, D]``, e.g. from
+            :func:`~tlx_dist.fp8.dispatch.dispatch_fp8`): the forward reads them instead of
+            quantizing ``x_ND``, which the backward still reads (the weight gradient's operand).
+            ``q`` needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
     Returns:
         ``[N, F]`` in ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
@@ -320,10 +327,20 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
     if config is not None and name != "tlx":
         raise ValueError(f"config= pins the TLX FP8 kernel's tile config, but backend {name!r} runs here, which has "
                          "no tiles (pin backend='tlx' on sm_90, or drop the config)")
+    x_q = x_s = None
+    if x_fp8 is not None:
+        if not isinstance(x_fp8, Fp8Rows):
+            raise TypeError(f"x_fp8 must be an Fp8Rows (quantize_rows / dispatch_fp8), got {type(x_fp8).__name__}")
+        if tuple(x_fp8.q_MC.shape) != tuple(x_ND.shape) or x_fp8.q_MC.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"x_fp8 must hold e4m3fn rows of x_ND's shape {tuple(x_ND.shape)}, got "
+                             f"{tuple(x_fp8.q_MC.shape)} {x_fp8.q_MC.dtype}")
+        if x_fp8.q_MC.device != x_ND.device or x_fp8.q_MC.stride(1) != 1:
+            raise ValueError("x_fp8 must be on x_ND's device with a unit column stride")
+        x_q, x_s = x_fp8.q_MC, x_fp8.s_MCb.t()
     if w_fp8 is None:
         w_fp8 = quantize_weight(w_EDF.detach(), backend=_quant_backend(name))
     return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name,
-                              _config_json(config))
+                              _config_json(config), x_q, x_s)
 
 
 def grouped_mm_fp8_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, *,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import grouped_mm_fp8
-from .quant import Fp8Weight
+from .quant import Fp8Rows, Fp8Weight
 from .tlx_gemm import Fp8GemmConfig
 
 __all__ = ["swiglu_experts_fp8", "swiglu_experts_ref"]
@@ -30,7 +30,8 @@ __all__ = ["swiglu_experts_fp8", "swiglu_experts_ref"]
 
 def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, *,
                        w13_fp8: Optional[Fp8Weight] = None, w2_fp8: Optional[Fp8Weight] = None,
-                       backend: Optional[str] = None, config: Optional[Fp8GemmConfig] = None) -> torch.Tensor:
+                       backend: Optional[str] = None, config: Optional[Fp8GemmConfig] = None,
+                       x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
     """SwiGLU experts with both GEMMs (and their dgrad and wgrad) in FP8.
 
     Args:
@@ -39,6 +40,8 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (rows past the last are padding).
         w13_fp8, w2_fp8: the weights' FP8 copies (quantized here when None).
         backend, config: as :func:`~tlx_dist.fp8.grouped_mm_fp8` (both GEMMs).
+        x_fp8: ``x_ND``'s rows already quantized (an FP8 dispatch delivered them): the gate/up GEMM
+            reads them instead of quantizing ``x_ND``.
     Returns:
         ``[N, D]`` in ``x_ND.dtype``; padding rows are zero.
     """
@@ -48,7 +51,7 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
             or w2_EFD.shape[2] != w13_EDF2.shape[1]:
         raise ValueError(f"w2_EFD must be [E, F, D] = {[w13_EDF2.shape[0], w13_EDF2.shape[2] // 2, w13_EDF2.shape[1]]}"
                          f" to match w13_EDF2 {tuple(w13_EDF2.shape)}, got {tuple(w2_EFD.shape)}")
-    h = grouped_mm_fp8(x_ND, w13_EDF2, offsets_E, w_fp8=w13_fp8, backend=backend, config=config)
+    h = grouped_mm_fp8(x_ND, w13_EDF2, offsets_E, w_fp8=w13_fp8, backend=backend, config=config, x_fp8=x_fp8)
     gate, up = h.chunk(2, dim=-1)
     return grouped_mm_fp8(F.silu(gate) * up, w2_EFD, offsets_E, w_fp8=w2_fp8, backend=backend, config=config)
 

@@ -50,7 +50,8 @@ FORMATS = {"e4m3fn": (torch.float8_e4m3fn, 448.0, 0), "e4m3fnuz": (torch.float8_
 
 @dataclass(frozen=True)
 class Fp8Rows:
-    """Row-quantized ``[M, C]``: ``q_MC`` fp8 ``[M, C]`` (contiguous); ``s_MCb`` fp32 ``[M, Cb]`` with
+    """Row-quantized ``[M, C]``: ``q_MC`` fp8 ``[M, C]`` (unit column stride: contiguous from
+    ``quantize_rows``, a view of the packed rows from an FP8 dispatch); ``s_MCb`` fp32 ``[M, Cb]`` with
     strides ``(1, M)`` (stored ``[Cb, M]``): ``x[m, c] ~= q[m, c] * s[m, c // G]``."""
 
     q_MC: torch.Tensor

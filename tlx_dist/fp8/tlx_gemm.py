@@ -141,7 +141,7 @@ def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
     """``y[rows of e] = dequant(a)[rows of e] @ dequant(b[e])^T``.
 
     Args:
-        a_q: ``[N, K]`` e4m3 (contiguous); a_s: ``[N, Kb]`` fp32 with unit row stride (``Fp8Rows.s_MCb``).
+        a_q: ``[N, K]`` e4m3, unit column stride, rows 16-byte aligned (a packed row view will do); a_s: ``[N, Kb]`` fp32 with unit row stride (``Fp8Rows.s_MCb``).
         b_q: ``[E, NN, K]`` e4m3 (contiguous); b_s: ``[E, NNb, Kb]`` fp32 (contiguous).
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (clamped on the device, guard.py).
     Returns:
@@ -151,13 +151,16 @@ def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: tor
 
     N, K = a_q.shape
     E, NN, _ = b_q.shape
-    if not (a_q.is_contiguous() and b_q.is_contiguous() and b_s.is_contiguous() and a_s.t().is_contiguous()):
-        raise ValueError("mm_fp8_tlx: a_q, b_q, b_s must be contiguous and a_s stored [Kb, N] (Fp8Rows.s_MCb)")
+    if not (b_q.is_contiguous() and b_s.is_contiguous() and a_s.t().is_contiguous()):
+        raise ValueError("mm_fp8_tlx: b_q, b_s must be contiguous and a_s stored [Kb, N] (Fp8Rows.s_MCb)")
+    if a_q.stride(1) != 1 or (N > 1 and a_q.stride(0) % 16) or a_q.data_ptr() % 16:
+        raise ValueError(f"mm_fp8_tlx: a_q needs a unit column stride and 16-byte aligned rows (TMA), got strides "
+                         f"{a_q.stride()}")
     y = torch.empty(N, NN, dtype=out_dtype, device=a_q.device)
     if N == 0:
         return y
     cfg = cfg or default_config("mm", NN)
-    a_desc = TensorDescriptor(a_q, [N, K], [K, 1], [64, GROUP])
+    a_desc = TensorDescriptor(a_q, [N, K], [a_q.stride(0) if N > 1 else K, 1], [64, GROUP])
     b_desc = TensorDescriptor(b_q, [E, NN, K], [NN * K, K, 1], [1, cfg.SUBN, GROUP])
     c_desc = ragged_descriptor(y, 64, cfg.SUBN)
     offsets, tile_cum = prep_offsets(offsets_E, N, 128)
