@@ -1,100 +1,21 @@
 """FP8 dispatch over the symmetric exchange on CPU: the real tlx/comm kernels under TRITON_INTERPRET=1
-in an emulated world, on the peer-pointer route and the emulated NVSHMEM route (ranks_per_node).
-
-The token rows leave quantized and packed (tlx_dist/fp8/dispatch.py: e4m3 values + fp32 scales in
-one row of bf16-typed bytes, about half the bf16 row) through a buffer set of the packed width; the
-receiver unpacks them. Oracle: the bf16 exchange of the same rows, quantized after it arrives --
-payloads must be equal bit for bit (quantization is per row; the exchange moves bits). The combine
-and the dispatch's backward run on the bf16 buffer set with the packed dispatch's handle and must
-equal those of the bf16 dispatch's handle bit for bit (the same layout, the same kernels).
-Run through tests/test_symm_interpreted.py."""
+in an emulated world, on the peer-pointer route and the emulated NVSHMEM route (ranks_per_node);
+the check and its oracle: tests/fp8_dispatch_cases.py. Run through tests/test_symm_interpreted.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-from symm_interpreted_cases import _kind_routing  # noqa: E402
-from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.fp8.dispatch import pack_rows, packed_width, unpack_rows  # noqa: E402
-from tlx_dist.fp8.quant import quantize_rows  # noqa: E402
+from fp8_dispatch_cases import CASES, check_fp8_dispatch_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
 
 
-def _on(world, rpn):
-    """The emulated NVSHMEM route serves one world's heaps at a time (tlx/comm/nvshmem.py): register
-    the world whose op runs next (a real PE's heap holds both buffer sets)."""
-    if rpn is not None:
-        from tlx.comm.nvshmem import emulate_heaps
-
-        b0 = world.buffers[0]
-        n = b0.layout.nbytes
-        emulate_heaps([(b0._world_mem.data_ptr() + v * n, n) for v in range(world.world_size)])
-    return world
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-# (W, ranks_per_node, E, K, Ts, D, routing, why)
-CASES = [
-    (2, None, 4, 2, [12, 9], 256, "random", "peer pointers, two ranks of unequal T"),
-    (4, 2, 8, 2, [6, 0, 5, 7], 200, "heavy_imbalance",
-     "the emulated NVSHMEM route (2 nodes x 2), a rank with no tokens, D not a multiple of 128, all slots to rank 0"),
-    (4, None, 8, 3, [5, 8, 3, 6], 128, "zero_token_experts", "zero-token experts, K = 3"),
-]
-
-
 @pytest.mark.parametrize("W,rpn,E,K,Ts,D,routing,why", CASES, ids=[c[-1] for c in CASES])
 def test_fp8_dispatch_equals_bf16_dispatch_then_quantize(W, rpn, E, K, Ts, D, routing, why):
-    dt = torch.bfloat16
-    P = packed_width(D, dt)
-    assert P * 2 < 0.6 * D * 2, "the packed row must be about half the bf16 row"
-    T_max = max(Ts)
-    bf = EmulatedWorld(W, T_max, D, K, E, dt, device="cpu", ranks_per_node=rpn)
-    q8 = EmulatedWorld(W, T_max, P, K, E, dt, device="cpu", ranks_per_node=rpn)
-    g = torch.Generator().manual_seed(3)
-    xs = [(torch.randn(T, D, generator=g) * (1 + 100 * torch.rand(T, 1, generator=g))).to(dt) for T in Ts]
-    for x in xs:
-        if x.shape[0]:
-            x[0, : min(D, 128)] = 0.0  # an all-zero tile
-            x[-1, 3] = 1e4  # an outlier
-    idxs = [_kind_routing(20 + s, T, K, E, W, routing) if T else torch.zeros(0, K, dtype=torch.long)
-            for s, T in enumerate(Ts)]
-    gates = [torch.rand(T, K, generator=g).to(dt) for T in Ts]
-
-    ref = _on(bf, rpn).dispatch(xs, idxs, gates)
-    packed = [pack_rows(quantize_rows(x), dt) for x in xs]
-    got = _on(q8, rpn).dispatch(packed, idxs, gates)
-    handles = []
-    for d, ((x_exp, h_bf), (p_exp, h_q)) in enumerate(zip(ref, got)):
-        assert torch.equal(h_q.offsets_e, h_bf.offsets_e), f"rank {d}: the layouts differ"
-        n = int(h_bf.offsets_e[-1]) if h_bf.offsets_e.numel() else 0
-        want = quantize_rows(x_exp[:n])
-        rows = unpack_rows(p_exp[:n], D)
-        assert torch.equal(_bits(rows.q_MC), _bits(want.q_MC)), f"rank {d}: e4m3 payload differs ({why})"
-        assert torch.equal(rows.s_MCb, want.s_MCb), f"rank {d}: scales differ ({why})"
-        handles.append(dataclasses.replace(h_q, buffers=bf.buffers[d]))
-
-    # combine (bf16 rows, fp32 k-sum) and the dispatch's backward, on the bf16 set with either handle
-    ys = [torch.randn(x_exp.shape, generator=g).to(dt) for x_exp, _ in ref]
-    out_ref = _on(bf, rpn).combine(ys, [h for _, h in ref])
-    out = bf.combine(ys, handles)
-    gs = [torch.randn(x_exp.shape, generator=g).to(dt) for x_exp, _ in ref]
-    dx_ref = bf.combine_grad(gs, [h for _, h in ref])
-    dx = bf.combine_grad(gs, handles)
-    for d in range(W):
-        assert torch.equal(out[d], out_ref[d]), f"rank {d}: combine differs"
-        assert torch.equal(dx[d], dx_ref[d]), f"rank {d}: the dispatch's backward differs"
-    bf.check()
-    q8.check()
-    bf.close()
-    q8.close()
+    check_fp8_dispatch_world(W, rpn, E, K, Ts, D, routing, why)

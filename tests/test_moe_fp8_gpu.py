@@ -102,3 +102,13 @@ def test_errors_on_this_gpu():
     layer = MoELayer(make_cfg(dim=200, moe_inter_dim=128, dtype="bfloat16"), precision="fp8").to(DEV)
     with pytest.raises(ValueError, match=r"precision='fp8'.*multiples of 16"):
         layer(torch.randn(8, 200, device=DEV, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", [c for c in __import__("fp8_dispatch_cases").CASES if c[1] is None],
+                         ids=lambda c: c[-1])
+def test_fp8_dispatch_emulated_world_on_the_gpu(case):
+    # tier T4: the real exchange kernels, W virtual ranks on this GPU (peer pointers; the NVSHMEM
+    # route is emulated on CPU only), the quantization kernels on the GPU
+    from fp8_dispatch_cases import check_fp8_dispatch_world
+
+    check_fp8_dispatch_world(*case, device=DEV)
