@@ -205,3 +205,22 @@ def test_amd_fp8_compiles(target, form):
     waves_per_simd = -(-k.metadata.num_warps // 4)
     assert _amd_meta(asm, "vgpr_count") <= 512 // waves_per_simd
     assert _amd_meta(asm, "vgpr_spill_count") == 0 and _amd_meta(asm, "private_segment_fixed_size") == 0
+
+
+# --- the FP8 dispatch's receiver: dequantization (plain Triton) ----------------------------------
+
+
+@pytest.mark.parametrize("out", ["bf16", "fp16", "fp32"])
+def test_dequant_rows_kernel_compiles_with_the_hardware_decode(out):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _dequant_rows_kernel
+
+    sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{out}", "M": "i32", "C": "i32", "stride_qm": "i32",
+           "stride_sk": "i32", "stride_ym": "i32", "G": "constexpr", "BLOCK_M": "constexpr"}
+    k = triton.compile(ASTSource(_dequant_rows_kernel, sig, constexprs={"G": 128, "BLOCK_M": 32}), target=_cuda(90),
+                       options={"num_warps": 4})
+    # e4m3 -> f16 is exact (every e4m3 value is an f16), then the fp32 product, rounded once
+    assert "cvt.rn.f16x2.e4m3x2" in k.asm["ptx"]
+    assert re.search(r"mul(\.rn)?\.f32", k.asm["ptx"])

@@ -93,6 +93,19 @@ def test_quant_kernels_match_references(pow2):
         assert torch.equal(_bits(getattr(a, f)), _bits(getattr(b, f))), f
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequant_kernel_matches_reference_on_packed_rows(dtype):
+    # the FP8 dispatch's receiver: q a strided view of packed rows, scales in [Cb, N]
+    from tlx_dist.fp8.dispatch import pack_rows, unpack_rows
+
+    x, _, _, _ = _data([300, 0, 129, 1, 70], 500, 400, 272, adversarial=True)
+    rows = unpack_rows(pack_rows(Q.quantize_rows(x), torch.bfloat16), 400)
+    assert rows.q_MC.stride(0) != 400  # strided
+    got = Q.dequantize_rows_rounded(rows, dtype)
+    want = Q.dequantize_rows(rows, torch.float32).to(dtype)
+    assert torch.equal(got, want)
+
+
 # --- GEMMs --------------------------------------------------------------------------------------
 
 # (counts, N, D, F, adversarial, why)

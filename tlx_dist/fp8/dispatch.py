@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..comm.dispatcher import Dispatcher, DispatchHandle
-from .quant import GROUP, Fp8Rows, dequantize_rows, quantize_rows
+from .quant import GROUP, Fp8Rows, dequantize_rows_rounded, quantize_rows
 
 __all__ = ["packed_width", "pack_rows", "unpack_rows", "dispatch_fp8"]
 
@@ -76,7 +76,7 @@ class _Fp8Dispatch(torch.autograd.Function):
         packed = pack_rows(quantize_rows(x_TD.detach(), backend=backend), x_TD.dtype)
         recv_NP, handle = dispatcher.dispatch_payload(packed, idx_TK, gate_TK, x_TD)
         rows = unpack_rows(recv_NP, D)
-        x_hat = dequantize_rows(rows, torch.float32).to(x_TD.dtype)
+        x_hat = dequantize_rows_rounded(rows, x_TD.dtype)
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.mark_non_differentiable(rows.q_MC, rows.s_MCb)
         return x_hat, rows.q_MC, rows.s_MCb, handle
