@@ -172,6 +172,9 @@ def main() -> int:
     ap.add_argument("--experts", default="64,256")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--emulate", type=int, default=0, metavar="W", help="W virtual ranks on this GPU")
+    ap.add_argument("--ranks-per-node", type=int, default=0, metavar="L",
+                    help="with --emulate: nodes of L virtual ranks, the hierarchical exchange across them (its "
+                         "inter-node leg by pointer stores); prints each leg's rows per token from its device counters")
     ap.add_argument("--pair-reps", type=int, default=10, help="back-to-back pairs per steady-state sample")
     ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of each symm provider")
     ap.add_argument("--no-rows", action="store_true", help="skip the row-form provider (rows_graph)")
@@ -301,7 +304,8 @@ def emulated(args) -> int:
     for E in [int(v) for v in args.experts.split(",")]:
         for D in [int(v) for v in args.dims.split(",")]:
             for T in [int(v) for v in args.tokens.split(",")]:
-                world = EmulatedWorld(W, T, D, K, E, torch.bfloat16, capacity=2.0, device="cuda")
+                world = EmulatedWorld(W, T, D, K, E, torch.bfloat16, capacity=2.0, device="cuda",
+                                      ranks_per_node=args.ranks_per_node or None)
                 g = torch.Generator(device="cuda").manual_seed(T)
                 xs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(W)]
                 gi = [torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(K, dim=1) for _ in range(W)]
@@ -311,9 +315,21 @@ def emulated(args) -> int:
                 td = _median_ms(lambda: world.dispatch(xs, idxs, gates), args.iters, sync) / 1e3
                 tc = _median_ms(lambda: world.combine(ys, hs), args.iters, sync) / 1e3
                 tok = sum(int(h.rows_to_W.sum()) for h in hs)
-                rows.append(dict(provider=f"emu{W}", W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
+                legs = {}
+                if world.hierarchical:  # one dispatch + combine's rows per leg, per token of the world
+                    world.reset_leg_counters()
+                    world.combine(ys, [o[1] for o in world.dispatch(xs, idxs, gates)])
+                    c = world.leg_counters()
+                    legs = {f"{k}_per_token": sum(v[k] for v in c) / (W * T) for k in
+                            ("dispatch_nic_rows", "dispatch_nvl_rows", "combine_nic_rows", "combine_nvl_rows")}
+                    tok = sum(v["dispatch_nic_rows"] + v["dispatch_nvl_rows"] for v in c)
+                name = f"emu{W}" + (f"x{args.ranks_per_node}h" if world.hierarchical else "")
+                rows.append(dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
                                  link_rows=tok, dispatch_link_GBps=tok * D * 2 / td / 1e9,
-                                 combine_link_GBps=tok * D * 2 / tc / 1e9, ratio_vs_anchor=float("nan")))
+                                 combine_link_GBps=tok * D * 2 / tc / 1e9, ratio_vs_anchor=float("nan"), **legs))
+                if legs:
+                    print(f"{name} E={E} D={D} T={T} rows per token: " +
+                          ", ".join(f"{k[:-10]} {v:.3f}" for k, v in legs.items()))
                 world.check()
                 world.close()
     _print(rows, f"emulated W={W} on one GPU (rows 'sent' are local HBM stores)")

@@ -45,7 +45,8 @@ def _moe_brute(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
 # heavy_imbalance: every slot goes to rank 0's experts (other ranks receive nothing);
 # zero_token_experts: odd experts get no rows (empty segments inside offsets_e).
 # rpn: ranks per emulated node -- peers on other nodes are reached by the (emulated) NVSHMEM route:
-# staged puts of the partial rows and of the given gate gradients.
+# staged puts of the partial rows and of the given gate gradients; with two ranks a node the exchange
+# is the hierarchical one (ExchangeConfig.topology "auto"; test_rows_world_flat_nodes_of_two: the flat).
 @pytest.mark.parametrize("Ts,kind,rpn", [([5, 3], "random", None), ([4, 4], "heavy_imbalance", None),
                                          ([6, 2], "zero_token_experts", None), ([4, 0, 6, 2], "random", None),
                                          ([3, 5, 2, 4], "heavy_imbalance", None), ([5, 3], "random", 1),
@@ -102,6 +103,11 @@ def test_rows_world_matches_brute_force(Ts, kind, rpn, config=None):
         _close(bwd[d][3], rw2.grad[d * e:(d + 1) * e], f"{kind}: dw2 on rank {d}")
     world.check()
     world.close()
+
+
+def test_rows_world_flat_nodes_of_two():
+    """Nodes of two over the flat exchange: a sender mixes peer stores and NVSHMEM puts."""
+    test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2, ExchangeConfig(topology="flat"))
 
 
 def test_rows_world_short_wide_tiles(monkeypatch):

@@ -18,7 +18,8 @@ from tlx_dist.comm.symm.tuning import reduce_recv_shape
 def _bufs(backend="symm", W=2, T=CE_MIN_TOKENS, E=64, K=8, nvshmem=False, regions=1, setting="auto", device="cuda",
           claimed=False):
     """What the policy reads of a buffer set (no memory behind it)."""
-    return types.SimpleNamespace(use_nvshmem=nvshmem, backend=backend, world_size=W, device=torch.device(device),
+    return types.SimpleNamespace(use_nvshmem=nvshmem, hier=None, backend=backend, world_size=W,
+                                 device=torch.device(device),
                                  config=ExchangeConfig(copy_engine=setting, timeout_s=30.0), modes={},
                                  timeout_s=30.0, _config_claimed=claimed,
                                  layout=types.SimpleNamespace(max_tokens=T, world_size=W, num_experts=E, top_k=K,

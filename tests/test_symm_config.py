@@ -108,7 +108,8 @@ def test_factory_is_the_old_auto_rules(T, W, E, K):
     # on real ranks over peer pointers the policy resolves "auto" exactly as the factory spells it out
     if W > 1:
         def real(c):
-            return types.SimpleNamespace(use_nvshmem=False, backend="cuda", world_size=W, device=torch.device("cuda"),
+            return types.SimpleNamespace(use_nvshmem=False, hier=None, backend="cuda", world_size=W,
+                                         device=torch.device("cuda"),
                                          config=c, modes={}, layout=types.SimpleNamespace(
                                              max_tokens=T, world_size=W, num_experts=E, top_k=K, row_regions=1))
         import tlx_dist.comm.copy_engine as drv

@@ -13,7 +13,8 @@ from tlx_dist.comm.symm.config import RECV_OVERLAP_MIN_TOKENS
 
 
 def _bufs(backend="symm", W=2, T=RECV_OVERLAP_MIN_TOKENS, nvshmem=False, **cfg):
-    return types.SimpleNamespace(use_nvshmem=nvshmem, backend=backend, world_size=W, config=ExchangeConfig(**cfg),
+    return types.SimpleNamespace(use_nvshmem=nvshmem, hier=None, backend=backend, world_size=W,
+                                 config=ExchangeConfig(**cfg),
                                  modes={}, layout=types.SimpleNamespace(max_tokens=T))
 
 

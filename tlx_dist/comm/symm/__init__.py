@@ -36,13 +36,16 @@ Files: ``api.py`` (SymmDispatcher, ep_buffers, autograd), ``config.py`` (Exchang
 ``handle.py`` (SymmHandle, capacity), ``steps.py`` (the ops as phase generators), ``launch.py`` (one
 wrapper per phase kernel), ``overlap.py`` (RowsOverlap), ``policy.py`` (which form each op takes),
 ``tuning.py`` (launch shapes), ``ce_transport.py`` (the copy-engine row form), ``buffers.py``
-(SymmBuffers, the layout).
+(SymmBuffers, the layout), ``hier.py`` / ``hier_layout.py`` (the hierarchical exchange across nodes:
+a row once per destination node, forwarded inside it by a relay; docs/exchange.md).
 """
 
 from .api import SymmDispatcher, ep_buffers
 from .buffers import DEFAULT_TIMEOUT_S, ExchangeError, SymmBuffers, SymmLayout
 from .config import ExchangeConfig, Tile
 from .handle import Capacity, SymmHandle, check_capacity, expanded_rows
+from .hier import HierHandle, HierRoute
+from .hier_layout import LEG_COUNTERS, leg_counters_dict
 from .overlap import RowsOverlap
 from .steps import (combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                     dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps, run_steps)
@@ -51,4 +54,5 @@ __all__ = ["SymmDispatcher", "SymmHandle", "ExchangeConfig", "Tile", "RowsOverla
            "ExchangeError",
            "DEFAULT_TIMEOUT_S", "ep_buffers", "expanded_rows", "check_capacity", "Capacity", "dispatch_steps",
            "combine_steps", "dispatch_grad_steps", "combine_grad_steps", "combine_rows_steps",
-           "combine_rows_grad_steps", "dispatch_rows_grad_steps", "run_steps"]
+           "combine_rows_grad_steps", "dispatch_rows_grad_steps", "run_steps", "HierHandle", "HierRoute",
+           "LEG_COUNTERS", "leg_counters_dict"]

@@ -163,7 +163,8 @@ class SymmDispatcher(Dispatcher):
             elements of symmetric memory per rank; every rank must claim the same regions (checked
             once, at the first dispatch).
         config: the exchange's settings (:class:`ExchangeConfig`: launch shapes, the copy-engine row
-            form, the arrival-driven overlap, the receive and combine modes, the wait timeout).
+            form, the arrival-driven overlap, the receive and combine modes, the topology -- flat, or
+            hierarchical across nodes, :meth:`leg_counters` -- and the wait timeout).
             They belong to the buffer set: every dispatcher that shares one must give the same
             config (a different one raises), and a dispatcher given none runs with its set's.
         timeout_s, overlap, copy_engine: shorthands for those fields of a default config (not
@@ -345,6 +346,27 @@ class SymmDispatcher(Dispatcher):
             raise ValueError("gate_TK must be the tensor given to dispatch: its gates travelled with the tokens "
                              "and are applied where the experts live")
         return _Combine.apply(y_ND, gate_TK, handle)
+
+    @property
+    def topology(self) -> Optional[str]:
+        """``"hierarchical"`` or ``"flat"``: the exchange its buffer set runs (None before the first
+        dispatch builds one; ``config.topology`` decides, from the group's nodes)."""
+        if self.buffers is None:
+            return None
+        return "hierarchical" if self.buffers.hier is not None else "flat"
+
+    def leg_counters(self) -> Optional[torch.Tensor]:
+        """The hierarchical exchange's per-leg counters: int64 ``[8]`` on the device (no host sync),
+        rows and payload bytes sent over the NIC and into other ranks of the node, by dispatch- and by
+        combine-direction ops (``tlx_dist.comm.symm.LEG_COUNTERS`` names them), summed over every op of
+        the buffer set (every layer) since :meth:`reset_leg_counters`. None for the flat exchange."""
+        if self.buffers is None or self.buffers.hier is None:
+            return None
+        return self.buffers.hier.counters
+
+    def reset_leg_counters(self) -> None:
+        if self.buffers is not None and self.buffers.hier is not None:
+            self.buffers.hier.reset()
 
     def check(self, capacity_hint: str = "the dispatcher's capacity") -> None:
         """Raises if a wait gave up or expanded rows overflowed (host sync; see SymmBuffers.check)."""

@@ -41,8 +41,9 @@ from typing import Optional
 
 import torch
 
-from ..topology import Topology
+from ..topology import Topology, exchange_ranks_per_node
 from .config import ExchangeConfig
+from .hier_layout import HierLayout, HierState
 
 __all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library"]
 
@@ -50,7 +51,10 @@ _ALIGN = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
 _OPS = {1: "barrier (op start)", 2: "token rows of a dispatch", 3: "combine partial rows",
-        4: "gate gradients of combine's backward"}
+        4: "gate gradients of combine's backward",
+        # the hierarchical exchange's relays (tlx/comm/hier.py OP_RELAY_ROWS / OP_RELAY_PARTIALS)
+        6: "node count and inter-node rows of a dispatch (at their relay)",
+        7: "node's partial rows of a combine (at the relay)"}
 
 
 _OP_ROUTE = 5  # a block of the dispatch's route kernel waiting for an earlier block (look-back)
@@ -289,6 +293,8 @@ class SymmBuffers:
         # spanning nodes takes this route, so the layout stays the same on every rank).
         layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype,
                                   staging=backend == "nvshmem", row_regions=0 if backend == "nvshmem" else row_regions)
+        # the hierarchical exchange (every rank resolves the same from the same config and topology)
+        layout, hier = _with_hier(layout, exchange_ranks_per_node(cfg[0].topology, topo.nodes), backend == "nvshmem")
         from torch.distributed import _symmetric_memory as symm_mem
 
         if backend == "nvshmem":
@@ -310,6 +316,8 @@ class SymmBuffers:
                 raise RuntimeError(f"torch symmetric memory (NVSHMEM) gave no peer pointer for a rank on this node "
                                    f"(peers {ptrs}): the GPUs of one node must reach each other (NVLink or P2P)")
         self._init(layout, rank, mem, ptrs, list(topo.global_ranks), backend, handle, timeout, cfg)
+        self.nodes = topo.nodes
+        self.hier = HierState(hier, device) if hier is not None else None
         handle.barrier(channel=0)  # every rank's region is zeroed before anyone signals into it
         torch.cuda.synchronize(device)
 
@@ -342,6 +350,8 @@ class SymmBuffers:
         self._side_stream = None  # the overlapped and copy-engine row forms' side stream (launch.on_side)
         self._overlap_plans = {}  # region -> the last overlapped dispatch's RowsOverlap there
         self._ce_sig_stream = None  # the copy-engine combine's signal kernels' stream (ce_transport)
+        self.nodes = (0,) * layout.world_size  # the node of each rank (the hierarchy's topology)
+        self.hier = None  # the hierarchical exchange's part (HierState), where the topology asks for it
 
     def nvshmem_meta(self, kernel) -> dict:
         """Extra launch arguments of a kernel that sends to peers (``tlx/comm/exchange.py``): ``{}``
@@ -380,9 +390,21 @@ class SymmBuffers:
         if config.timeout_s is not None and float(config.timeout_s) != self.timeout_s:
             raise ValueError(f"config.timeout_s={config.timeout_s!r}: this buffer set waits {self.timeout_s:g} s "
                              "(fixed when it was built)")
+        if config.topology != self.config.topology:
+            self.check_topology(config)
         self.config = dataclasses.replace(config, timeout_s=self.timeout_s)
         self._config_claimed = True
         self.modes.clear()
+
+    def check_topology(self, config: ExchangeConfig) -> None:
+        """ValueError unless ``config.topology`` gives the exchange this set was built for (its
+        regions depend on it: flat, or hierarchical over nodes of L ranks)."""
+        want = exchange_ranks_per_node(config.topology, self.nodes) if self.world_size > 1 else 0
+        have = self.hier.layout.ranks_per_node if self.hier is not None else 0
+        if want != have:
+            name = lambda L: f"hierarchical exchange over nodes of {L}" if L else "flat exchange"  # noqa: E731
+            raise ValueError(f"topology={config.topology!r} asks for the {name(want)}; this buffer set was built "
+                             f"for the {name(have)}: build the buffers with that config")
 
     # ---- sizing ----
     @staticmethod
@@ -523,39 +545,65 @@ class SymmBuffers:
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None,
                  ranks_per_node: Optional[int] = None, row_regions: int = 0,
-                 config: Optional[ExchangeConfig] = None) -> list["SymmBuffers"]:
+                 config: Optional[ExchangeConfig] = None, nvshmem: Optional[bool] = None) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
-        ``"cpu"`` for the Triton interpreter. ``ranks_per_node`` (interpreter only): virtual ranks
-        ``v // ranks_per_node`` form a node; a rank sees the others' slices as peer pointers 0 and
-        reaches them through the NVSHMEM route, whose calls ``tlx/comm/nvshmem.py`` emulates."""
+        ``"cpu"`` for the Triton interpreter. ``ranks_per_node``: virtual ranks ``v // ranks_per_node``
+        form a node. The flat exchange across them (interpreter only): a rank sees the other nodes'
+        slices as peer pointers 0 and reaches them through the NVSHMEM route, whose calls
+        ``tlx/comm/nvshmem.py`` emulates. The hierarchical one (``config.topology``; ``"auto"``
+        with more than one rank a node): the same in the interpreter; on a GPU every rank keeps its
+        pointers and the inter-node leg is plain stores (same rows, relays and counters).
+        ``nvshmem=False`` (the hierarchical exchange): pointer stores in the interpreter too (the
+        one-GPU form, on CPU)."""
         nodes = ranks_per_node is not None and ranks_per_node < world_size
         if ranks_per_node is not None:
             _pos_int("ranks_per_node", ranks_per_node)
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes,
-                                  row_regions=row_regions)
         timeout = _timeout_s(timeout_s, config)
         cfg = (_config(config, timeout), config is not None)
+        node_of = tuple(v // ranks_per_node if ranks_per_node else 0 for v in range(world_size))
+        L_hier = exchange_ranks_per_node(cfg[0].topology, node_of)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if nodes and device.type != "cpu":
+        if nodes and device.type != "cpu" and not L_hier:
             raise ValueError(f"ranks_per_node={ranks_per_node} emulates NVSHMEM, which only the Triton interpreter "
-                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group")
+                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group, or "
+                             "the hierarchical exchange (ExchangeConfig(topology='hierarchical'))")
+        if nvshmem is not None and not nvshmem and not L_hier and nodes:
+            raise ValueError("nvshmem=False: the flat exchange reaches other nodes only through the NVSHMEM route")
+        if nvshmem and device.type != "cpu":
+            raise ValueError("nvshmem=True emulates NVSHMEM, which only the Triton interpreter (device='cpu') can")
+        far = nodes and device.type == "cpu" and nvshmem is not False  # other nodes by the (emulated) NVSHMEM route
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=far,
+                                  row_regions=row_regions)
+        layout, hier = _with_hier(layout, L_hier, far)
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         for v in range(world_size):
             _start_protocol(mem[v * layout.nbytes:(v + 1) * layout.nbytes], layout)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
-        if nodes:
+        if far:
             from tlx.comm.nvshmem import emulate_heaps
             emulate_heaps([(p, layout.nbytes) for p in ptrs])
         out = []
         for v in range(world_size):
             b = cls.__new__(cls)
-            seen = [p if not nodes or d // ranks_per_node == v // ranks_per_node else 0 for d, p in enumerate(ptrs)]
+            seen = [p if not far or node_of[d] == node_of[v] else 0 for d, p in enumerate(ptrs)]
             b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], seen, list(range(world_size)),
                     "emulated", None, timeout, cfg)
             b._world_mem = mem  # keeps the shared allocation alive
+            b.nodes = node_of
+            b.hier = HierState(hier, device) if hier is not None else None
             out.append(b)
         return out
+
+
+def _with_hier(layout: SymmLayout, ranks_per_node: int, staging: bool):
+    """``(layout, HierLayout or None)``: with ``ranks_per_node`` > 0 the hierarchical exchange's regions
+    follow the flat ones (the flat offsets do not move; ``nbytes`` grows)."""
+    if not ranks_per_node:
+        return layout, None
+    hier = HierLayout.build(layout.nbytes, layout.world_size, layout.max_tokens, layout.top_k, layout.hidden,
+                            layout.dtype.itemsize, ranks_per_node, staging)
+    return dataclasses.replace(layout, nbytes=hier.nbytes), hier
 
 
 # ---------------------------------------------------------------- NVSHMEM (peers on other nodes)

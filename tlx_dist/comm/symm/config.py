@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..topology import TOPOLOGIES
+
 __all__ = ["Tile", "ExchangeConfig", "MODES", "TILE_KERNELS", "CE_MIN_TOKENS", "CE_MIN_DENSITY",
            "RECV_OVERLAP_MIN_TOKENS", "ce_density", "ce_auto", "recv_overlap_auto"]
 
@@ -147,6 +149,14 @@ class ExchangeConfig:
         comb_overlap: the combine of 16-bit rows in the row form on real ranks over peer pointers
             (CUDA): ``"auto"`` / ``"on"`` -- one launch whose first programs sum each token block as
             its partial rows land; ``"off"`` -- two launches (send, then sum).
+    Topology:
+        topology: how the exchange crosses nodes: ``"auto"`` (default) -- hierarchical when the EP
+            group spans nodes with more than one rank on each (``LOCAL_WORLD_SIZE``), else flat;
+            ``"flat"`` -- one row per (token, destination rank) wherever it is; ``"hierarchical"``
+            -- one row per (token, destination node) to the rank of that node with the source's
+            local index, which forwards it over NVLink (docs/exchange.md; the group's ranks must
+            fill equal nodes in rank order, as torchrun numbers them; on one node it is the flat
+            exchange).
     Reliability:
         timeout_s: how long a wait spins before it records an error (:meth:`SymmBuffers.check`
             raises it); None: ``TLX_DIST_EXCHANGE_TIMEOUT_S`` or 30 s.
@@ -170,6 +180,7 @@ class ExchangeConfig:
     overlap_sms: int = 32
     recv_overlap: str = "auto"
     comb_overlap: str = "auto"
+    topology: str = "auto"
     timeout_s: Optional[float] = None
     route_agg_only: bool = False
 
@@ -198,6 +209,8 @@ class ExchangeConfig:
         for name in ("copy_engine", "recv_overlap", "comb_overlap"):
             if getattr(self, name) not in MODES:
                 raise ValueError(f"{prefix}.{name}={getattr(self, name)!r} must be 'auto', 'on' or 'off'")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"{prefix}.topology={self.topology!r} must be one of {TOPOLOGIES}")
         for name in ("overlap", "route_agg_only"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{prefix}.{name}={getattr(self, name)!r} must be a bool (true/false)")

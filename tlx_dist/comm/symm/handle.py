@@ -66,3 +66,20 @@ def expanded_rows(capacity: Capacity, bufs: SymmBuffers) -> Optional[int]:
     if isinstance(capacity, float):
         return max(1, min(L.worst_case_rows, math.ceil(capacity * L.max_tokens * L.top_k)))
     return capacity
+
+
+def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int) -> None:
+    L = bufs.layout
+    bufs._check_open()
+    if x_TD.dtype != L.dtype:
+        raise TypeError(f"x_TD.dtype={x_TD.dtype} differs from the symmetric buffers' dtype {L.dtype}")
+    if x_TD.shape[1] != L.hidden:
+        raise ValueError(f"x_TD has D={x_TD.shape[1]} but the symmetric buffers were built for hidden={L.hidden}")
+    if x_TD.shape[0] > L.max_tokens:
+        raise ValueError(f"x_TD has T={x_TD.shape[0]} tokens, more than the buffers' max_tokens={L.max_tokens}")
+    if K != L.top_k:
+        raise ValueError(f"idx_TK has K={K} but the symmetric buffers were built for top_k={L.top_k}")
+    if num_experts != L.num_experts:
+        raise ValueError(f"num_experts={num_experts} differs from the buffers' num_experts={L.num_experts}")
+    if x_TD.device != bufs.device:
+        raise ValueError(f"x_TD is on {x_TD.device} but the symmetric buffers are on {bufs.device}")

@@ -30,7 +30,7 @@ def _recv(bufs: SymmBuffers, cfg: ExchangeConfig) -> str:
     of RECV block by block as they land; ``"blocks"``: the emulated world, whose ranks launch one
     after another, and one rank -- the same block-by-block copy, in the expand kernel; ``"after"``:
     the NVSHMEM route and the rest -- the expand kernel, after every row arrived."""
-    if bufs.use_nvshmem:
+    if bufs.use_nvshmem or bufs.hier is not None:  # (the relays' rows land without per-block counts)
         return "after"
     if bufs.backend in ("emulated", "local") or bufs.world_size == 1:
         return "blocks"
@@ -47,7 +47,7 @@ def _comb(bufs: SymmBuffers, cfg: ExchangeConfig) -> str:
     reduce-receive kernel after the sends; ``"after"``: the NVSHMEM route and ROCm (waves per CU
     differ: the co-residency the one launch needs is unchecked there) -- one ARRIVE count per rank,
     then the reduce-receive kernel."""
-    if bufs.use_nvshmem:
+    if bufs.use_nvshmem or bufs.hier is not None:  # (the relays' rows come home without per-block counts)
         return "after"
     if bufs.backend in ("emulated", "local") or bufs.world_size == 1:
         return "blocks"
@@ -63,7 +63,8 @@ def _ce(bufs: SymmBuffers, cfg: ExchangeConfig) -> bool:
     (CPU: ``memmove``; one GPU: same-device copies), which runs the whole protocol. Never on the
     NVSHMEM route or ROCm, which keep SM stores."""
     L = bufs.layout
-    if bufs.use_nvshmem or L.world_size == 1 or L.row_regions == 0 or torch.version.hip is not None:
+    if bufs.use_nvshmem or bufs.hier is not None or L.world_size == 1 or L.row_regions == 0 \
+            or torch.version.hip is not None:
         return False
     if bufs.backend in ("emulated", "local"):
         return cfg.copy_engine == "on" and (bufs.device.type == "cpu" or copy_engine.available(bufs.device))
@@ -113,6 +114,8 @@ def adopt(bufs: SymmBuffers, cfg: ExchangeConfig) -> None:
     if cfg.timeout_s is not None and float(cfg.timeout_s) != bufs.timeout_s:
         raise ValueError(f"timeout_s={cfg.timeout_s!r}: this buffer set waits {bufs.timeout_s:g} s (fixed when it "
                          "was built): build the dispatcher's buffers with the same timeout")
+    if cfg.topology != bufs.config.topology:  # (its regions depend on it: fixed when the set was built)
+        bufs.check_topology(cfg)
     if _settings(cfg) == _settings(bufs.config):
         bufs._config_claimed = True
         return

@@ -1,7 +1,7 @@
 """The ops as phase generators: each yields between kernel launches whose waits need every rank's
 earlier launches (``tlx/comm/exchange.py`` lists them). A real rank runs its generator straight
 through (:func:`run_steps`); the emulated world (``emulated.py``) advances W ranks' generators in
-lockstep."""
+lockstep. A buffer set with a hierarchical part (``SymmBuffers.hier``) runs every op as ``hier.py``'s."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Generator, Optional
 
 import torch
 
+from . import hier
 from .buffers import SymmBuffers
 from .ce_transport import ce_ready, ce_send_partials, ce_send_rows
-from .handle import Capacity, SymmHandle, expanded_rows
+from .handle import Capacity, SymmHandle, _check_bufs, expanded_rows
 from .launch import (acc_dtype, expand, gate_grad_recv, on_side, reduce_recv, reduce_send, route, rows_wait,
                      send_tokens)
 from .overlap import finish_abandoned, rows_overlap, send_rows_side
@@ -23,23 +24,6 @@ __all__ = ["Steps", "dispatch_steps", "combine_steps", "dispatch_grad_steps", "c
            "combine_rows_steps", "combine_rows_grad_steps", "dispatch_rows_grad_steps", "run_steps"]
 
 Steps = Generator[None, None, object]
-
-
-def _check_bufs(bufs: SymmBuffers, x_TD: torch.Tensor, K: int, num_experts: int) -> None:
-    L = bufs.layout
-    bufs._check_open()
-    if x_TD.dtype != L.dtype:
-        raise TypeError(f"x_TD.dtype={x_TD.dtype} differs from the symmetric buffers' dtype {L.dtype}")
-    if x_TD.shape[1] != L.hidden:
-        raise ValueError(f"x_TD has D={x_TD.shape[1]} but the symmetric buffers were built for hidden={L.hidden}")
-    if x_TD.shape[0] > L.max_tokens:
-        raise ValueError(f"x_TD has T={x_TD.shape[0]} tokens, more than the buffers' max_tokens={L.max_tokens}")
-    if K != L.top_k:
-        raise ValueError(f"idx_TK has K={K} but the symmetric buffers were built for top_k={L.top_k}")
-    if num_experts != L.num_experts:
-        raise ValueError(f"num_experts={num_experts} differs from the buffers' num_experts={L.num_experts}")
-    if x_TD.device != bufs.device:
-        raise ValueError(f"x_TD is on {x_TD.device} but the symmetric buffers are on {bufs.device}")
 
 
 def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
@@ -68,6 +52,8 @@ def dispatch_steps(bufs: SymmBuffers, x_TD: torch.Tensor, idx_TK: torch.Tensor,
         region_RD = bufs.rows_region(region)
     if region is not None and (not rows or bufs.use_nvshmem):
         region, region_RD = None, None
+    if bufs.hier is not None:  # the hierarchical exchange (hier.py; its rows go by relays: no regions)
+        return (yield from hier.dispatch_steps(bufs, x_TD, idx_TK, gate_TK, capacity, rows=rows))
     W, r, E, dev = L.world_size, bufs.rank, L.num_experts, x_TD.device
     e = E // W
     idx = idx_TK if idx_TK.is_contiguous() else idx_TK.contiguous()
@@ -173,17 +159,23 @@ def _reduce_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle, gated: b
 
 def combine_steps(bufs: SymmBuffers, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
     """Phases of one combine; returns ``out_TD = sum_k gate[t, k] * y[t, k]``."""
+    if bufs.hier is not None:
+        return (yield from hier.combine_steps(bufs, y_ND, h))
     return (yield from _reduce_steps(bufs, y_ND, h, gated=True))
 
 
 def combine_grad_steps(bufs: SymmBuffers, g_ND: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of dispatch: ``g_TD[t] = sum_k g_ND[row of (t, k)]`` (an ungated combine)."""
+    if bufs.hier is not None:
+        return (yield from hier.combine_grad_steps(bufs, g_ND, h))
     return (yield from _reduce_steps(bufs, g_ND, h, gated=False))
 
 
 def dispatch_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, y_ND: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of combine: returns ``(g_y_ND, g_gate_TK)``: ``g_y[row of (t, k)] = gate[t, k] *
     g_TD[t]`` and ``g_gate[t, k] = <g_TD[t], y[row of (t, k)]>`` (fp32; fp64 for fp64 rows)."""
+    if bufs.hier is not None:
+        return (yield from hier.dispatch_grad_steps(bufs, g_TD, y_ND, h))
     L = bufs.layout
     g_TD = g_TD if g_TD.stride(-1) == 1 else g_TD.contiguous()
     # waits first; this rank's own rows stay in g_TD, where the expand kernel reads them
@@ -204,6 +196,8 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
     rank's experts of receive row r) goes home; returns ``out_TD[t] = sum over ranks`` (fp32, one
     rounding). After an overlapped dispatch, first the rows' wait if the GEMMs did not enqueue it,
     and the join of the side stream that sent them (``RowsOverlap.finish``)."""
+    if bufs.hier is not None:
+        return (yield from hier.combine_rows_steps(bufs, part_RD, h))
     ov = h.overlap
     if ov is not None and ov.partials_sent is not None:  # the fused forward sent the peers' rows already
         if ov.partials_sent != part_RD.data_ptr():
@@ -229,6 +223,8 @@ def combine_rows_steps(bufs: SymmBuffers, part_RD: torch.Tensor, h: SymmHandle) 
 def combine_rows_grad_steps(bufs: SymmBuffers, g_TD: torch.Tensor, h: SymmHandle) -> Steps:
     """Backward of :func:`combine_rows_steps`: ``g_part[r] = g_TD[token of r]`` on every rank r
     went to: the token rows travel as in dispatch; returns ``g_part_RD`` (a copy of the receive rows)."""
+    if bufs.hier is not None:
+        return (yield from hier.combine_rows_grad_steps(bufs, g_TD, h))
     L = bufs.layout
     g_part = torch.empty(L.recv_rows, L.hidden, dtype=L.dtype, device=bufs.device)
     # waits first; this rank's own rows go straight to g_part
@@ -247,6 +243,8 @@ def dispatch_rows_grad_steps(bufs: SymmBuffers, g_RD: torch.Tensor, g_gate_N: Op
     """Backward of ``dispatch_steps(rows=True)``: ``g_TD[t] = sum over ranks of g_RD[row of t]``
     and, with ``g_gate_N``, ``g_gate[t, k] = g_gate_N[expanded row of (t, k)]`` (fp32) sent home;
     returns ``(g_TD, g_gate_TK or None)``."""
+    if bufs.hier is not None:
+        return (yield from hier.dispatch_rows_grad_steps(bufs, g_RD, g_gate_N, h))
     g_RD = reduce_send(bufs, g_RD, h, gated=False, rows=True)  # waits for every peer's readiness first
     if g_gate_N is not None:
         scratch = torch.empty(max(1, h.num_recv_rows), dtype=torch.int32, device=bufs.device)
