@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from symm_interpreted_cases import _kind_routing
-from tlx_dist.comm.emulated import EmulatedWorld
+from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch
 from tlx_dist.fp8.dispatch import pack_rows, packed_width, unpack_rows
 from tlx_dist.fp8.quant import quantize_rows
 from tlx_dist.testing import assert_close_ksum_bf16
@@ -47,14 +47,15 @@ CASES = [
 ]
 
 
-def check_fp8_dispatch_world(W, rpn, E, K, Ts, D, routing, why, device="cpu"):
-    """The FP8 dispatch of an emulated world vs its bf16 dispatch + quantize-after (module docstring)."""
+def check_fp8_dispatch_world(W, rpn, E, K, Ts, D, routing, why, device="cpu", config=None):
+    """The FP8 dispatch of an emulated world (``config``: its ExchangeConfig) vs its bf16 dispatch +
+    quantize-after (module docstring)."""
     dt = torch.bfloat16
     P = packed_width(D, dt)
     assert P * 2 < 0.6 * D * 2, "the packed row must be about half the bf16 row"
     T_max = max(Ts)
-    bf = EmulatedWorld(W, T_max, D, K, E, dt, device=device, ranks_per_node=rpn)
-    q8 = EmulatedWorld(W, T_max, P, K, E, dt, device=device, ranks_per_node=rpn)
+    bf = EmulatedWorld(W, T_max, D, K, E, dt, device=device, ranks_per_node=rpn, config=config)
+    q8 = EmulatedWorld(W, T_max, P, K, E, dt, device=device, ranks_per_node=rpn, config=config)
     g = torch.Generator().manual_seed(3)
     xs = [(torch.randn(T, D, generator=g) * (1 + 100 * torch.rand(T, 1, generator=g))).to(dt).to(device) for T in Ts]
     for x in xs:
@@ -93,6 +94,12 @@ def check_fp8_dispatch_world(W, rpn, E, K, Ts, D, routing, why, device="cpu"):
         else:  # a GPU may order the fp32 k-sums differently between two launches: one bf16 ulp
             assert_close_ksum_bf16(out_ref[d], out[d])
             assert_close_ksum_bf16(dx_ref[d], dx[d])
+    # packed bytes are not numbers: any bit pattern, bf16 NaN payloads included, must arrive as sent
+    raw = [torch.randint(0, 256, (T, 2 * P), generator=g, dtype=torch.uint8).view(dt).to(device) for T in Ts]
+    moved = _on(q8, rpn).dispatch(raw, idxs, gates)
+    for d, ((got_rows, _), (want_rows, _)) in enumerate(zip(moved, reference_dispatch(raw, idxs, E))):
+        n = want_rows.shape[0]
+        assert torch.equal(got_rows[:n].view(torch.uint8), want_rows.view(torch.uint8)), f"rank {d}: bytes changed"
     bf.check()
     q8.check()
     bf.close()
