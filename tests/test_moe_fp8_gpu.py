@@ -101,8 +101,11 @@ def test_errors_on_this_gpu():
         return
     with pytest.raises(ValueError, match=r"precision='fp8'.*\(D, 2F\) = \(200, 256\).*multiples of 16"):
         MoELayer(make_cfg(dim=200, moe_inter_dim=128, dtype="bfloat16"), precision="fp8", device=DEV)
-    with pytest.raises(ValueError, match=r"precision='fp8' on cuda.* needs dtype bfloat16 or float16"):
-        MoELayer(make_cfg(dim=256, moe_inter_dim=128), precision="fp8", device=DEV)
+    # fp32 parameters are fine (train/ keeps fp32 masters and runs bf16 copies); fp32 activations
+    # reach the FP8 GEMM, whose outputs are 16-bit: a TypeError naming precision
+    fp32 = MoELayer(make_cfg(dim=256, moe_inter_dim=128), precision="fp8", device=DEV)
+    with pytest.raises(TypeError, match=r"precision='fp8' backend='(tlx|torch)': x_ND must be bfloat16 or float16"):
+        fp32(torch.randn(8, 256, device=DEV))
     # a layer built on the CPU and moved: the first forward names precision, no bf16 fallback
     layer = MoELayer(make_cfg(dim=200, moe_inter_dim=128, dtype="bfloat16"), precision="fp8").to(DEV)
     with pytest.raises(ValueError, match=r"precision='fp8'.*multiples of 16"):

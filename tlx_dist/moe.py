@@ -131,7 +131,9 @@ class MoELayer(nn.Module):
             ``_scaled_mm``, which syncs the host), and CPU, where it is the *reference* path
             (dequantized operands, fp32 matmuls: the same quantization, for tests and debugging).
             A GPU without FP8 tensor cores or ROCm is a ValueError naming ``precision``, as are
-            GPU shapes the kernels cannot take (D or F not a multiple of 16); never a bf16 fallback.
+            GPU shapes the kernels cannot take (D or F not a multiple of 16), and fp32 activations
+            on a GPU a TypeError naming it (fp32 masters with bf16 compute copies are fine); never a
+            bf16 fallback.
         fp8_refresh: when the FP8 weight copies are remade (``precision="fp8"``): ``"version"``
             (default) when a weight's version counter or storage changes (every in-place update:
             an optimizer step of torch's foreach / for-loop optimizers, ``copy_``,
@@ -383,9 +385,8 @@ def _check_fp8_args(cfg: MoEConfig, pipeline: str, gemm_backend, gemm_config, fu
                         f"{type(gemm_config).__name__}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type != "cpu":
-        if cfg.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"precision='fp8' on {dev} needs dtype bfloat16 or float16 (the GPU FP8 GEMMs write "
-                             f"16-bit outputs), got dtype={cfg.dtype!r}")
+        # (the dtype is checked at the GEMM: fp32 masters are fine where bf16 compute copies run the
+        # forward, as in train/'s mixed precision; fp32 activations on a GPU are a TypeError there)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         D, Fe = cfg.dim, cfg.moe_inter_dim
