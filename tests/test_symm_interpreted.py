@@ -35,3 +35,8 @@ def test_symm_rows_interpreted_suite():
 @_SKIP
 def test_symm_copy_engine_interpreted_suite():
     run_interpreted_suite("symm_ce_interpreted_cases.py")  # its copy-engine row form
+
+
+@_SKIP
+def test_symm_fp8_dispatch_interpreted_suite():
+    run_interpreted_suite("symm_fp8_interpreted_cases.py")  # packed FP8 rows on both routes
