@@ -46,6 +46,17 @@ from .router import Router, RoutingStats
 
 __all__ = ["MoELayer", "make_dispatcher"]
 
+_OUTSIDE_GRAPH: dict = {}
+
+
+def _outside_graph(fn):
+    """``torch.compiler.disable(fn)``, made once on first use: the decorator imports torch._dynamo
+    (and with it triton), which ``import tlx_dist`` must not. Layers that need it call this in
+    ``__init__`` (always eager), so a compiled forward only reads the cached wrapper."""
+    if fn not in _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH[fn] = torch.compiler.disable(fn)
+    return _OUTSIDE_GRAPH[fn]
+
 
 def _narrow_experts(cfg) -> bool:
     """``pipeline="auto"``'s shape rule for the fused form: F <= 2 D. Wide experts (Mixtral's
@@ -189,6 +200,8 @@ class MoELayer(nn.Module):
         self.gemm_config = gemm_config
         self.fused_config = fused_config
         self.precision = precision
+        if precision == "fp8":
+            _outside_graph(MoELayer._fp8_weights_eager)
         self.fp8_refresh = fp8_refresh
         # FP8 weight copies (precision="fp8"): made on the first forward after a change, see fp8_refresh.
         self._w13_fp8 = Fp8WeightCache()
@@ -344,9 +357,11 @@ class MoELayer(nn.Module):
                                      recv_RD.shape[0], overlap=handle.overlap, config=self.fused_config)
         return disp.combine_rows(part_RD, handle).to(x_TD.dtype)
 
-    @torch.compiler.disable
     def _fp8_weights(self):
         # Outside any compiled graph: the cache reads version counters and keeps Python state.
+        return _outside_graph(MoELayer._fp8_weights_eager)(self)
+
+    def _fp8_weights_eager(self):
         gen = self._fp8_generation if self.fp8_refresh == "step" else None
         return self._w13_fp8.get(self.w13, gen), self._w2_fp8.get(self.w2, gen)
 
