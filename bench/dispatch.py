@@ -166,7 +166,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher, SymmDispatcher
-    from tlx_dist.comm.symm_buffers import SymmBuffers
+    from tlx_dist.comm.symm.buffers import SymmBuffers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,512,4096,16384")
@@ -174,6 +174,9 @@ def main() -> int:
     ap.add_argument("--experts", default="64,256")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--emulate", type=int, default=0, metavar="W", help="W virtual ranks on this GPU")
+    ap.add_argument("--ranks-per-node", type=int, default=0, metavar="L",
+                    help="with --emulate: nodes of L virtual ranks, the hierarchical exchange across them (its "
+                         "inter-node leg by pointer stores); prints each leg's rows per token from its device counters")
     ap.add_argument("--pair-reps", type=int, default=10, help="back-to-back pairs per steady-state sample")
     ap.add_argument("--profile", action="store_true", help="print rank 0's per-kernel GPU time of each symm provider")
     ap.add_argument("--no-rows", action="store_true", help="skip the row-form provider (rows_graph)")
@@ -235,8 +238,8 @@ def main() -> int:
                 if not args.no_rows and not args.no_regions and W > 1:
                     # the row form into a per-layer receive region: the rows stay where they land
                     # SM stores (regions_graph) and copy engines (regions_ce_graph, the dense layout); the
-                    # library's "auto" picks the latter from T_max >= 8192 where nearly every token
-                    # reaches every peer (symm._ce_mode)
+                    # library's "auto" picks the latter from T_max >= 4096 where nearly every token
+                    # reaches every peer (ExchangeConfig.copy_engine)
                     symm_r = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1,
                                             copy_engine=False)
                     rows_check(symm_r, x, idx, gate, ra, mask_TW.sum(1), region=0)
@@ -320,7 +323,8 @@ def emulated(args, rec) -> int:
     for E in [int(v) for v in args.experts.split(",")]:
         for D in [int(v) for v in args.dims.split(",")]:
             for T in [int(v) for v in args.tokens.split(",")]:
-                world = EmulatedWorld(W, T, D, K, E, torch.bfloat16, capacity=2.0, device="cuda")
+                world = EmulatedWorld(W, T, D, K, E, torch.bfloat16, capacity=2.0, device="cuda",
+                                      ranks_per_node=args.ranks_per_node or None)
                 g = torch.Generator(device="cuda").manual_seed(T)
                 xs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(W)]
                 gi = [torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(K, dim=1) for _ in range(W)]
@@ -330,9 +334,21 @@ def emulated(args, rec) -> int:
                 td = _median_ms(lambda: world.dispatch(xs, idxs, gates), args.iters, sync) / 1e3
                 tc = _median_ms(lambda: world.combine(ys, hs), args.iters, sync) / 1e3
                 tok = sum(int(h.rows_to_W.sum()) for h in hs)
-                rows.append(dict(provider=f"emu{W}", W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
+                legs = {}
+                if world.hierarchical:  # one dispatch + combine's rows per leg, per token of the world
+                    world.reset_leg_counters()
+                    world.combine(ys, [o[1] for o in world.dispatch(xs, idxs, gates)])
+                    c = world.leg_counters()
+                    legs = {f"{k}_per_token": sum(v[k] for v in c) / (W * T) for k in
+                            ("dispatch_nic_rows", "dispatch_nvl_rows", "combine_nic_rows", "combine_nvl_rows")}
+                    tok = sum(v["dispatch_nic_rows"] + v["dispatch_nvl_rows"] for v in c)
+                name = f"emu{W}" + (f"x{args.ranks_per_node}h" if world.hierarchical else "")
+                rows.append(dict(provider=name, W=W, T=T, D=D, E=E, K=K, dispatch_us=td * 1e6, combine_us=tc * 1e6,
                                  link_rows=tok, dispatch_link_GBps=tok * D * 2 / td / 1e9,
-                                 combine_link_GBps=tok * D * 2 / tc / 1e9, ratio_vs_anchor=float("nan")))
+                                 combine_link_GBps=tok * D * 2 / tc / 1e9, ratio_vs_anchor=float("nan"), **legs))
+                if legs:
+                    print(f"{name} E={E} D={D} T={T} rows per token: " +
+                          ", ".join(f"{k[:-10]} {v:.3f}" for k, v in legs.items()))
                 world.check()
                 world.close()
     _print(rows, f"emulated W={W} on one GPU (rows 'sent' are local HBM stores)")

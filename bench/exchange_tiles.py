@@ -5,9 +5,9 @@ what this looks for, so the emulated world is no guide):
 
     torchrun --nproc-per-node=2 bench/exchange_tiles.py [--tokens 4096,16384] [--dim 7168] [--experts 64]
 
-For each launch shape (``tlx_dist.comm.symm.LAUNCH_OVERRIDES``: rows x columns per tile, warps,
-programs per SM, the copy-ahead loop, tokens per route block; ``default`` = what the library
-launches today) the row-form dispatch into a
+For each candidate (an :class:`tlx_dist.comm.ExchangeConfig` in ``--configs`` syntax, see ``parse``:
+rows x columns per tile, warps, programs per SM, tokens per route block, the combine's and the copy
+engines' settings; ``default`` = what the library launches today) the row-form dispatch into a
 per-layer receive region and its combine (what the fused EP pipeline runs) are captured in CUDA
 graphs and replayed; each op's median over ``--iters`` replays, the ranks aligned on the device
 before each, and the bytes this rank sends to other ranks per second. Each shape is first checked
@@ -29,85 +29,84 @@ import sys
 
 import torch
 
+from tlx_dist.comm import ExchangeConfig
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
 from _profile import gpu_timeline  # noqa: E402
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
-_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?(L)?(?:B(\d+))?$")
-KINDS = ("send", "reduce_send", "reduce_recv", "expand", "route")
+_SHAPE = re.compile(r"^(\d+)x(\d+)(?:w(\d+))?(?:p(\d+))?$")
+KINDS = ("send", "reduce_send", "reduce_recv", "expand")
 
 # rows x cols, warps, programs per SM; the send and both reduce kernels take the same shape
-GRID = ["default", "send:4x1024w4p4L,reduce_send:8x512w4p16L", "send:4x1024w4p8L,reduce_send:8x1024w8p8L",
-        "send:2x2048w4p8L,reduce_send:4x1024w4p16L", "send:8x512w4p8L,reduce_send:8x512w8p8L",
+GRID = ["default", "send:4x1024w4p8,reduce_send:8x1024w8p8", "send:2x2048w4p8,reduce_send:4x1024w4p16",
+        "send:8x512w4p8,reduce_send:8x512w8p8",
         "route:16", "route:32", "route:64"]
 
 
-def parse(spec: str) -> dict:
-    """``"default"`` -> {}; ``"8x512w4p4"`` -> the same shape for send / reduce_send / reduce_recv
-    (a trailing ``L``: the copy-ahead loop, send and reduce_send; ``Bn``: the send's bulk-copy row
-    moves through n shared-memory slots, TLX); ``"send:8x512w4,route:16,..."``
-    -> per kernel (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: the combine's
-    mode, ``symm._comb_mode``; ``comb_recv:RxS``: the one-launch combine's summing and sending programs
-    per SM; ``ce:on`` / ``ce:off``: the copy-engine row form, ``symm._ce_mode``; ``ce_chunk:N``: rows per
-    copy-engine combine copy)."""
+def parse(spec: str) -> ExchangeConfig:
+    """One ``--configs`` candidate as the :class:`ExchangeConfig` it runs: ``"default"`` ->
+    ``ExchangeConfig()``; ``"8x512w4p4"`` -> that :class:`Tile` (rows x columns, warps, programs
+    per SM) for send / reduce_send / reduce_recv; ``"send:8x512w4,route:16,..."`` -> per kernel
+    (``route:N``: N tokens per route block; ``comb:after`` / ``comb:overlap``: ``comb_overlap``
+    off / on; ``comb_recv:RxS``: the one-launch combine's summing and sending programs per SM;
+    ``ce:on`` / ``ce:off``: ``copy_engine``; ``ce_chunk:N`` / ``ce_tail:N``: rows per copy-engine
+    combine copy / of its last cut; ``ce_sum:N``: its summing programs per SM). A warp or
+    programs-per-SM count left out keeps the kernel's default."""
     if spec == "default":
-        return {}
-    out = {}
+        return ExchangeConfig()
+    ch = {}
     for part in spec.split(","):
         kind, _, shape = part.rpartition(":")
-        if kind == "comb":  # the combine's mode on every rank (symm._comb_mode), between ops
+        if kind == "comb":
             if shape not in ("after", "overlap"):
                 raise ValueError(f"--configs: comb:{shape!r} must be after or overlap")
-            out["comb"] = shape
+            ch["comb_overlap"] = "off" if shape == "after" else "on"
             continue
-        if kind == "ce":  # the copy-engine row form on every rank (symm._ce_mode), between ops
+        if kind == "ce":
             if shape not in ("on", "off"):
                 raise ValueError(f"--configs: ce:{shape!r} must be on or off")
-            out["ce_mode"] = shape == "on"
+            ch["copy_engine"] = shape
             continue
         if kind in ("ce_chunk", "ce_tail"):
             if not shape.isdigit() or int(shape) < 32 or int(shape) % 32:
                 raise ValueError(f"--configs: {kind}:{shape!r} must be a multiple of 32 (rows per copy)")
-            out.setdefault("ce", {})["chunk_rows" if kind == "ce_chunk" else "tail_rows"] = int(shape)
+            ch["ce_chunk_rows" if kind == "ce_chunk" else "ce_tail_rows"] = int(shape)
             continue
         if kind == "ce_sum":
             if not shape.isdigit() or not 1 <= int(shape) <= 8:
                 raise ValueError(f"--configs: ce_sum:{shape!r} must be 1 to 8 (summing programs per SM)")
-            out.setdefault("ce", {})["sum_per_sm"] = int(shape)
+            ch["ce_sum_per_sm"] = int(shape)
             continue
         if kind == "comb_recv":  # the one-launch combine: summing / sending programs per SM
             m = re.match(r"^(\d+)x(\d+)$", shape)
             if not m:
                 raise ValueError(f"--configs: comb_recv:{shape!r} must be RxS (summing x sending programs per SM)")
-            out["comb_recv"] = dict(per_sm=int(m.group(1)), send_per_sm=int(m.group(2)))
+            ch.update(comb_sum_per_sm=int(m.group(1)), comb_send_per_sm=int(m.group(2)))
             continue
         if kind == "route":
             if not shape.isdigit() or int(shape) < 1 or int(shape) & (int(shape) - 1):
                 raise ValueError(f"--configs: route:{shape!r} must be a power of two (tokens per route block)")
-            out["route"] = dict(BLOCK_ROWS=int(shape))
+            ch["route_block"] = int(shape)
             continue
         m = _SHAPE.match(shape)
         if not m:
-            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM][L][Bn])")
-        br, bd, w, p = (int(v) if v else None for v in m.groups()[:4])
+            raise ValueError(f"--configs: bad shape {shape!r} (want ROWSxCOLS[wWARPS][pPER_SM])")
+        br, bd, w, p = (int(v) if v else None for v in m.groups())
         if br & (br - 1) or bd & (bd - 1):
             raise ValueError(f"--configs: {shape!r}: rows and columns must be powers of two")
-        o = dict(BLOCK_ROWS=br, BLOCK_D=bd, **({"num_warps": w} if w else {}), **({"per_sm": p} if p else {}),
-                 **({"pipe": True} if m.group(5) else {}))
-        if m.group(6) and m.group(5):
-            raise ValueError(f"--configs: {shape!r}: the bulk copies (B) replace the copy-ahead loop (L): pick one")
         for k in ([kind] if kind else ("send", "reduce_send", "reduce_recv")):
             if k not in KINDS:
                 raise ValueError(f"--configs: unknown kernel {k!r} (one of {', '.join(KINDS)})")
-            out[k] = dict(o, **({"bulk": int(m.group(6))} if m.group(6) and k == "send" else {}))
-    return out
+            ch[k] = dict(rows=br, cols=bd, **({"warps": w} if w else {}), **({"per_sm": p} if p else {}))
+    return ExchangeConfig.from_dict(ch, prefix="--configs")  # (a tile's left-out fields: the kernel's defaults)
 
 
 def main() -> int:
     import torch.distributed as dist
 
-    from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher, symm
+    from tlx_dist.comm import AllToAllDispatcher, SymmDispatcher
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,4096,16384")
@@ -121,7 +120,7 @@ def main() -> int:
     _results.add_args(ap)
     args = ap.parse_args()
     specs = args.configs.split(";")
-    shapes = [parse(s) for s in specs]  # bad specs fail before any process group exists
+    configs = [parse(s) for s in specs]  # bad specs fail before any process group exists
     rec = _results.Recorder("exchange", args, enabled=os.environ.get("RANK", "0") == "0",
                             world=_results.env_world())
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -145,16 +144,11 @@ def main() -> int:
         anchor = AllToAllDispatcher(E, group, validate=False)
         ra, _ = anchor.dispatch(x, idx, gate)
         disp = SymmDispatcher(E, group, max_tokens=T, capacity=2.0, validate=False, row_regions=1)
-        disp._buffers_for(x, K)  # (collective) the buffers exist before the first spec sets their combine mode
+        disp._buffers_for(x, K)  # (collective) the buffers exist before the first spec sets their config
         aligned = _aligned_sync(sync, disp) or sync
         base = None
-        for spec, shape in zip(specs, shapes):
-            symm.LAUNCH_OVERRIDES.clear()
-            symm.LAUNCH_OVERRIDES.update({k: v for k, v in shape.items() if k not in ("comb", "ce_mode")})
-            disp.buffers._comb_mode = None  # resolved again at the next combine (env / default) ...
-            if "comb" in shape:  # ... or as the spec says (every rank runs the same specs)
-                disp.buffers._comb_mode = shape["comb"]
-            disp.buffers._ce_mode_v = shape.get("ce_mode")  # (None: resolved again, "auto" by default)
+        for spec, cfg in zip(specs, configs):
+            disp.buffers.reconfigure(cfg)  # every rank runs the same specs, between ops
             rows_check(disp, x, idx, gate, ra, mask_TW.sum(1), region=0)
             fd, fc = _graphs_rows(disp, x, idx, gate, region=0)
             td = _median_ms(fd, args.iters, aligned) * 1e3
@@ -174,7 +168,6 @@ def main() -> int:
                 print(f"{spec:>24} T={T:6d}  disp {td:8.1f} us {row['dispatch_GBps']:6.1f} GB/s   "
                       f"comb {tc:8.1f} us {row['combine_GBps']:6.1f} GB/s   x first {row['pair_vs_first']:.3f}",
                       flush=True)
-        symm.LAUNCH_OVERRIDES.clear()
         disp.buffers.close()
     if r == 0:
         print(f"\nW={W} E={E} D={D} K={K}, row form into a receive region, graph-replayed, ranks aligned")

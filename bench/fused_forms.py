@@ -8,7 +8,7 @@ are already gathered -- the same FLOPs without the gather, the epilogue or the a
     form        fused kernel                                  anchor (pre-gathered operands)
     swiglu      h, a = SwiGLU(x[src] @ w13)                   x_perm @ w13
     swiglu_copy   the same from x_perm = x[src] read in place     x_perm @ w13
-                  (TLX_DIST_FUSED_X=copy; the index_select timed with it)
+                  (x_rows "copy"; the index_select timed with it)
     scatter     out[dst] += gate * (a @ w2)   (fp32 atomics)  a @ w2
     dswiglu     dh, ag, dgate from dout[dst] @ w2^T           dout_perm @ w2^T
     dswiglu_copy  the same, dout_perm read in place             dout_perm @ w2^T
@@ -25,8 +25,9 @@ TFLOP/s = 2 * rows * in * out / time; "x anchor" = anchor time / fused time (> 1
     python bench/fused_forms.py [--shapes olmoe,qwen3-30b-a3b] [--tokens 16384] [--json out.json]
 
 ``--rounds R`` times each form's variants R times, interleaved, and reports each variant's median
-(the GPU's clock drifts by up to ~10% between back-to-back timings). ``--variant NAME=SPEC`` (repeatable) times the fused kernels under each tile config (SPEC in the
-``TLX_DIST_FUSED_CONFIG`` syntax, e.g. ``direct=swiglu:DIRECT=1;scatter:DIRECT=1``; an empty SPEC is
+(the GPU's clock drifts by up to ~10% between back-to-back timings). ``--variant NAME=JSON`` (repeatable)
+times the fused kernels under each config (JSON: a ``FusedConfig.from_dict`` mapping, e.g.
+``lag1={"swiglu": {"LAG": 1}}``: tile fields replacing those of the form's base default; ``{}`` is
 the defaults) in one process, and checks each variant's outputs against the first variant's: the
 largest difference relative to the output's largest value (0 where a variant changes only how the
 same values are stored; the scatter forms' fp32 atomics add in a different order each run).
@@ -58,8 +59,9 @@ def routing(T: int, E: int, K: int, device, seed: int = 0):
     return tok_N, gate_TK.reshape(-1)[order_S].contiguous(), offsets_E
 
 
-def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
-    """{form: (fused callable, anchor callable, rows, in_dim, out_dim)}."""
+def forms(prims, T, D, F, E, K, device, dtype=torch.bfloat16):
+    """{form: (fused callable taking a FusedConfig, anchor callable, rows, in_dim, out_dim)}; ``prims``:
+    the TLX primitives class of this GPU (instantiated with each variant's config)."""
     from tlx_dist.grouped_gemm.api import grouped_mm, grouped_mm_wgrad
 
     tok_N, gate_N, offsets_E = routing(T, E, K, device)
@@ -69,6 +71,7 @@ def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
     dout = torch.randn(T, D, device=device, dtype=dtype)
     w13 = torch.randn(E, D, 2 * F, device=device, dtype=dtype) * s
     w2 = torch.randn(E, F, D, device=device, dtype=dtype) * s
+    p = prims()
     tile_cum = p.tile_cum(offsets_E, N, x)
     order = p.wgrad_order(offsets_E)
     h, a = p.gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum)
@@ -77,25 +80,25 @@ def forms(p, T, D, F, E, K, device, dtype=torch.bfloat16):
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
     tlx = dict(backend="tlx")
     return {
-        "swiglu": (lambda: p.gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum),
+        "swiglu": (lambda c: prims(c).gate_up_swiglu(x, tok_N, w13, offsets_E, tile_cum),
                    lambda: grouped_mm(x_perm, w13, offsets_E, **tlx), N, D, 2 * F),
-        # TLX_DIST_FUSED_X=copy: one index_select of x's rows, then A by TMA (the copy timed with it)
-        "swiglu_copy": (lambda: p.gate_up_swiglu(x.index_select(0, tok_N), None, w13, offsets_E, tile_cum),
+        # x_rows "copy": one index_select of x's rows, then A by TMA (the copy timed with it)
+        "swiglu_copy": (lambda c: prims(c).gate_up_swiglu(x.index_select(0, tok_N), None, w13, offsets_E, tile_cum),
                         lambda: grouped_mm(x_perm, w13, offsets_E, **tlx), N, D, 2 * F),
-        "scatter": (lambda: p.down_scatter(a, w2, offsets_E, tok_N, gate_N, T, tile_cum),
+        "scatter": (lambda c: prims(c).down_scatter(a, w2, offsets_E, tok_N, gate_N, T, tile_cum),
                     lambda: grouped_mm(a, w2, offsets_E, **tlx), N, F, D),
-        "dswiglu": (lambda: p.down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum),
+        "dswiglu": (lambda c: prims(c).down_dswiglu(dout, tok_N, w2, offsets_E, h, gate_N, tile_cum),
                     lambda: grouped_mm(dout_perm, w2_t, offsets_E, **tlx), N, D, F),
-        # the same from the expert-major copy of dout (TLX_DIST_FUSED_DOUT=copy; the copy not timed)
-        "dswiglu_copy": (lambda: p.down_dswiglu(dout_perm, None, w2, offsets_E, h, gate_N, tile_cum),
+        # the same from the expert-major copy of dout (dout_rows "copy"; the copy not timed)
+        "dswiglu_copy": (lambda c: prims(c).down_dswiglu(dout_perm, None, w2, offsets_E, h, gate_N, tile_cum),
                          lambda: grouped_mm(dout_perm, w2_t, offsets_E, **tlx), N, D, F),
-        "scatter_dx": (lambda: p.down_scatter(dh, w13_t, offsets_E, tok_N, None, T, tile_cum),
+        "scatter_dx": (lambda c: prims(c).down_scatter(dh, w13_t, offsets_E, tok_N, None, T, tile_cum),
                        lambda: grouped_mm(dh, w13_t, offsets_E, **tlx), N, 2 * F, D),
-        "wgrad_a": (lambda: p.wgrad_gather(x, tok_N, dh, None, offsets_E, order),
+        "wgrad_a": (lambda c: prims(c).wgrad_gather(x, tok_N, dh, None, offsets_E, order),
                     lambda: grouped_mm_wgrad(x_perm, dh, offsets_E, **tlx), N, D, 2 * F),
-        "wgrad_a_copy": (lambda: p.wgrad_gather(x.index_select(0, tok_N), None, dh, None, offsets_E, order),
+        "wgrad_a_copy": (lambda c: prims(c).wgrad_gather(x.index_select(0, tok_N), None, dh, None, offsets_E, order),
                          lambda: grouped_mm_wgrad(x_perm, dh, offsets_E, **tlx), N, D, 2 * F),
-        "wgrad_b": (lambda: p.wgrad_gather(ag, None, dout, tok_N, offsets_E, order),
+        "wgrad_b": (lambda c: prims(c).wgrad_gather(ag, None, dout, tok_N, offsets_E, order),
                     lambda: grouped_mm_wgrad(ag, dout_perm, offsets_E, **tlx), N, F, D),
     }
 
@@ -104,6 +107,7 @@ def check_wgrad(p, T, D, F, E, K, device) -> float:
     """Max relative error of both gathered dW forms against the anchor on the same operands."""
     from tlx_dist.grouped_gemm.api import grouped_mm_wgrad
 
+    p = p()
     tok_N, _, offsets_E = routing(T, E, K, device, seed=1)
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
     dy = torch.randn(tok_N.shape[0], 2 * F, device=device, dtype=torch.bfloat16)
@@ -118,15 +122,11 @@ def check_wgrad(p, T, D, F, E, K, device) -> float:
     return worst
 
 
-ENV = "TLX_DIST_FUSED_CONFIG"
+def _config(spec: str, arch: str):
+    """The FusedConfig of one ``--variant`` (JSON of a ``FusedConfig.from_dict`` mapping)."""
+    from tlx_dist.fused import FusedConfig
 
-
-def _use_config(spec: str) -> None:
-    """Make the fused launchers resolve their tile configs from ``spec`` from now on."""
-    from tlx_dist.fused import tlx_backend
-
-    os.environ[ENV] = spec
-    tlx_backend._CACHE.clear()
+    return FusedConfig.from_dict(json.loads(spec or "{}"), arch=arch)
 
 
 def _outputs(res) -> list:
@@ -149,15 +149,16 @@ def main() -> int:
                     help="time the variants of a form this many times, interleaved; report each one's median")
     ap.add_argument("--json", default="")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=SPEC: time the fused kernels under TLX_DIST_FUSED_CONFIG=SPEC (repeatable)")
+                    help="NAME=JSON: time the fused kernels under FusedConfig.from_dict(JSON) (repeatable)")
     _results.add_args(ap)
     args = ap.parse_args()
     rec = _results.Recorder("fused_forms", args)
-    variants = [v.partition("=")[::2] for v in args.variant] or [("", os.environ.get(ENV, ""))]
+    variants = [v.partition("=")[::2] for v in args.variant] or [("", "")]
     if not torch.cuda.is_available():
         print("bench/fused_forms.py needs a CUDA GPU with TLX (Hopper)", file=sys.stderr)
         return 2
     p = _tlx_prims()  # the launchers of this GPU generation's TLX fused kernels
+    configs = {vname: _config(spec, p.ARCH) for vname, spec in variants}
     rows = []
     vcol = "variant | " if args.variant else ""
     print(f"| shape | T | form | {vcol}fused ms | fused TFLOP/s | anchor ms | anchor TFLOP/s | x anchor |"
@@ -173,8 +174,7 @@ def main() -> int:
                 ta_rounds = []
                 first, outs, times = None, {}, {v: [] for v, _ in variants}
                 for vname, spec in variants:  # outputs first, each against the first variant's
-                    _use_config(spec)
-                    out = _outputs(fused())
+                    out = _outputs(fused(configs[vname]))
                     first = out if first is None else first
                     outs[vname] = max(float((a.float() - b.float()).abs().max()
                                             / b.float().abs().max().clamp_min(1e-30)) for a, b in zip(out, first))
@@ -182,8 +182,9 @@ def main() -> int:
                 for _ in range(max(1, args.rounds)):  # interleaved rounds: the GPU's drift hits every variant
                     ta_rounds.append(triton.testing.do_bench(anchor, rep=args.rep, return_mode="median"))
                     for vname, spec in variants:
-                        _use_config(spec)
-                        times[vname].append(triton.testing.do_bench(fused, rep=args.rep, return_mode="median"))
+                        c = configs[vname]
+                        times[vname].append(triton.testing.do_bench(lambda: fused(c), rep=args.rep,
+                                                                    return_mode="median"))
                 ta = statistics.median(ta_rounds)
                 for vname, spec in variants:
                     diff = outs[vname]
@@ -199,7 +200,6 @@ def main() -> int:
                 del first
             del fs
             torch.cuda.empty_cache()
-    _use_config(variants[0][1])
     err = check_wgrad(p, 4096, 2048, 1024, 64, 8, "cuda")
     print(f"\ngathered dW vs grouped_mm_wgrad on pre-gathered rows: max rel err {err:.2e}")
     for form in sorted({r["form"] for r in rows}):

@@ -8,6 +8,8 @@ triton.testing.do_bench; ratios vs torch._grouped_mm are taken in the same proce
 Also checks each provider against torch._grouped_mm on the benchmarked operands (max rel error).
 
     python bench/grouped_gemm.py [--json out.json] [--shapes olmoe,qwen3] [--providers tlx,triton,torch,cublas]
+    python bench/grouped_gemm.py --precision fp8 [--fp8-configs 128x128,128x128pp,...] [--routings balanced]
+                                 (bench/grouped_gemm_fp8.py)
 """
 
 from __future__ import annotations
@@ -55,9 +57,24 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--providers", default="tlx,triton,torch,cublas")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--fp8-configs", default="128x128,128x128pp,128x128s64pp,256x64",
+                    help="FP8 tile configs (bench/grouped_gemm_fp8.py CONFIG_NAMES; the first is the default)")
+    ap.add_argument("--routings", default="balanced,zipf", help="fp8: expert loads to time (balanced, zipf)")
     _results.add_args(ap)
     args = ap.parse_args()
     rec = _results.Recorder("grouped_gemm", args)
+    if args.precision == "fp8":
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from grouped_gemm_fp8 import run
+
+        rows, summary = run(args, SHAPES, T, counts_for)
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "T": T, "precision": "fp8", "rows": rows, "summary": summary}, fh, indent=1)
+        return 0
     providers = [p for p in args.providers.split(",") if p in ("torch", "cublas") or p in available_backends()]
     dev = "cuda"
     rows = []

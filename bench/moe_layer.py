@@ -7,6 +7,11 @@ Providers (all share one router and one set of expert weights; no shared experts
   separate    MoELayer(pipeline="separate"): LocalDispatcher permute -> grouped_mm -> SwiGLU ->
               grouped_mm -> combine -> gate-weighted k-sum.
   torchtitan  router -> argsort -> gather -> torch._grouped_mm x2 with SwiGLU -> gate scale -> index_add.
+With ``--precision fp8`` (default providers fused,fp8,scaled_grouped_mm; same weights, same process):
+  fp8         MoELayer(precision="fp8"): the separate pipeline with the FP8 grouped GEMMs
+              (tlx_dist.fp8; weights quantized once, as once per optimizer step in training).
+  scaled_grouped_mm  the torchtitan layer with rowwise-FP8 torch._scaled_grouped_mm GEMMs
+              (bench/_scaled_grouped_mm.py; skipped with a one-line note where torch lacks it).
 Each step is forward + backward (dx and every parameter gradient). fwd+bwd TFLOP/s = 18*T*K*D*F /
 median step time (eager, one sync per step). Latency: median eager and CUDA-graph-replayed step time
 at the --latency-tokens sizes (each graph captured in a child process: an invalidated capture leaves
@@ -17,7 +22,7 @@ operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproduci
 
     python bench/moe_layer.py [--shapes olmoe,...] [--tokens 4096,16384] [--latency-tokens 1024,4096]
                               [--providers fused,separate,torchtitan] [--reps 10] [--interleave 10]
-                              [--json out.json]
+                              [--precision fp8] [--json out.json]
 
 The fused/separate and fused/torchtitan ratios: with ``--interleave ROUNDS`` (default 10) the
 median (and min-max) over rounds that time each provider once, the order rotating (each round's
@@ -36,7 +41,7 @@ Providers there (same router and expert weights on every provider, T tokens per 
   fused_ep_static   regions + a static capacity (SymmDispatcher(capacity=EP_CAPACITY): no host read
               of the row count; rows past the last expert are padding the GEMMs skip or zero)
   fused_ep_overlap  fused_ep_static + overlap=True: the dispatch ends once the peers' metadata landed,
-              their rows follow on a side stream (TLX_DIST_EP_OVERLAP_SMS SMs) while the gate/up GEMM
+              their rows follow on a side stream (ExchangeConfig.overlap_sms SMs) while the gate/up GEMM
               computes this rank's own rows, then waits for the rest (issue 9, item 3)
   symm        MoELayer(dispatcher="symm", pipeline="separate"): deduplicated exchange, expert-major copy
   all_to_all  MoELayer(dispatcher="all_to_all"): NCCL all_to_all_single + separate ops (the anchor)
@@ -107,11 +112,29 @@ def build(name: str, device: str):
     return layer
 
 
-def provider_fn(layer, provider: str):
+def fp8_twin(layer):
+    """An FP8 MoELayer holding ``layer``'s router and expert parameters (the same tensors)."""
+    from tlx_dist import MoELayer
+
+    with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
+        twin = MoELayer(layer.cfg, device="cuda", precision="fp8", pipeline="separate")
+    twin.router, twin.w13, twin.w2 = layer.router, layer.w13, layer.w2
+    return twin
+
+
+def provider_fn(layer, provider: str, twin=None):
     if provider in ("fused", "separate"):
         def fn(x):
             layer.pipeline = provider
             return layer(x)
+    elif provider == "fp8":
+        fn = twin
+    elif provider == "scaled_grouped_mm":
+        from _scaled_grouped_mm import scaled_grouped_mm_experts
+
+        def fn(x):
+            r = layer.router(x)
+            return scaled_grouped_mm_experts(x, r.idx_TK, r.gate_TK, layer.w13, layer.w2)
     else:
         def fn(x):
             r = layer.router(x)
@@ -384,6 +407,8 @@ def main() -> int:
                     help="print where the GPU idles waiting for the host in one eager fwd+bwd per provider")
     ap.add_argument("--host-profile", action="store_true",
                     help="print where the host spends one eager fwd+bwd per provider (cProfile, cumulative)")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the FP8 layer and the rowwise-FP8 anchor beside the bf16 fused layer")
     ap.add_argument("--json", default="bench_moe_layer.json")
     ap.add_argument("--capture-mode", default="global", choices=("global", "thread_local", "relaxed"),
                     help="torch.cuda.graph's capture_error_mode (a capture that passes only with thread_local / "
@@ -402,7 +427,16 @@ def main() -> int:
         if args.tokens == "4096,16384":
             args.tokens = "16384"
         return ep_main(args, rec)
+    if args.precision == "fp8" and args.providers == ",".join(PROVIDERS):
+        args.providers = "fused,fp8,scaled_grouped_mm"
     providers = args.providers.split(",")
+    if "scaled_grouped_mm" in providers:
+        from _scaled_grouped_mm import available
+
+        why = available()
+        if why:
+            print(f"scaled_grouped_mm skipped: {why}", flush=True)
+            providers.remove("scaled_grouped_mm")
     ints = lambda v: {int(t) for t in v.split(",") if t.strip()}  # noqa: E731
     lat_tokens, tflops_tokens = ints(args.latency_tokens), ints(args.tokens)
     tokens = sorted(tflops_tokens | lat_tokens)
@@ -410,6 +444,7 @@ def main() -> int:
     for name in args.shapes.split(","):
         D, Fe, E, K = SHAPES[name]
         layer = build(name, "cuda")
+        twin = fp8_twin(layer) if "fp8" in providers else None
         params = [p for p in layer.parameters()]
         probe = torch.empty(1, D, device="cuda", dtype=torch.bfloat16)
         print(f"{name}: fused pipeline on its TLX kernels = {layer._fused(probe)}", flush=True)
@@ -422,7 +457,7 @@ def main() -> int:
             flops = 18.0 * T * K * D * Fe
             results = {}
             for p in providers:
-                fn = provider_fn(layer, p)
+                fn = provider_fn(layer, p, twin)
                 try:
                     t0 = time.time()
                     out = fn(x)
@@ -473,14 +508,14 @@ def main() -> int:
                         row[f"{p}/{q}"] = row[f"{p}_tflops"] / row[f"{q}_tflops"]
             timed = [p for p in providers if f"{p}_tflops" in row]
             if args.interleave > 0 and "fused" in timed and len(timed) > 1 and T in tflops_tokens:
-                times = interleaved_times({p: eager_step(provider_fn(layer, p), x, g, params) for p in timed},
+                times = interleaved_times({p: eager_step(provider_fn(layer, p, twin), x, g, params) for p in timed},
                                           args.interleave, time_once_ms)
                 for q in timed:
                     if q != "fused":
                         med, lo, hi = round_ratios(times, "fused", q)
                         row[f"fused/{q} (blocks)"] = row[f"fused/{q}"]
                         row[f"fused/{q}"], row[f"fused/{q} range"] = med, [lo, hi]
-            for p, q in (("fused", "separate"), ("fused", "torchtitan")):
+            for p, q in (("fused", "separate"), ("fused", "torchtitan"), ("fp8", "fused"), ("scaled_grouped_mm", "fused")):
                 if p in results and q in results:
                     row[f"{p}_vs_{q}_out_relerr"] = rel_err(results[p][0], results[q][0])
                     row[f"{p}_vs_{q}_dw13_relerr"] = rel_err(results[p][1], results[q][1])
@@ -492,7 +527,7 @@ def main() -> int:
                               for p in providers)
             print(f"{name:17s} T={T:6d}  {cells}", flush=True)
             del x, g
-        del layer, params
+        del layer, twin, params
         torch.cuda.empty_cache()
 
     def ratio(r, q):
@@ -517,12 +552,20 @@ def main() -> int:
             print(f"| {r['shape']} | {r['T']} | " + " | ".join(
                 f"{r.get(p + '_eager_ms', float('nan')):.2f} / {r.get(p + '_graph_ms', float('nan')):.2f}"
                 for p in providers) + " |")
+    if "fp8" in providers:  # fp8 / q: ratios of medians (or fused's interleaved rounds, inverted)
+        others = [q for q in ("fused", "scaled_grouped_mm", "separate") if q in providers]
+        print("\n| shape | T | " + " | ".join(f"fp8/{q}" for q in others) + " | fp8 vs fused out relerr |")
+        print("|" + "---|" * (3 + len(others)))
+        for r in rows:
+            if r["T"] in tflops_tokens:
+                print(f"| {r['shape']} | {r['T']} | " + " | ".join(f"{r.get(f'fp8/{q}', float('nan')):.2f}" for q in others)
+                      + f" | {r.get('fp8_vs_fused_out_relerr', float('nan')):.1e} |")
     summary = {}
     for T in sorted(tflops_tokens):
-        for q in ("separate", "torchtitan"):
-            v = [r[f"fused/{q}"] for r in rows if r["T"] == T and f"fused/{q}" in r]
+        for key in ("fused/separate", "fused/torchtitan", "fp8/fused", "fp8/scaled_grouped_mm"):
+            v = [r[key] for r in rows if r["T"] == T and key in r]
             if v:
-                summary[f"fused/{q} median at T={T}"] = statistics.median(v)
+                summary[f"{key} median at T={T}"] = statistics.median(v)
     for k, v in summary.items():
         print(f"{k}: {v:.3f}")
     with open(args.json, "w") as fh:

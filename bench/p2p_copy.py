@@ -7,16 +7,16 @@ is a cudaMemcpyPeerAsync, moved by the copy engines (no SM busy). One direction,
 do): a persistent Triton copy over ``--programs`` programs per SM, 16-byte vectors, ``push`` (each
 GPU stores into the other's buffer through its peer address) and ``pull`` (each loads from the
 other's), one way and both ways at once. Its timing starts before the host launches the kernels one
-GPU after the other, so its "both ways" columns also count that launch skew (session 16: 298 GB/s at 235
-MB where the held runs below read 363); ``--sm-variants`` times the same kernel held, the figure to use
-for what an SM-driven exchange can reach when both GPUs send, as the dispatch and the combine do.
+GPU after the other, so its "both ways" columns also count that launch skew (well below the held runs
+at small sizes); ``--sm-variants`` times the same kernel held, the figure to use for what an SM-driven
+exchange can reach when both GPUs send, as the dispatch and the combine do.
 
 ``--ce-raw`` adds the copy-engine transfers issued through the CUDA driver API (ctypes on ``libcuda.so.1``:
 ``cuMemcpyPeerAsync`` on one dedicated stream per GPU, timed by events on those streams), with no torch
 cross-device copy in between: torch's ``copy_`` across devices runs on the source device's current stream
 and adds event barriers between the two devices' current streams, which may serialise or distort the two
-directions (the first table's "both ways" column is about half of NVIDIA's p2pBandwidthLatencyTest figure;
-on two H200s, session 16: ~200 GB/s that way, 380-391 by the driver API).
+directions (the first table's "both ways" column reads about half of NVIDIA's p2pBandwidthLatencyTest
+figure, and of the driver API's).
 "write" issues each copy on its source GPU's stream, "read" on its destination's; one way and both ways.
 Each timed run starts behind a short spin kernel on every stream, so that the host's issue latency is not
 timed and the two directions start together.

@@ -38,8 +38,9 @@ reaching its output and leaving its input. Each interval is attributed to the in
 The phases of a step sum to its instrumented time exactly (a partition of the timeline). Work the
 autograd engine interleaves between two markers counts toward the interval it falls in.
 
-Project (no GPU, no torch.distributed; the model is ``bench/scaling_model.py``, the report
-``bench/scaling_report.py``):
+Project (no GPU, no torch.distributed; the model is ``bench/scaling_model.py`` with the exchange
+traffic of ``bench/scaling_traffic.py`` and the parameter layouts of ``bench/scaling_layouts.py``,
+the report ``bench/scaling_report.py``, its checks ``bench/scaling_checks.py``):
 
     python bench/scaling.py --project [--plot out.png] [--measured run.json ...] [--json proj.json]
 """

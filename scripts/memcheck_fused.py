@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import torch
 
     from tlx_dist.fused import fused_experts_rows
-    from tlx_dist.fused.backends import get_fused_backend
+    from tlx_dist.fused import get_fused_backend
     from tlx_dist.testing import memcheck_mismatch
 
     if not cpu and not torch.cuda.is_available():
@@ -173,17 +173,10 @@ def _check_layout_kernel(torch, dev, dtype, cpu: bool, g) -> list:
     w13 = torch.randn(E, D, 2 * F, generator=g) / D ** 0.5
     w2 = torch.randn(E, F, D, generator=g) / F ** 0.5
     backend = "triton" if cpu else "tlx"
-    from tlx_dist.fused.api import ENV_ROUTING_KERNEL
+    from tlx_dist.fused import FusedConfig
 
-    old, os.environ[ENV_ROUTING_KERNEL] = os.environ.get(ENV_ROUTING_KERNEL), "1"  # the layout kernel's path
-    try:
-        out = fused_experts(x.to(dev, dtype), idx.to(dev), gate.to(dev), w13.to(dev, dtype), w2.to(dev, dtype),
-                            backend=backend)
-    finally:
-        if old is None:
-            os.environ.pop(ENV_ROUTING_KERNEL)
-        else:
-            os.environ[ENV_ROUTING_KERNEL] = old
+    out = fused_experts(x.to(dev, dtype), idx.to(dev), gate.to(dev), w13.to(dev, dtype), w2.to(dev, dtype),
+                        backend=backend, config=FusedConfig(layout_kernel=True))  # the layout kernel's path
     ref = fused_experts(x.double(), idx, gate.double(), w13.double(), w2.double(), backend="reference")
     from tlx_dist.testing import memcheck_mismatch
 

@@ -6,7 +6,7 @@ for compute-sanitizer's memcheck:
 
 Cases: a single token; T not a multiple of the block; E not a power of two; K = 1 and K = E;
 E = 256 with sigmoid scores, the bias and the normalisation; a NaN row and a +inf row. Each is
-compared with the torch ops (``TLX_DIST_ROUTER_KERNEL=0``). Exit 0 and a final
+compared with the torch ops (``Router(kernel=False)``). Exit 0 and a final
 "memcheck router cases: all ok" line when done."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ def main() -> int:
     import torch
 
     from tlx_dist import MoEConfig, Router
-    from tlx_dist.router import ENV_ROUTER_KERNEL
 
     cases = [  # (T, E, K, score, norm, bias, poison)
         (1, 8, 2, "softmax", True, False, False), (37, 12, 3, "softmax", False, True, False),
@@ -37,8 +36,8 @@ def main() -> int:
         if poison and T > 2:
             x[1, 0], x[2, 3] = float("nan"), float("inf")
         res = []
-        for on in ("1", "0"):
-            os.environ[ENV_ROUTER_KERNEL] = on
+        for on in (True, False):
+            r.kernel = on
             xx = x.clone().requires_grad_(True)
             out = r(xx)
             fin = torch.isfinite(out.gate_TK).all(-1)

@@ -1,6 +1,6 @@
 """The one-launch router (``tlx/portable/router.py``: scores, top-K, gates, the losses' sums, and its
 backward) under the Triton interpreter, against the torch ops of ``tlx_dist.router.Router``
-(``TLX_DIST_ROUTER_KERNEL=0``) and an fp64 recomputation from the kernel's own selection:
+(``Router(kernel=False)``) and an fp64 recomputation from the kernel's own selection:
 random and adversarial logits (ties, a NaN row, a +inf row, -inf entries), softmax and sigmoid,
 with and without the normalisation, the balancing bias and a scale, non-power-of-two E, K = 1 and
 K = E, every gradient. Run by tests/test_router_kernel.py in a child pytest (TRITON_INTERPRET=1)."""
@@ -17,15 +17,16 @@ pytest.importorskip("triton")
 
 from _util import make_cfg  # noqa: E402
 from tlx_dist import Router  # noqa: E402
-from tlx_dist.router import ENV_ROUTER_KERNEL, _router_kernel_runs  # noqa: E402
+from tlx_dist.router import _router_kernel_runs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_router_kernel.py (needs TRITON_INTERPRET=1)")
 
 
-def _run(router, x, kernel: bool, monkeypatch, w_TK=None):
-    """Forward + backward of ``sum(gate * w) + aux + z``; returns (out, loss, dx, dW)."""
-    monkeypatch.setenv(ENV_ROUTER_KERNEL, "1" if kernel else "0")
+def _run(router, x, kernel: bool, w_TK=None):
+    """Forward + backward of ``sum(gate * w) + aux + z`` with the router kernel on or off (the torch
+    ops); returns (out, loss, dx, dW)."""
+    router.kernel = kernel
     x = x.detach().clone().requires_grad_(True)
     router.zero_grad(set_to_none=True)
     out = router(x)
@@ -63,7 +64,7 @@ CASES = [  # (E, K, score_func, route_norm, route_scale, bias)
 
 @pytest.mark.parametrize("E,K,score,norm,scale,bias", CASES)
 @pytest.mark.parametrize("T", [1, 45])
-def test_router_kernel_matches_torch_ops(E, K, score, norm, scale, bias, T, monkeypatch):
+def test_router_kernel_matches_torch_ops(E, K, score, norm, scale, bias, T):
     cfg = make_cfg(dim=24, num_experts=E, top_k=K, score_func=score, route_norm=norm, route_scale=scale,
                    load_balance_bias=bias, aux_loss_coef=0.03, z_loss_coef=0.002, dtype="float32", init_std=0.5)
     torch.manual_seed(E * 100 + K * 10 + T)
@@ -74,8 +75,8 @@ def test_router_kernel_matches_torch_ops(E, K, score, norm, scale, bias, T, monk
     x = torch.randn(T, 24)
     w = torch.randn(T, K)
     assert _router_kernel_runs(torch.zeros(1, E), cfg)
-    ko, kl, kdx, kdw = _run(r, x, True, monkeypatch, w)
-    to, tl_, tdx, tdw = _run(r, x, False, monkeypatch, w)
+    ko, kl, kdx, kdw = _run(r, x, True, w)
+    to, tl_, tdx, tdw = _run(r, x, False, w)
     assert torch.equal(ko.idx_TK, to.idx_TK)
     assert ko.idx_TK.dtype == torch.int64 and ko.gate_TK.dtype == torch.float32
     torch.testing.assert_close(ko.gate_TK, to.gate_TK, rtol=1e-6, atol=1e-7)
@@ -162,7 +163,7 @@ def test_router_kernel_adversarial_rows(score, norm):
     torch.testing.assert_close(lk.grad[cmp].double(), l64.grad[cmp], rtol=1e-4, atol=1e-6)
 
 
-def test_router_kernel_one_expert_per_token_counts_all_rows(monkeypatch):
+def test_router_kernel_one_expert_per_token_counts_all_rows():
     """K = 1, every token on expert 0 (a heavy imbalance), T not a multiple of the block: the counts
     cover every row, the aux loss is coef * E * P_0."""
     E = 16
@@ -172,14 +173,14 @@ def test_router_kernel_one_expert_per_token_counts_all_rows(monkeypatch):
         r.weight.copy_(torch.eye(E))
     x = torch.randn(77, E)
     x[:, 0] = 50.0
-    ko, *_ = _run(r, x, True, monkeypatch)
+    ko, *_ = _run(r, x, True)
     assert ko.stats.tokens_per_expert.tolist() == [77] + [0] * (E - 1)
     p0 = torch.softmax(x.double(), -1)[:, 0].mean()
     torch.testing.assert_close(ko.stats.aux_loss.double(), 0.1 * E * p0, rtol=1e-5, atol=0)
     assert float(ko.stats.z_loss) == 0.0
 
 
-def test_router_kernel_moe_layer_matches(monkeypatch):
+def test_router_kernel_moe_layer_matches():
     """A whole MoELayer forward + backward (reference experts) with the router kernel on and off."""
     from tlx_dist import MoELayer
 
@@ -189,7 +190,7 @@ def test_router_kernel_moe_layer_matches(monkeypatch):
     x = torch.randn(23, 16)
     res = []
     for on in (True, False):
-        monkeypatch.setenv(ENV_ROUTER_KERNEL, "1" if on else "0")
+        layer.router.kernel = on
         xx = x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
         y = layer(xx)
@@ -203,23 +204,21 @@ def test_router_kernel_moe_layer_matches(monkeypatch):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_router_kernel_switch(monkeypatch):
+def test_router_kernel_switch():
     cfg = make_cfg(dtype="float32")
     lg = torch.zeros(3, cfg.num_experts)
-    monkeypatch.setenv(ENV_ROUTER_KERNEL, "auto")
     assert _router_kernel_runs(lg, cfg)                                   # CPU, interpreted
     assert not _router_kernel_runs(lg.double(), cfg)                      # fp64 logits: the torch ops
     assert not _router_kernel_runs(lg[:0], cfg)                           # no tokens
     assert not _router_kernel_runs(lg, make_cfg(dtype="float32", num_experts=8, n_group=4, topk_group=2))
-    monkeypatch.setenv(ENV_ROUTER_KERNEL, "0")
-    assert not _router_kernel_runs(lg, cfg)
-    monkeypatch.setenv(ENV_ROUTER_KERNEL, "yes")
-    with pytest.raises(ValueError, match=ENV_ROUTER_KERNEL):
-        _router_kernel_runs(lg, cfg)
+    assert not _router_kernel_runs(lg, cfg, wanted=False)                 # Router(kernel=False)
+    assert Router(cfg).kernel and not Router(cfg, kernel=False).kernel
+    with pytest.raises(TypeError, match=r"kernel='0' must be a bool"):
+        Router(cfg, kernel="0")
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_router_kernel_partial_losses_and_nan_rows(score, monkeypatch):
+def test_router_kernel_partial_losses_and_nan_rows(score):
     """Only some outputs used (the unused ones' gradients arrive as None and their terms are skipped):
     gates only (aux and z coefficients 0), losses only (gates unused); each matches the torch ops.
     A sigmoid row with a NaN logit (the aux loss on): routed around the NaN, its logit gradient NaN
@@ -232,8 +231,8 @@ def test_router_kernel_partial_losses_and_nan_rows(score, monkeypatch):
                        dtype="float32", init_std=0.5)
         r = Router(cfg)
         grads = []
-        for on in ("1", "0"):
-            monkeypatch.setenv(ENV_ROUTER_KERNEL, on)
+        for on in (True, False):
+            r.kernel = on
             xx = x.clone().requires_grad_(True)
             r.zero_grad(set_to_none=True)
             out = r(xx)

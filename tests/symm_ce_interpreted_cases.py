@@ -1,4 +1,4 @@
-"""The copy-engine row form (``symm._ce_mode``, ``tlx_dist/comm/copy_engine.py``) on CPU: the real
+"""The copy-engine row form (``ExchangeConfig.copy_engine``, ``tlx_dist/comm/copy_engine.py``) on CPU: the real
 tlx/comm kernels under TRITON_INTERPRET=1 in an emulated world whose "copy engine" is ``memmove``,
 against the SM row form of the same world (the oracle that the rest of the suite ties to the
 all-to-all reference and to a brute-force fp64 MoE).
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from symm_interpreted_cases import _kind_routing  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 from tlx_dist.fused import fused_experts_rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -152,19 +152,19 @@ def test_ce_dispatch_of_a_rank_that_skips_is_an_error_naming_it():
         world.buffers[0].check()
 
 
-@pytest.mark.parametrize("Ts,chunks", [([7, 5], {"chunk_rows": 4}), ([5, 7, 0, 3], {"chunk_rows": 4}),
-                                       ([7, 5], {"chunk_rows": 12, "tail_rows": 3})], ids=["W2", "W4", "W2_tail"])
+@pytest.mark.parametrize("Ts,chunks", [([7, 5], {"ce_chunk_rows": 4}), ([5, 7, 0, 3], {"ce_chunk_rows": 4}),
+                                       ([7, 5], {"ce_chunk_rows": 12, "ce_tail_rows": 3})], ids=["W2", "W4", "W2_tail"])
 def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts, chunks):
     """3-token counter blocks and 4-row copy chunks (so 3-row chunks, one signal each; the owner with
     fewer tokens than a source copies its own count and the fix-up kernel stores the rest), or one
     12-row chunk cut down (the default's shape: a last copy cut in halves; here 3 + 4 rows): still bit
     for bit the SM row form, every counter back at zero."""
-    import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    import tlx_dist.comm.symm.buffers as sb
+    from tlx_dist.comm.symm import ExchangeConfig
+    from tlx_dist.comm.symm.ce_transport import ce_chunks
     monkeypatch.setattr(sb, "COMB_BLOCK", 3)
-    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "ce", chunks)
-    if "tail_rows" in chunks:
-        assert symm._ce_chunks(7, 3, 12, 3) == [(0, 3), (3, 7)]
+    if "ce_tail_rows" in chunks:
+        assert ce_chunks(7, 3, 12, 3) == [(0, 3), (3, 7)]
     W, E, K, D, Fe = len(Ts), 8, 2, 8, 4
     e, dt, T_max = E // W, torch.float64, max(Ts)
     gen = torch.Generator().manual_seed(6)
@@ -173,7 +173,8 @@ def test_ce_combine_in_chunks_straddling_token_blocks(monkeypatch, Ts, chunks):
     ops = _ops(Ts, "random", W, E, K, D, dt, 2, 17)
     outs = {}
     for ce in (False, True):
-        world = EmulatedWorld(W, T_max, D, K, E, dt, device="cpu", row_regions=2, capacity="worst", copy_engine=ce)
+        world = EmulatedWorld(W, T_max, D, K, E, dt, device="cpu", row_regions=2, capacity="worst",
+                              config=ExchangeConfig(copy_engine="on" if ce else "off", **chunks))
         assert world.buffers[0].layout.comb_block == 3
         outs[ce] = _run(world, ops, w13, w2, e, False, "reference", dt)
         world.close()

@@ -20,8 +20,8 @@ from _dist import run_world  # noqa: E402
 from test_dispatch import _brute_force_receive, _routing  # noqa: E402
 from tlx_dist.comm import AllToAllDispatcher, LocalDispatcher  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
-from tlx_dist.comm.symm import SymmDispatcher, SymmHandle  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError, SymmBuffers, SymmLayout  # noqa: E402
+from tlx_dist.comm.symm import ExchangeConfig, SymmDispatcher, SymmHandle, Tile  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError, SymmBuffers, SymmLayout  # noqa: E402
 from tlx_dist.comm.topology import Topology  # noqa: E402
 
 # Triton fixes interpret-or-compile per kernel when it is decorated, for the whole process, so this
@@ -55,9 +55,10 @@ def _owner_scaled(x, idx, e, dtype):
     return x[:, None, :] * (1 + idx // e)[..., None].to(dtype)
 
 
-def _check_world(W, E, K, Ts, D, kind, dtype=torch.float64):
-    """Dispatch, combine and both gradient ops of an emulated world vs the oracles."""
-    world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, dtype, device="cpu")
+def _check_world(W, E, K, Ts, D, kind, dtype=torch.float64, config=None):
+    """Dispatch, combine and both gradient ops of an emulated world (``config``: its ExchangeConfig)
+    vs the oracles."""
+    world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, dtype, device="cpu", config=config)
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(T, D, generator=gen).to(dtype) for T in Ts]
     idxs = [_kind_routing(10 + s, T, K, E, W, kind) if T else torch.zeros(0, K, dtype=torch.long)
@@ -144,15 +145,16 @@ def test_emulated_edge_shapes():
 
 
 def test_tiles_widen_only_for_few_rows():
-    """symm._tiles: 8 x 512 at the usual widths once there are enough row blocks; wider and shorter
-    tiles (down to 2 x 2048) for few rows; never wider than the row needs."""
-    from tlx_dist.comm.symm import _tiles
+    """A sized-per-launch tile (``tuning._tiles``): 8 x 512 at the usual widths once there are enough
+    row blocks; wider and shorter tiles (down to 2 x 2048) for few rows; never wider than the row
+    needs."""
+    from tlx_dist.comm.symm.tuning import _tiles
     assert _tiles(7168) == (8, 512) and _tiles(7168, 2 * 16384) == (8, 512) and _tiles(7168, 2048) == (8, 512)
     assert _tiles(7168, 1024) == (4, 1024)
     assert _tiles(7168, 128) == _tiles(7168, 1) == (2, 2048)
     assert _tiles(2048, 128) == (2, 2048) and _tiles(1024, 128) == (4, 1024)
     assert _tiles(6, 3) == (512, 8) and _tiles(256, 3) == (16, 256)
-    # the send kernel starts at 1024 columns (symm._DEFAULT_SHAPES); small ops widen to the same tiles
+    # the send kernel starts at 1024 columns (ExchangeConfig().send); small ops widen to the same tiles
     assert _tiles(7168, 2 * 16384, 1024) == (4, 1024) and _tiles(7168, 128, 1024) == (2, 2048)
 
 
@@ -160,9 +162,9 @@ def test_tiles_widen_only_for_few_rows():
 @pytest.mark.parametrize("tiles", [(2, 16), pytest.param((1, 32), marks=pytest.mark.release)], ids=["2x16", "1x32"])
 def test_emulated_world_short_wide_tiles(monkeypatch, tiles):
     """The row-moving kernels with 2-row, 1-row and multi-chunk tiles whose last column chunk is
-    ragged (what symm._tiles picks for few rows at large D, here forced at a small D)."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
+    ragged (what tuning._tiles picks for few rows at large D, here forced at a small D)."""
+    from tlx_dist.comm.symm import tuning
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
     _check_world(2, 8, 3, [5, 4], 40, "random")
     _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
 
@@ -191,14 +193,13 @@ def test_expanded_form_reads_own_rows_from_x(monkeypatch):
     world.close()
 
 
-def test_emulated_many_route_blocks(monkeypatch):
+def test_emulated_many_route_blocks():
     """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
     last one -- the look-back must carry every block's slots into the next, and a second dispatch
     on the same buffers must not read the first one's block status as ready."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 32)
-    world, xs, _ = _check_world(2, 64, 8, [100, 70], 4, "random")
-    _check_world(2, 64, 8, [97, 33], 4, "heavy_imbalance")
+    cfg = ExchangeConfig(route_block=32)
+    world, xs, _ = _check_world(2, 64, 8, [100, 70], 4, "random", config=cfg)
+    _check_world(2, 64, 8, [97, 33], 4, "heavy_imbalance", config=cfg)
     for seed in (40, 41):  # later dispatches on the same buffers (their look-back scratch is reused)
         idxs = [_kind_routing(seed + s, x.shape[0], 8, 64, 2, "random") for s, x in enumerate(xs)]
         gates = [torch.rand(x.shape[0], 8, dtype=torch.float64) for x in xs]
@@ -212,14 +213,12 @@ def test_emulated_many_route_blocks(monkeypatch):
     world.check()
 
 
-def test_emulated_world_copy_ahead_and_route_override(monkeypatch):
-    """The copying form with ``symm.LAUNCH_OVERRIDES``: the send's copy-ahead loop (pipe) at a column
-    chunk that does not divide D, and 4 tokens per route block, against the oracles."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {"send": dict(BLOCK_ROWS=2, BLOCK_D=4, pipe=True),
-                                                   "route": dict(BLOCK_ROWS=4)})
-    _check_world(2, 8, 3, [9, 5], 6, "random")
-    _check_world(4, 16, 3, [3, 5, 7, 9], 6, "heavy_imbalance")
+def test_emulated_world_narrow_chunks_and_route_override():
+    """The copying form with a launch shape of its config: the send at a column chunk that does not
+    divide D, and 4 tokens per route block, against the oracles."""
+    cfg = ExchangeConfig(send=Tile(rows=2, cols=4), route_block=4)
+    _check_world(2, 8, 3, [9, 5], 6, "random", config=cfg)
+    _check_world(4, 16, 3, [3, 5, 7, 9], 6, "heavy_imbalance", config=cfg)
 
 
 def test_route_scratch_is_per_layout():
@@ -238,16 +237,14 @@ def test_route_scratch_is_per_layout():
     world.close()
 
 
-def test_route_lookback_through_aggregates(monkeypatch):
+def test_route_lookback_through_aggregates():
     """The look-back path of concurrent blocks (a predecessor has published only its aggregate), which
-    in-order interpretation never takes by itself: forced for every block, the layout still equals
-    the oracle's -- and a wrong sum along that path fails here."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_ROUTE_AGG_ONLY", True)
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 16)  # 7 / 5 blocks
-    _check_world(2, 64, 8, [100, 70], 4, "random")
-    monkeypatch.setattr(symm, "_ROUTE_BLOCK_T", 4)   # E = 256, K = 8: 8 / 5 blocks of 32 slots
-    _check_world(2, 256, 8, [29, 17], 4, "random")
+    in-order interpretation never takes by itself: forced for every block (``route_agg_only``), the
+    layout still equals the oracle's -- and a wrong sum along that path fails here."""
+    cfg = ExchangeConfig(route_agg_only=True, route_block=16)  # 7 / 5 blocks
+    _check_world(2, 64, 8, [100, 70], 4, "random", config=cfg)
+    cfg = ExchangeConfig(route_agg_only=True, route_block=4)  # E = 256, K = 8: 8 / 5 blocks of 32 slots
+    _check_world(2, 256, 8, [29, 17], 4, "random", config=cfg)
 
 
 def test_repeated_ops_reuse_buffers():
@@ -508,7 +505,7 @@ def layers_agree(a, b) -> torch.Tensor:
 
 
 def test_launches_per_op(monkeypatch):
-    """Launches per op in steady state (issue 8 asks dispatch <= 3, combine <= 2): dispatch is
+    """Launches per op in steady state (the budget: dispatch <= 3, combine <= 2): dispatch is
     _route (single-pass scan + posting the counts), _send_tokens (+ the wait and the layout),
     _expand (+ the readiness for the next op) = 3 and nothing else (no torch op either); combine is
     _reduce_send (+ the wait), _reduce_recv (+ the readiness) = 2."""

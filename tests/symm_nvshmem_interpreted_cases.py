@@ -9,7 +9,7 @@ Run by tests/test_symm_interpreted.py in its TRITON_INTERPRET=1 child."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 
 import pytest
@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 import symm_interpreted_cases as cases  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.comm.symm_buffers import SymmBuffers  # noqa: E402
+from tlx_dist.comm.symm import ExchangeConfig  # noqa: E402
+from tlx_dist.comm.symm.buffers import SymmBuffers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
@@ -27,9 +28,13 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.fixture
 def nodes(monkeypatch):
-    """Makes the peer-pointer cases' worlds span nodes of ``n`` ranks."""
+    """Makes the peer-pointer cases' worlds span nodes of ``n`` ranks, with the flat exchange across
+    them (this file's route; the hierarchical one: tests/symm_hier_*interpreted_cases.py)."""
     def use(n):
-        monkeypatch.setattr(cases, "EmulatedWorld", functools.partial(EmulatedWorld, ranks_per_node=n))
+        def world(*args, config=None, **kw):
+            return EmulatedWorld(*args, ranks_per_node=n, **kw,
+                                 config=dataclasses.replace(config or ExchangeConfig(), topology="flat"))
+        monkeypatch.setattr(cases, "EmulatedWorld", world)
     return use
 
 
@@ -117,7 +122,8 @@ def test_signals_count_exactly_once():
     from tlx_dist.comm.symm import combine_steps, dispatch_grad_steps, dispatch_steps
     W, n, E, K, D = 4, 2, 8, 2, 5
     e = E // W
-    world = EmulatedWorld(W, 6, D, K, E, torch.float64, device="cpu", ranks_per_node=n)
+    world = EmulatedWorld(W, 6, D, K, E, torch.float64, device="cpu", ranks_per_node=n,
+                          config=ExchangeConfig(topology="flat"))
     bufs = world.buffers
     xs = [torch.randn(T, D, dtype=torch.float64) for T in (6, 2, 5, 0)]
     idxs = [cases._routing(s, x.shape[0], K, E, "random") if x.shape[0] else torch.zeros(0, K, dtype=torch.long)

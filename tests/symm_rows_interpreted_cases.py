@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from symm_interpreted_cases import _close, _kind_routing, layers_agree  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld  # noqa: E402
-from tlx_dist.comm.symm import SymmDispatcher, SymmHandle  # noqa: E402
+from tlx_dist.comm.symm import ExchangeConfig, SymmDispatcher, SymmHandle, Tile  # noqa: E402
 from tlx_dist.fused import fused_experts, fused_experts_rows  # noqa: E402
 from tlx_dist.fused.reference import fused_backward_ref, fused_forward_ref  # noqa: E402
 
@@ -45,12 +45,13 @@ def _moe_brute(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD):
 # heavy_imbalance: every slot goes to rank 0's experts (other ranks receive nothing);
 # zero_token_experts: odd experts get no rows (empty segments inside offsets_e).
 # rpn: ranks per emulated node -- peers on other nodes are reached by the (emulated) NVSHMEM route:
-# staged puts of the partial rows and of the given gate gradients.
+# staged puts of the partial rows and of the given gate gradients; with two ranks a node the exchange
+# is the hierarchical one (ExchangeConfig.topology "auto"; test_rows_world_flat_nodes_of_two: the flat).
 @pytest.mark.parametrize("Ts,kind,rpn", [([5, 3], "random", None), ([4, 4], "heavy_imbalance", None),
                                          ([6, 2], "zero_token_experts", None), ([4, 0, 6, 2], "random", None),
                                          ([3, 5, 2, 4], "heavy_imbalance", None), ([5, 3], "random", 1),
                                          ([4, 0, 6, 2], "random", 2)])
-def test_rows_world_matches_brute_force(Ts, kind, rpn):
+def test_rows_world_matches_brute_force(Ts, kind, rpn, config=None):
     W, E, K, D, Fe = len(Ts), 12, 3, 8, 4
     e = E // W
     dt = torch.float64
@@ -63,7 +64,7 @@ def test_rows_world_matches_brute_force(Ts, kind, rpn):
     w2 = torch.randn(E, Fe, D, generator=gen, dtype=dt) * 0.5
     w13s, w2s = [w13[d * e:(d + 1) * e] for d in range(W)], [w2[d * e:(d + 1) * e] for d in range(W)]
 
-    world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, dt, device="cpu", ranks_per_node=rpn)
+    world = EmulatedWorld(W, max(max(Ts), 1), D, K, E, dt, device="cpu", ranks_per_node=rpn, config=config)
     res = world.dispatch_rows(xs, idxs, gates)
     fwd = []
     for d, (recv, src, gate_N, h) in enumerate(res):
@@ -104,44 +105,44 @@ def test_rows_world_matches_brute_force(Ts, kind, rpn):
     world.close()
 
 
+def test_rows_world_flat_nodes_of_two():
+    """Nodes of two over the flat exchange: a sender mixes peer stores and NVSHMEM puts."""
+    test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2, ExchangeConfig(topology="flat"))
+
+
 def test_rows_world_short_wide_tiles(monkeypatch):
-    """The row form with 2-row tiles of two column chunks (what symm._tiles picks for few rows at
+    """The row form with 2-row tiles of two column chunks (what tuning._tiles picks for few rows at
     large D, forced here at D = 8): forward and backward against the brute force."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (2, 4))
+    from tlx_dist.comm.symm import tuning
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (2, 4))
     test_rows_world_matches_brute_force([5, 3], "random", None)
     test_rows_world_matches_brute_force([4, 0, 6, 2], "random", 2)
 
 
-def test_rows_world_launch_overrides(monkeypatch):
-    """``symm.LAUNCH_OVERRIDES`` (what bench/exchange_tiles.py sweeps): a different tile shape and
+def test_rows_world_launch_shapes():
+    """Launch shapes of the config (what bench/exchange_tiles.py sweeps): a different tile shape and
     warp count per row-moving kernel -- one-row tiles, tiles taller than a rank's rows, a column
-    chunk narrower than D -- still give the brute force's forward and backward; an empty dict is
-    the default launch again."""
-    import tlx_dist.comm.symm as symm
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {
-        "send": dict(BLOCK_ROWS=1, BLOCK_D=4, num_warps=8, per_sm=1),
-        "expand": dict(BLOCK_ROWS=16, BLOCK_D=8),
-        "reduce_send": dict(BLOCK_ROWS=4, BLOCK_D=2, num_warps=2),
-        "reduce_recv": dict(BLOCK_ROWS=8, BLOCK_D=16)})
-    assert symm._shape("send", 8, 5, torch.device("cpu"))[:3] == (1, 4, 8)
-    test_rows_world_matches_brute_force([5, 3], "random", None)
-    test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
-    # the copy-ahead loop (pipe) in the send and the row-form reduce_send, column chunks that do and
-    # do not divide D (3 of 4 + 4 / 8), two tokens per route block (a look-back across blocks); over
-    # NVSHMEM (rpn=1) reduce_send keeps its plain loop (the host does not ask for the pipe there)
-    symm.LAUNCH_OVERRIDES.update({
-        "send": dict(BLOCK_ROWS=2, BLOCK_D=4, pipe=True), "reduce_send": dict(BLOCK_ROWS=2, BLOCK_D=8, pipe=True),
-        "route": dict(BLOCK_ROWS=2)})
-    assert symm._pipe("send") == {"PIPE": True} and symm._pipe("reduce_recv") == {}
-    test_rows_world_matches_brute_force([5, 3], "random", None)
-    test_rows_world_matches_brute_force([4, 0, 6, 2], "zero_token_experts", None)
-    test_rows_world_matches_brute_force([5, 3], "random", 1)
-    symm.LAUNCH_OVERRIDES["send"]["BLOCK_D"] = 16  # one chunk wider than D = 8
-    test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None)
-    symm.LAUNCH_OVERRIDES.clear()
+    chunk narrower than D -- still give the brute force's forward and backward; the default
+    config is the sized-per-launch tile again."""
+    from tlx_dist.comm.symm.tuning import _grid, _tiles, launch_shape
+    cfg = ExchangeConfig(send=Tile(rows=1, cols=4, warps=8, per_sm=1), expand=Tile(rows=16, cols=8),
+                         reduce_send=Tile(rows=4, cols=2, warps=2, per_sm=16),
+                         reduce_recv=Tile(rows=8, cols=16, per_sm=16))
     cpu = torch.device("cpu")
-    assert symm._shape("send", 8, 5, cpu) == (*symm._tiles(8, 5, 1024), 4, symm._grid(-(-5 // symm._tiles(8, 5, 1024)[0]), cpu))
+    assert launch_shape(cfg.send, 8, 5, cpu)[:3] == (1, 4, 8)
+    test_rows_world_matches_brute_force([5, 3], "random", None, cfg)
+    test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None, cfg)
+    # column chunks that do and do not divide D (3 of 4 + 4 / 8), two tokens per route block (a
+    # look-back across blocks), and the same over NVSHMEM (rpn=1)
+    cfg = dataclasses.replace(cfg, send=Tile(rows=2, cols=4), reduce_send=Tile(rows=2, cols=8, per_sm=16),
+                              route_block=2)
+    test_rows_world_matches_brute_force([5, 3], "random", None, cfg)
+    test_rows_world_matches_brute_force([4, 0, 6, 2], "zero_token_experts", None, cfg)
+    test_rows_world_matches_brute_force([5, 3], "random", 1, cfg)
+    cfg = dataclasses.replace(cfg, send=Tile(rows=2, cols=16))  # one chunk wider than D = 8
+    test_rows_world_matches_brute_force([3, 5, 2, 4], "heavy_imbalance", None, cfg)
+    send = ExchangeConfig().send
+    assert launch_shape(send, 8, 5, cpu) == (*_tiles(8, 5, 1024), 4, _grid(-(-5 // _tiles(8, 5, 1024)[0]), cpu))
 
 
 @pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5, 2, 4], "heavy_imbalance"), ([4, 0, 6, 2], "random")])
@@ -150,14 +151,16 @@ def test_rows_arrive_block_by_block(monkeypatch, Ts, kind):
     blocks and 4-row send tiles a token block's rows straddle two counters. After the send phase
     each rank's counter (s, j) holds exactly the rows of receive block j from source s (none from
     itself); after the op every counter is back at zero, and the results are right, twice over."""
+    from tlx_dist.comm.symm import tuning
     import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    from tlx_dist.comm.symm import policy
+    import tlx_dist.comm.symm.buffers as sb
     monkeypatch.setattr(sb, "RECV_BLOCK", 3)
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (4, 4))
     W, E, K, D = len(Ts), 12, 3, 8
     world = EmulatedWorld(W, max(Ts), D, K, E, torch.float64, device="cpu")
     bufs = world.buffers
-    assert bufs[0].layout.recv_block == 3 and symm._recv_mode(bufs[0]) == "blocks"
+    assert bufs[0].layout.recv_block == 3 and policy.recv_mode(bufs[0]) == "blocks"
     gen = torch.Generator().manual_seed(5)
     for rep in range(2):
         xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
@@ -455,7 +458,7 @@ def test_region_rows_saved_then_overwritten_raise_in_backward():
     sd.check()
 
 
-# ---- the overlapped row form (SymmDispatcher(overlap=True), issue 9 item 3) ----
+# ---- the overlapped row form (SymmDispatcher(overlap=True)) ----
 
 def _check_phase_runs(h, recv_rows_of, r, T_max, what):
     """``offsets_V``: every local expert's rows cut in three consecutive runs -- rows from sources
@@ -626,7 +629,7 @@ def test_overlapped_rows_wait_times_out_naming_the_peer():
     """A peer whose rows never land (its row send skipped: the counters are taken back here) makes
     the wait give up after the timeout and ``check()`` raise, naming the token rows and the peer --
     no hang."""
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, E, K, D, T = 2, 4, 2, 8, 5
     dt = torch.float64
@@ -758,7 +761,7 @@ def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
     world = EmulatedWorld(len(Ts), max(Ts), D, K, E, torch.float64, device="cpu")
     if comb_mode is not None:
         for b in world.buffers:
-            b._comb_mode = comb_mode
+            b.modes["comb"] = comb_mode  # (pinned: the emulated world would sum by blocks)
     return world
 
 
@@ -768,21 +771,23 @@ def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
                                           pytest.param([5, 3, 6, 2], "heavy_imbalance", True, marks=pytest.mark.release),
                                           ([6, 6], "zero_token_experts", False)])
 def test_combine_counts_partial_rows_per_token_block(monkeypatch, Ts, kind, rows):
-    """The combine's per-token-block arrival counters (CBLK; ``symm._comb_mode`` "blocks" in the
+    """The combine's per-token-block arrival counters (CBLK; ``policy.comb_mode`` "blocks" in the
     emulated world, and on real ranks the counters the one-launch combine sums by). With 3-token
     blocks and 4-row reduce-send tiles a tile's rows straddle blocks and sources. After the send
     phase, source s's counter (d, j) holds the rows of its token block j that rank d sent back: the
     block's tokens that went to d (row form: none from s itself, whose partial rows stay where they
     are). After the op every counter is zero and the output is bit for bit the one-count-per-rank
     path's ("after", the NVSHMEM route's), twice over on the same buffers."""
+    from tlx_dist.comm.symm import tuning
     import tlx_dist.comm.symm as symm
-    import tlx_dist.comm.symm_buffers as sb
+    from tlx_dist.comm.symm import policy
+    import tlx_dist.comm.symm.buffers as sb
     monkeypatch.setattr(sb, "COMB_BLOCK", 3)
-    monkeypatch.setattr(symm, "_tiles", lambda D, rows=None, cols=512: (4, 4))
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512: (4, 4))
     W, E, K, D = len(Ts), 12, 3, 8
     world, ref_world = _comb_world(Ts, D, K, E, monkeypatch), _comb_world(Ts, D, K, E, monkeypatch, "after")
     bufs = world.buffers
-    assert bufs[0].layout.comb_block == 3 and symm._comb_mode(bufs[0]) == "blocks"
+    assert bufs[0].layout.comb_block == 3 and policy.comb_mode(bufs[0]) == "blocks"
     gen = torch.Generator().manual_seed(8)
     for rep in range(2):
         xs = [torch.randn(T, D, generator=gen, dtype=torch.float64) for T in Ts]
@@ -836,7 +841,7 @@ def test_combine_block_wait_names_the_peer_that_skipped():
     hang), and check() raises ExchangeError naming the combine, this rank and the peer."""
     from tlx_dist.comm.emulated import run_lockstep
     from tlx_dist.comm.symm import combine_steps
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
     W, E, K, D, T = 2, 4, 2, 4, 6
     world = EmulatedWorld(W, T, D, K, E, torch.float64, device="cpu", timeout_s=0.002)
     xs = [torch.randn(T, D, dtype=torch.float64) for _ in range(W)]
@@ -850,13 +855,12 @@ def test_combine_block_wait_names_the_peer_that_skipped():
 
 
 def test_one_launch_combine_host_path_on_one_rank(monkeypatch):
-    """The one-launch combine (``_comb_mode`` "overlap", real ranks over peer pointers) run through
+    """The one-launch combine (``comb_mode`` "overlap", real ranks over peer pointers) run through
     the interpreter where it can be: one rank, row form, bf16 -- its summing programs (the launch's
     first) wait for no peer (the own partial rows are read in place), so the sequential interpreter
     runs them to the end. One kernel per combine; its output is the two-launch path's bit for bit,
     twice (the op's end readies the next). fp64 rows (too many registers a thread for programs to
     wait beside the senders) keep two launches."""
-    import tlx_dist.comm.symm as symm
     from tlx.comm import exchange
 
     launched = []
@@ -885,7 +889,7 @@ def test_one_launch_combine_host_path_on_one_rank(monkeypatch):
             part = torch.randn(recv.shape, generator=gen).to(dt)
             outs = []
             for mode in ("overlap", "blocks"):
-                b._comb_mode = mode
+                b.modes["comb"] = mode  # (pinned: one rank of an emulated world would sum by blocks)
                 launched.clear()
                 outs.append(world.combine_rows([part], [h])[0])
                 if mode == "overlap":
@@ -894,5 +898,5 @@ def test_one_launch_combine_host_path_on_one_rank(monkeypatch):
             # token t's row is its own partial row (one rank: nothing else to add)
             assert torch.equal(outs[0], part[h.send_row_TW[:, 0].long()])
             assert not b.comb_block_counters().any()
-        b._comb_mode = None
+        b.modes.pop("comb")
         world.check()

@@ -158,7 +158,7 @@ def test_c_dispatch_binds_the_device_context_once_per_thread(monkeypatch):
 def test_marked_kernel_launches_from_a_fresh_thread():
     """A thread whose first CUDA work is a marked kernel launches it (autograd's device thread is such
     a thread when a backward starts with one of ours: before _bind_context, "invalid device context
-    (201)" from the C dispatcher -- tests/test_fused_ep_gpu.py run on its own, session 16)."""
+    (201)" from the C dispatcher, seen with tests/test_fused_ep_gpu.py run on its own)."""
     import threading
 
     import torch

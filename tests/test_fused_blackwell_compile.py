@@ -40,6 +40,7 @@ def _blackwell_launches() -> dict:
     import torch
 
     import tlx.blackwell.fused_moe as kernels
+    from tlx_dist.fused import FusedConfig
     from tlx_dist.fused import tlx_backend as tb
 
     calls = []
@@ -59,10 +60,9 @@ def _blackwell_launches() -> dict:
     w13_EDF2 = torch.empty(E, D, 2 * F, dtype=torch.bfloat16, **meta)
     w2_EFD = torch.empty(E, F, D, dtype=torch.bfloat16, **meta)
     offsets_E = torch.empty(E, dtype=torch.int32, **meta)
+    # the gathered forms (LAUNCHES); the copies' forms are compiled in test_copy_forms_compile
+    gathered = FusedConfig(x_rows="gather", dout_rows="gather")
     with pytest.MonkeyPatch.context() as mp, tlx.override(arch="sm_100", tlx=True):
-        # the gathered forms (LAUNCHES); the copies' forms are compiled in test_copy_forms_compile
-        mp.setenv("TLX_DIST_FUSED_DOUT", "gather")
-        mp.setenv("TLX_DIST_FUSED_X", "gather")
         assert tb._tlx_prims() is tb._Blackwell
         mp.setattr(kernels, "_fused_mm_blackwell_kernel", _Record(kernels._fused_mm_blackwell_kernel))
         mp.setattr(kernels, "_fused_wgrad_blackwell_kernel", _Record(kernels._fused_wgrad_blackwell_kernel))
@@ -72,8 +72,9 @@ def _blackwell_launches() -> dict:
             lambda off, n, x=None: torch.empty(off.shape[0] + 1, dtype=torch.int32, device=off.device)))
         mp.setattr(tb._Blackwell, "wgrad_order", staticmethod(lambda off: torch.empty_like(off)))
         mp.setattr(tb, "_grid", lambda device, bound: max(1, min(_NUM_SMS, bound)))
-        _out, h_N2F = tb._tlx_forward(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T)
-        tb._tlx_backward(torch.empty_like(x_TD), x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
+        _out, h_N2F = tb._tlx_forward(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, config=gathered)
+        tb._tlx_backward(torch.empty_like(x_TD), x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F,
+                         config=gathered)
     assert len(calls) == len(LAUNCHES), f"{len(calls)} launches, expected {list(LAUNCHES)}"
     out = {}
     for form, (fn, args, kwargs) in zip(LAUNCHES, calls):
@@ -121,23 +122,13 @@ def test_tlx_primitives_follow_the_arch():
 
 
 def test_blackwell_configs_fit():
-    """Every default sm_100 config fits shared memory and TMEM; bad fields are named."""
-    from tlx_dist.fused.tlx_backend import BLACKWELL_FORMS, BlackwellFusedTileConfig, _env_overrides
+    """Every default sm_100 config fits shared memory and TMEM and passes its form's checks (the
+    fields' own errors: tests/test_fused_config.py)."""
+    from tlx_dist.fused.config import BLACKWELL_FORMS
 
     for form, cfg in BLACKWELL_FORMS.items():
         assert cfg.smem_bytes(form) <= _SMEM_LIMIT and cfg.tmem_cols(form) <= 512, (form, cfg)
-    # LAG = STAGES would wait for a stage whose signal it has not sent (tlx/blackwell/fused_moe.py).
-    with pytest.raises(ValueError, match=r"BlackwellFusedTileConfig.LAG=4 must be in \[0, STAGES - 1 = 3\]"):
-        BlackwellFusedTileConfig(STAGES=4, LAG=4)
-    with pytest.raises(ValueError, match=r"BlackwellFusedTileConfig.EPI_BN=256 must be <= BN=128"):
-        BlackwellFusedTileConfig(EPI_BN=256)
-    with pytest.raises(ValueError, match=r"BlackwellFusedTileConfig.LOAD_WARPS=2 must be 1 or 4"):
-        BlackwellFusedTileConfig(LOAD_WARPS=2)
-    with pytest.raises(ValueError, match=r"needs 1024 TMEM columns"):
-        _env_overrides("swiglu:BN=256,BK=16,STAGES=2,LAG=1", "sm_100")
-    with pytest.raises(ValueError, match=r"unknown field 'REGS'.*BlackwellFusedTileConfig"):
-        _env_overrides("swiglu:REGS=232", "sm_100")  # a Hopper field
-    assert _env_overrides("dswiglu:STAGES=5,LAG=4", "sm_100")["dswiglu"].LAG == 4
+        cfg.check_form(form, form)
 
 
 @pytest.mark.parametrize("form", list(LAUNCHES))
@@ -172,7 +163,7 @@ def _resources(k):
 
 @pytest.mark.parametrize("form", list(LAUNCHES))
 def test_fused_blackwell_kernels_compile(form):
-    from tlx_dist.fused.tlx_backend import BLACKWELL_FORMS
+    from tlx_dist.fused.config import BLACKWELL_FORMS
 
     k = _compiled(form)
     ptx = k.asm["ptx"]
@@ -236,8 +227,8 @@ def test_fused_blackwell_virtual_experts_compile():
 
 @pytest.mark.parametrize("form", ["dswiglu_copy", "swiglu_copy"])
 def test_copy_forms_compile(form):
-    """TLX_DIST_FUSED_DOUT=copy / TLX_DIST_FUSED_X=copy: dSwiGLU / SwiGLU read their A operand (the
-    expert-major copy of dout / x) in place by TMA -- no row gathers -- within the shared-memory limit."""
+    """FusedConfig dout_rows / x_rows "copy": dSwiGLU / SwiGLU read their A operand (the expert-major
+    copy of dout / x) in place by TMA -- no row gathers -- within the shared-memory limit."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -33,11 +33,11 @@ pytestmark = pytest.mark.skipif(not tlx.tlx_available(), reason="TLX (fbtriton) 
 # form -> (operand gathered by cp.async?, scatter epilogue?)
 FORMS = {
     "swiglu": (True, False),     # GEMM 1: x[src] @ w13, SwiGLU epilogue
-    "swiglu_copy": (False, False),  # the same from an expert-major copy of x (TLX_DIST_FUSED_X=copy)
+    "swiglu_copy": (False, False),  # the same from an expert-major copy of x (FusedConfig.x_rows "copy")
     "scatter": (False, True),    # GEMM 2: out[dst] += gate * (a @ w2)
     "scatter_t": (False, True),  # dX of GEMM 1: dx[src] += dh @ w13^T (K-major weight)
     "dswiglu": (True, False),    # dX of GEMM 2: dout[dst] @ w2^T, dSwiGLU + gate-gradient epilogue
-    "dswiglu_copy": (False, False),  # the same from an expert-major copy of dout (TLX_DIST_FUSED_DOUT=copy)
+    "dswiglu_copy": (False, False),  # the same from an expert-major copy of dout (dout_rows "copy")
     "wgrad_a": (True, False),    # dW13 = x[src]^T @ dh
     "wgrad_b": (True, False),    # dW2 = ag^T @ dout[dst]
 }
@@ -74,39 +74,6 @@ def test_fused_hopper_kernels_compile(form):
         assert all(".relaxed.add" in a for a in f32_atomics), "scatter epilogue: relaxed fp32 atomic adds"
 
 
-@pytest.mark.parametrize("fields", [dict(STAGES=4, LAG=2), dict(BN=64, STAGES=7, LAG=5)])
-def test_fused_hopper_dswiglu_prefetch_h_compiles(fields):
-    """dSwiGLU with PREFETCH_H: h comes by TMA (four more bulk-tensor loads in the producer, none of
-    the epilogue's global h loads), the whole ring + h tile within 227 KB."""
-    import dataclasses
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
-
-    def compile_(cfg):
-        fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu", cfg=cfg)
-        return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 128), options=opts)
-
-    cfg = dataclasses.replace(FORMS["dswiglu"], PREFETCH_H=1, EARLY_H=0, **fields)  # (EARLY_H: the default)
-    assert cfg.smem_bytes("dswiglu") <= _SMEM_LIMIT
-    pre, base = compile_(cfg), compile_(dataclasses.replace(cfg, PREFETCH_H=0))
-    assert pre.metadata.shared <= _SMEM_LIMIT
-    assert pre.metadata.shared >= base.metadata.shared + 2 * cfg.BM * cfg.BN * 2, "no shared h tile"
-
-    def tma_loads(k):
-        return len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", k.asm["ptx"]))
-
-    def global_vector_loads(k):  # the epilogue's h loads (index and tile-walk loads are scalar)
-        return len(re.findall(r"ld\.global(?:\.\w+)*\.v\d\.b(?:16|32)\b", k.asm["ptx"]))
-
-    assert tma_loads(pre) > tma_loads(base), "PREFETCH_H adds the h tile's TMA loads"
-    assert global_vector_loads(base) > 0 and global_vector_loads(pre) == 0, "the epilogue still reads h from global"
-
-
 def test_fused_hopper_dswiglu_early_h_compiles():
     """dSwiGLU with EARLY_H: L2 prefetches of the h tile before the main loop (prefetch.global.L2),
     no extra shared memory, the epilogue's h loads unchanged."""
@@ -116,14 +83,15 @@ def test_fused_hopper_dswiglu_early_h_compiles():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+    from tlx_dist.fused.config import FORMS
+    from tlx_dist.fused.tlx_backend import kernel_signature
 
     def compile_(cfg):
         fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu", cfg=cfg)
         return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 128), options=opts)
 
-    assert FORMS["dswiglu"].EARLY_H == 1  # the default since session 11
+    assert FORMS["dswiglu"].EARLY_H == 1  # the default
     early, base = compile_(FORMS["dswiglu"]), compile_(dataclasses.replace(FORMS["dswiglu"], EARLY_H=0))
 
     def count(k, pat):
@@ -155,7 +123,8 @@ def test_fused_hopper_epilogue_warp_group_compiles(form, fields):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+    from tlx_dist.fused.config import FORMS
+    from tlx_dist.fused.tlx_backend import kernel_signature
 
     cfg = dataclasses.replace(FORMS["scatter" if form == "scatter_t" else form], **fields)
     fn, sig, constexprs, attrs, opts = kernel_signature(form, cfg=cfg)
@@ -179,7 +148,8 @@ def test_fused_hopper_dswiglu_pingpong_compiles(fields):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+    from tlx_dist.fused.config import FORMS
+    from tlx_dist.fused.tlx_backend import kernel_signature
 
     def compile_(cfg):
         fn, sig, constexprs, attrs, opts = kernel_signature("dswiglu_copy", cfg=cfg)
@@ -204,7 +174,8 @@ def test_fused_hopper_epilogue_warp_group_refuses_swiglu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tlx_dist.fused.tlx_backend import FORMS, kernel_signature
+    from tlx_dist.fused.config import FORMS
+    from tlx_dist.fused.tlx_backend import kernel_signature
 
     cfg = dataclasses.replace(FORMS["swiglu"], EPI_WG=1, REGS=152, EPI_REGS=152)
     fn, sig, constexprs, attrs, opts = kernel_signature("swiglu", cfg=cfg)
@@ -235,7 +206,8 @@ def _portable_launches(arch: str) -> dict:
     import torch
 
     import tlx.portable.fused_moe as kernels
-    from tlx_dist.fused.backends import _Portable, get_fused_backend
+    from tlx_dist.fused import get_fused_backend
+    from tlx_dist.fused.backends import _Portable
 
     calls = []
 

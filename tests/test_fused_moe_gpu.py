@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tlx
-from tlx_dist.fused import fused_experts, fused_experts_ref
+from tlx_dist.fused import FusedConfig, fused_experts, fused_experts_ref
 from tlx_dist.testing import assert_close_ksum_bf16, assert_close_to_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -41,43 +41,31 @@ def _per_expert(offsets, fn):
         lo = hi
 
 
-# The epilogue warp group (Hopper config EPI_WG; the scatter default since session 13) for the forms
-# that take it (dSwiGLU from gathered dout rows and from dout's expert-major copy, the scatters), and
-# the same forms with the epilogue inline (the consumers run it after their main loop).
-_W1 = "EPI_WG=1,REGS=136,EPI_REGS=184,STAGES=4,LAG=2,EPI_COLS=32"
-EPI_WG = f"dswiglu:{_W1};dswiglu_copy:{_W1};scatter:EPI_WG=1,REGS=152,EPI_REGS=152,EPI_COLS=32"
-INLINE = "scatter:EPI_WG=0,REGS=232,STAGES=4;dswiglu_copy:EPI_WG=0,PINGPONG=0,REGS=216,STAGES=6,LAG=4"
+# Tile-field overrides of the Hopper forms (``FusedConfig.from_dict``: fields replacing those of the
+# form's base default). The epilogue warp group (EPI_WG; the scatter default) for the forms that take
+# it (dSwiGLU from gathered dout rows and from dout's expert-major copy, the scatters), and the same
+# forms with the epilogue inline (the consumers run it after their main loop).
+_W1 = dict(EPI_WG=1, REGS=136, EPI_REGS=184, STAGES=4, LAG=2, EPI_COLS=32)
+EPI_WG = dict(dswiglu=_W1, dswiglu_copy=_W1, scatter=dict(EPI_WG=1, REGS=152, EPI_REGS=152, EPI_COLS=32))
+INLINE = dict(scatter=dict(EPI_WG=0, REGS=232, STAGES=4),
+              dswiglu_copy=dict(EPI_WG=0, PINGPONG=0, REGS=216, STAGES=6, LAG=4))
 # one epilogue warp group per consumer (EPI_WG=2, five warp groups)
-_W2 = "EPI_WG=2,REGS=104,EPI_REGS=120,STAGES=4,LAG=2,EPI_COLS=16"
-EPI_WG2 = f"dswiglu:{_W2};dswiglu_copy:{_W2};scatter:EPI_WG=2,REGS=104,EPI_REGS=120,EPI_COLS=32"
-
-
-@pytest.fixture
-def fused_config(monkeypatch):
-    """``fused_config(spec)``: the fused kernels resolve their tile configs from ``spec``
-    (TLX_DIST_FUSED_CONFIG syntax) from now on, until the test ends."""
-    from tlx_dist.fused import tlx_backend
-
-    def use(spec):
-        monkeypatch.setenv(tlx_backend.ENV_FUSED_CONFIG, spec)
-        tlx_backend._CACHE.clear()
-
-    yield use
-    tlx_backend._CACHE.clear()  # the next test resolves from its own environment
+_W2 = dict(EPI_WG=2, REGS=104, EPI_REGS=120, STAGES=4, LAG=2, EPI_COLS=16)
+EPI_WG2 = dict(dswiglu=_W2, dswiglu_copy=_W2, scatter=dict(EPI_WG=2, REGS=104, EPI_REGS=120, EPI_COLS=32))
 
 
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
-@pytest.mark.parametrize("spec", ["", INLINE, EPI_WG], ids=["default", "inline", "epi_wg"])
-def test_tlx_primitives_vs_fp64(spec, fused_config):
+@pytest.mark.parametrize("spec", [{}, INLINE, EPI_WG], ids=["default", "inline", "epi_wg"])
+def test_tlx_primitives_vs_fp64(spec):
     """Each TLX kernel (Hopper or Blackwell) against its fp64 definition, bounded by the portable kernel's error on the
     same inputs. Routing has an empty expert, an expert of one row, a 300-row expert (three M
     tiles) and 40 padding rows whose indices are out of range (never read). ``epi_wg``: the Hopper
     scatter and dSwiGLU forms with their epilogue in its own warp group (config EPI_WG)."""
     if spec and tlx.gpu_arch() != "sm_90":
         pytest.skip("EPI_WG is a Hopper option")  # (the Hopper fields are unknown to the sm_100 configs)
-    fused_config(spec)
     H, P = _prims()
+    H, P = H(FusedConfig.from_dict(spec)), P()
     g = torch.Generator(DEV).manual_seed(0)
     T, D, F, counts = 256, 192, 128, [0, 1, 300, 99, 0, 112, 0, 0]
     E, live = len(counts), sum(counts)
@@ -136,7 +124,7 @@ def test_tlx_primitives_vs_fp64(spec, fused_config):
 @pytest.mark.timeout(240, method="thread")
 @pytest.mark.parametrize("spec", [EPI_WG, EPI_WG2], ids=["one_wg", "wg_per_consumer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec, fused_config):
+def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec):
     """EPI_WG moves the scatter and dSwiGLU epilogues into their own warp group, which reads each
     consumer's fp32 accumulator from shared memory in column chunks while the consumers run the
     next tile: the same fp32 values go through the same math, so dh and ag match the inline
@@ -149,7 +137,6 @@ def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec, fused_conf
         pytest.skip("EPI_WG is a Hopper option")
     from tlx_dist.fused.tlx_backend import _tlx_prims
 
-    p = _tlx_prims()
     g = torch.Generator(DEV).manual_seed(3)
     T, D, F = 3000, 320, 192
     counts = [0, 1, 2570, 0, 1300, 640, 0, 4000, 3, 129, 2000, 0]
@@ -165,18 +152,18 @@ def test_epilogue_warp_group_matches_the_inline_epilogue(dtype, spec, fused_conf
     dout = torch.randn(T, D, device=DEV, generator=g).to(dtype)
     offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
     got = {}
-    for cfg in (INLINE, spec):
-        fused_config(cfg)
+    for name, cfg in (("inline", INLINE), ("epi", spec)):
+        p = _tlx_prims()(FusedConfig.from_dict(cfg))
         tc = p.tile_cum(offs, N, x)
         h, a = p.gate_up_swiglu(x, src, w13, offs, tc)
         out = p.down_scatter(a, w2, offs, dst, gate, T, tc)
         dh, ag, dgate = p.down_dswiglu(dout, dst, w2, offs, h, gate, tc)
         dx = p.down_scatter(dh, w13.transpose(1, 2), offs, src, None, T, tc)
-        # dSwiGLU from dout's expert-major copy (TLX_DIST_FUSED_DOUT=copy: A by TMA, its own config)
+        # dSwiGLU from dout's expert-major copy (dout_rows "copy": A by TMA, its own config)
         dhc, agc, dgatec = p.down_dswiglu(dout.index_select(0, dst.clamp(0, T - 1)), None, w2, offs, h, gate, tc)
         torch.cuda.synchronize()
-        got[cfg] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate, dhc=dhc, agc=agc, dgatec=dgatec)
-    inline, epi = got[INLINE], got[spec]
+        got[name] = dict(dh=dh, ag=ag, out=out, dx=dx, dgate=dgate, dhc=dhc, agc=agc, dgatec=dgatec)
+    inline, epi = got["inline"], got["epi"]
     for k in ("dh", "ag", "dhc", "agc"):
         assert epi[k].dtype == dtype
         a_, b_ = epi[k].float(), inline[k].float()
@@ -234,45 +221,40 @@ def _grads(fn, x, idx, gate, w13, w2, dout, dtype):
 @pytest.mark.timeout(240, method="thread")
 @pytest.mark.parametrize("dout", ["gather", "copy", "copy_pingpong", "xcopy"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_vs_separate_vs_fp64(case, dout, monkeypatch, fused_config):
-    """``dout``: how the backward reads the upstream gradient's rows (TLX_DIST_FUSED_DOUT): by index
-    in dSwiGLU and dW2, or from one expert-major copy that both read in place; ``copy_pingpong``: the
-    copy with dSwiGLU's ping-pong consumers (Hopper config PINGPONG; written after session 13's last
-    device call); ``xcopy``: both dout's and x's rows copied (TLX_DIST_FUSED_X=copy: SwiGLU reads x's
-    copy in place, dW13 is the plain grouped dW)."""
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X
-
+def test_fused_vs_separate_vs_fp64(case, dout):
+    """``dout``: how the backward reads the upstream gradient's rows (``FusedConfig.dout_rows``): by
+    index in dSwiGLU and dW2, or from one expert-major copy that both read in place;
+    ``copy_pingpong``: the copy with dSwiGLU's ping-pong consumers (Hopper config PINGPONG);
+    ``xcopy``: both dout's and x's rows copied (``x_rows`` "copy": SwiGLU reads x's copy in place,
+    dW13 is the plain grouped dW)."""
+    tiles = {}
     if dout == "copy_pingpong":
         if tlx.gpu_arch() != "sm_90":
             pytest.skip("PINGPONG is a Hopper option")
-        fused_config("dswiglu_copy:EPI_WG=0,PINGPONG=1,REGS=232,EPI_COLS=32")
-    monkeypatch.setenv(ENV_FUSED_DOUT, "copy" if dout == "xcopy" else dout.split("_")[0])
-    monkeypatch.setenv(ENV_FUSED_X, "copy" if dout == "xcopy" else "gather")
+        tiles = dict(dswiglu_copy=dict(EPI_WG=0, PINGPONG=1, REGS=232, EPI_COLS=32))
+    config = FusedConfig.from_dict(dict(tiles, dout_rows="copy" if dout == "xcopy" else dout.split("_")[0],
+                                        x_rows="copy" if dout == "xcopy" else "gather"))
     _, T, D, F, E, K, kind, _ = case
-    _fused_separate_fp64(T, D, F, E, K, kind)
+    _fused_separate_fp64(T, D, F, E, K, kind, config)
 
 
 @needs_tlx
 @pytest.mark.timeout(240, method="thread")
-def test_fused_deep_reduction_defaults_vs_fp64(monkeypatch, fused_config):
+def test_fused_deep_reduction_defaults_vs_fp64():
     """The defaults at a deep reduction (D = 4096 >= DSWIGLU_PINGPONG_MIN_D) and a wide F (16 column
     tiles: GROUP_M 8): on Hopper dSwiGLU from the dout copy runs the ping-pong consumers
     (DSWIGLU_COPY_DEEP), as Mixtral and DeepSeek-V3 per rank do; nothing forced."""
-    from tlx_dist.fused import tlx_backend as tb
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X
+    from tlx_dist.fused import fused_tile_config
 
-    monkeypatch.delenv(ENV_FUSED_DOUT, raising=False)
-    monkeypatch.delenv(ENV_FUSED_X, raising=False)
-    fused_config("")
     if tlx.gpu_arch() == "sm_90":
-        cfg = tb.fused_config("dswiglu_copy", 2048, "sm_90", 4096)
+        cfg = fused_tile_config("dswiglu_copy", 2048, "sm_90", 4096)
         assert cfg.PINGPONG == 1 and cfg.GROUP_M == 8
     _fused_separate_fp64(260, 4096, 2048, 4, 2, "random")
 
 
-def _fused_separate_fp64(T, D, F, E, K, kind):
-    """fused vs separate vs the fp64 reference, forward and every gradient, under the environment the
-    caller set (row modes, tile configs)."""
+def _fused_separate_fp64(T, D, F, E, K, kind, config=None):
+    """fused (under ``config``: row modes, tile configs) vs separate vs the fp64 reference, forward
+    and every gradient."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, D, generator=g, dtype=torch.float64).to(DEV)
     w13 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / D ** 0.5).to(DEV)
@@ -282,7 +264,7 @@ def _fused_separate_fp64(T, D, F, E, K, kind):
     dout = torch.randn(T, D, generator=g, dtype=torch.float64).to(DEV)
     ref = _grads(fused_experts_ref, x, idx, gate, w13, w2, dout, torch.float64)
     same = _grads(fused_experts_ref, x, idx, gate, w13, w2, dout, BF16)
-    fused = _grads(lambda *a: fused_experts(*a, backend="tlx"), x, idx, gate, w13, w2, dout, BF16)
+    fused = _grads(lambda *a: fused_experts(*a, backend="tlx", config=config), x, idx, gate, w13, w2, dout, BF16)
     sep = _grads(_separate, x, idx, gate, w13, w2, dout, BF16)
     for i, name in enumerate(["out", "dx", "dgate", "dw13", "dw2"]):
         assert_close_to_ref(fused[i], ref[i], same[i], dtype=BF16, name=f"fused {name}")

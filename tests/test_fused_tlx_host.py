@@ -4,9 +4,9 @@ kernel's signature.
 
 The kernels themselves need a GPU (and are compiled in test_fused_compile.py /
 test_fused_blackwell_compile.py); what this covers is the Python between ``fused_experts`` and the
-launch -- descriptors, optional operands, tile configs and env overrides -- which no other CPU test
-executes. Session 6 shipped a launcher that read ``h.shape`` for forms that pass no ``h``; it
-failed at the first fused launch on the GPU, and this test fails on it.
+launch -- descriptors, optional operands, tile configs and the config's row modes -- which no other
+CPU test executes: a launcher that reads, say, ``h.shape`` for a form that passes no ``h`` fails
+here rather than at the first fused launch on a GPU.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def _grouped_wgrad_recorder(monkeypatch, calls):
 
     from tlx_dist.grouped_gemm import backends as gb
 
-    def wgrad(a, b, offsets, order=None, trusted=False):
-        calls.append(("grouped_wgrad", dict(a=a, b=b, order=order, trusted=trusted)))
+    def wgrad(a, b, offsets, config=None, order=None, trusted=False):
+        calls.append(("grouped_wgrad", dict(a=a, b=b, config=config, order=order, trusted=trusted)))
         return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
 
     real = gb.get_backend
@@ -96,24 +96,26 @@ def _grouped_wgrad_recorder(monkeypatch, calls):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-@pytest.mark.parametrize("env", ["", "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2", "dswiglu:EARLY_H=1"])
+@pytest.mark.parametrize("early_h", [True, False])
 @pytest.mark.parametrize("rows", ["gather", "auto"])
-def test_every_launch_binds_to_its_kernel(arch, env, rows, monkeypatch):
-    """``rows``: TLX_DIST_FUSED_DOUT / _X; ``auto`` at this F (128) copies dout's rows on Hopper
-    (dSwiGLU reads them by TMA, dW2 is the plain grouped dW) and gathers x's; Blackwell gathers both."""
-    from tlx_dist.fused import tlx_backend as tb
-    from tlx_dist.fused.backends import ENV_FUSED_DOUT, ENV_FUSED_X, compose_backward, compose_forward
+def test_every_launch_binds_to_its_kernel(arch, early_h, rows, monkeypatch):
+    """``rows``: the config's x_rows / dout_rows; ``auto`` at this F (128) copies dout's rows on
+    Hopper (dSwiGLU reads them by TMA, dW2 is the plain grouped dW) and gathers x's; Blackwell
+    gathers both. ``early_h``: the gathered dSwiGLU's default (EARLY_H on), or a pinned config
+    without it (Hopper)."""
+    import dataclasses
 
-    if env and arch != "sm_90":
-        pytest.skip("PREFETCH_H / EARLY_H are Hopper options")
-    if env and rows != "gather":
-        pytest.skip("PREFETCH_H / EARLY_H overrides name the gathered dSwiGLU form")
-    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, env)
-    monkeypatch.setenv(ENV_FUSED_DOUT, rows)
-    monkeypatch.setenv(ENV_FUSED_X, rows)
-    monkeypatch.setattr(tb, "_CACHE", {})
+    from tlx_dist.fused import FusedConfig
+    from tlx_dist.fused import tlx_backend as tb
+    from tlx_dist.fused.backends import compose_backward, compose_forward
+    from tlx_dist.fused.config import FORMS
+
+    if not early_h and (arch != "sm_90" or rows != "gather"):
+        pytest.skip("EARLY_H is an option of Hopper's gathered dSwiGLU form")
+    config = FusedConfig(x_rows=rows, dout_rows=rows,
+                         dswiglu=None if early_h else dataclasses.replace(FORMS["dswiglu"], EARLY_H=0))
     calls = []
-    p = _prims(arch, monkeypatch, calls)
+    p = _prims(arch, monkeypatch, calls)(config)
     _grouped_wgrad_recorder(monkeypatch, calls)
     x, tok, gate, w13, w2, offsets = _operands()
     T, D = x.shape
@@ -133,30 +135,40 @@ def test_every_launch_binds_to_its_kernel(arch, env, rows, monkeypatch):
     grouped = [c for n, c in calls if n == "grouped_wgrad"]
     assert len(grouped) == copied and all(c["b"].shape == (tok.shape[0], D) for c in grouped)
     # the routing's int32 offsets and longest-first order are handed on (no clamp or order launch)
-    assert all(c["trusted"] is True and c["order"] is not None for c in grouped)
-    if copied and arch == "sm_90":  # the copy form's own config: one epilogue warp group per consumer
-        assert mm[2]["EPI_WG"] == tb.FORMS["dswiglu_copy"].EPI_WG == 2 and mm[2]["PINGPONG"] is False
-    if arch == "sm_90" and not copied:
-        # the dSwiGLU launch takes the h descriptor exactly when the override asks for it
-        # EARLY_H is the dSwiGLU default (session 11); asking for PREFETCH_H turns it off
-        pre, early = "PREFETCH_H" in env, "PREFETCH_H" not in env
-        assert [c["PREFETCH_H"] for c in mm] == [False, False, pre, False]
-        assert (mm[2]["h_desc"] is not None) == pre
-        assert [c["EARLY_H"] for c in mm] == [False, False, early, False]
+    assert all(c["trusted"] is True and c["order"] is not None and c["config"] is None for c in grouped)
+    if copied:  # the copy form's own config: one epilogue warp group per consumer
+        assert mm[2]["EPI_WG"] == FORMS["dswiglu_copy"].EPI_WG == 2 and mm[2]["PINGPONG"] is False
+    if arch == "sm_90":
+        # the consumers' early h loads: the dSwiGLU default, off when the pinned config says so
+        assert [c["EARLY_H"] for c in mm] == [False, False, early_h, False]
+        assert "PREFETCH_H" not in mm[2] and "h_desc" not in mm[2]
 
 
-def test_prefetch_h_falls_back_when_f_is_not_a_tile_multiple(monkeypatch):
-    """F % BN != 0: the gate box would cross into the up half, so the launch reads h directly."""
-    from tlx_dist.fused import tlx_backend as tb
+def test_pinned_tile_configs_reach_their_launches(monkeypatch):
+    """A config's tile fields are what the launches get: the form's pinned config as it is (no
+    GROUP_M width rule on top), the others the default; the grouped dW of the row copies gets
+    ``wgrad_copy``."""
+    import dataclasses
+
+    from tlx_dist.fused import FusedConfig
     from tlx_dist.fused.backends import compose_backward, compose_forward
+    from tlx_dist.fused.config import FORMS
+    from tlx_dist.grouped_gemm import GroupedGemmConfig
 
-    monkeypatch.setenv(tb.ENV_FUSED_CONFIG, "dswiglu:PREFETCH_H=1,STAGES=4,LAG=2")
-    monkeypatch.setenv("TLX_DIST_FUSED_DOUT", "gather")  # PREFETCH_H: the gathered form's option
-    monkeypatch.setattr(tb, "_CACHE", {})
+    swiglu = dataclasses.replace(FORMS["swiglu"], STAGES=3, LAG=1)
+    wgrad_b = dataclasses.replace(FORMS["wgrad_b"], STAGES=4, LAG=2)
+    copy_dw = GroupedGemmConfig(128, 128, 64, 4)
     calls = []
-    p = _prims("sm_90", monkeypatch, calls)
-    x, tok, gate, w13, w2, offsets = _operands(F=96)
+    p = _prims("sm_90", monkeypatch, calls)(FusedConfig(swiglu=swiglu, wgrad_b=wgrad_b, dout_rows="gather",
+                                                        x_rows="copy", wgrad_copy=copy_dw))
+    _grouped_wgrad_recorder(monkeypatch, calls)
+    x, tok, gate, w13, w2, offsets = _operands()
     out, h = compose_forward(p, x, tok, tok, gate, w13, w2, offsets, x.shape[0])
     compose_backward(p, torch.randn_like(out), x, tok, tok, gate, w13, w2, offsets, h)
-    dsw = [c for n, c in calls if "wgrad" not in n and c["EPILOGUE"] == tb.DSWIGLU]
-    assert len(dsw) == 1 and dsw[0]["PREFETCH_H"] is False and dsw[0]["h_desc"] is None
+    mm = [c for n, c in calls if "wgrad" not in n]
+    assert (mm[0]["NUM_STAGES"], mm[0]["LAG"], mm[0]["CONSUMER_REGS"]) == (3, 1, swiglu.REGS)
+    assert mm[1]["NUM_STAGES"] == FORMS["scatter"].STAGES  # not pinned: the default
+    wg = [c for n, c in calls if "wgrad" in n and n != "grouped_wgrad"]
+    assert [(c["B_GATHER"], c["NUM_STAGES"], c["LAG"]) for c in wg] == [(True, 4, 2)]  # dW2; dW13 from the x copy
+    grouped = [c for n, c in calls if n == "grouped_wgrad"]
+    assert len(grouped) == 1 and grouped[0]["config"] == copy_dw

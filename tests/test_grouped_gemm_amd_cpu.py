@@ -77,7 +77,7 @@ def _one_case(cfg, programs, counts, N, D, F, why):
     dws = {}
     for schedule in ("lpt", "static"):
         dw = torch.full((E, D, F), float("nan"), dtype=torch.bfloat16)
-        _wgrad_with(cfg, "gfx942", x, dy, off, dw, schedule=schedule, **run)
+        _wgrad_with(SimpleNamespace(**vars(cfg), dw_order=schedule), "gfx942", x, dy, off, dw, **run)
         assert_close_to_ref(dw, grouped_mm_wgrad_ref(x.double(), dy.double(), off), grouped_mm_wgrad_ref(x, dy, off),
                             name=f"dW {schedule} {what}")
         for e, c in enumerate(counts):

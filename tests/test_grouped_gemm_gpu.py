@@ -9,10 +9,13 @@ Outputs are poisoned: before each call the caching allocator hands out memory we
 so an element the kernel forgot to write shows up as NaN (and padding rows must be exactly zero).
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
+
+import tlx
 
 pytestmark = pytest.mark.gpu
 
@@ -21,6 +24,7 @@ if not torch.cuda.is_available():  # pragma: no cover - collected on CPU CI, ski
 
 from tlx_dist.grouped_gemm import grouped_mm, grouped_mm_wgrad  # noqa: E402
 from tlx_dist.grouped_gemm.backends import available_backends, get_backend  # noqa: E402
+from tlx_dist.grouped_gemm.config import GroupedGemmConfig, grouped_mm_config  # noqa: E402
 from tlx_dist.grouped_gemm.reference import grouped_mm_ref, grouped_mm_wgrad_ref  # noqa: E402
 
 DEV = "cuda"
@@ -54,7 +58,7 @@ def _zipf_counts(total, E, s=1.2, seed=0):
     return c.tolist()
 
 
-def _all_forms(backend, counts, N, D, F, dtype=torch.bfloat16, seed=0):
+def _all_forms(backend, counts, N, D, F, dtype=torch.bfloat16, seed=0, config=None):
     torch.manual_seed(seed)
     E = len(counts)
     off = _offsets(counts)
@@ -62,21 +66,22 @@ def _all_forms(backend, counts, N, D, F, dtype=torch.bfloat16, seed=0):
     w = torch.randn(E, D, F, device=DEV, dtype=dtype) / math.sqrt(D)
     dy = torch.randn(N, F, device=DEV, dtype=dtype)
     b = get_backend(backend)
+    kw = {} if config is None else {"config": config}
     end = int(sum(counts))
 
     _poison(N * F * 2)
-    y = b.mm(x, w, off)
+    y = b.mm(x, w, off, **kw)
     _close(y, grouped_mm_ref(x, w, off), grouped_mm_ref(x.double(), w.double(), off), f"{backend} fwd")
     assert (y[end:] == 0).all(), f"{backend} fwd: padding rows not zero"
 
     wt = w.transpose(1, 2)  # K-contiguous view, as dX uses it
     _poison(N * D * 2)
-    dx = b.mm(dy, wt, off)
+    dx = b.mm(dy, wt, off, **kw)
     _close(dx, grouped_mm_ref(dy, wt, off), grouped_mm_ref(dy.double(), wt.double(), off), f"{backend} dX")
     assert (dx[end:] == 0).all(), f"{backend} dX: padding rows not zero"
 
     _poison(E * D * F * 2)
-    dw = b.wgrad(x, dy, off)
+    dw = b.wgrad(x, dy, off, **kw)
     _close(dw, grouped_mm_wgrad_ref(x, dy, off), grouped_mm_wgrad_ref(x.double(), dy.double(), off),
            f"{backend} dW")
     for e, c in enumerate(counts):
@@ -208,18 +213,18 @@ LPT_CASES = [
 
 @needs_tlx
 @pytest.mark.parametrize("counts,N,D,F,why", LPT_CASES, ids=[c[-1][:40] for c in LPT_CASES])
-def test_tlx_dw_lpt_matches_static_and_ref(counts, N, D, F, why, monkeypatch):
+def test_tlx_dw_lpt_matches_static_and_ref(counts, N, D, F, why):
     x, dy, off, dw = _wgrad_check(counts, N, D, F, f"tlx dW lpt ({why})")
     # Same tiles, same K order, only the walk differs: the static walk must agree bit for bit.
-    monkeypatch.setenv("TLX_DIST_GROUPED_MM_DW_SCHED", "static")
-    dw_static = get_backend("tlx").wgrad(x, dy, off)
+    cfg = grouped_mm_config("dW", N, len(counts), D, F, tlx.gpu_arch())
+    dw_static = get_backend("tlx").wgrad(x, dy, off, config=dataclasses.replace(cfg, dw_order="static"))
     assert torch.equal(dw, dw_static), "lpt and static dW walks differ (they must be bitwise equal)"
     # Deterministic across runs despite the atomic claims.
-    monkeypatch.setenv("TLX_DIST_GROUPED_MM_DW_SCHED", "lpt")
-    assert torch.equal(dw, get_backend("tlx").wgrad(x, dy, off)), "dW not deterministic"
+    assert cfg.dw_order == "lpt"  # the default walk
+    assert torch.equal(dw, get_backend("tlx").wgrad(x, dy, off, config=cfg)), "dW not deterministic"
     # The fused pipeline's call (its routing's int32 offsets and longest-first order handed in, the
     # clamp and order launches skipped): the same result bit for bit.
-    from tlx_dist.grouped_gemm.tlx_backend import _lpt_order
+    from tlx_dist.grouped_gemm.host import lpt_order as _lpt_order
 
     off32 = off.to(torch.int32).contiguous()
     dw_t = get_backend("tlx").wgrad(x, dy, off32, order=_lpt_order(off32), trusted=True)
@@ -227,17 +232,47 @@ def test_tlx_dw_lpt_matches_static_and_ref(counts, N, D, F, why, monkeypatch):
 
 
 @needs_tlx
-@pytest.mark.parametrize("cfg", ["", "BM=128,BN=256,BK=64,STAGES=3,GROUP_M=8", "BM=128,BN=128,BK=64,STAGES=5,GROUP_M=8",
-                                 "BM=256,BN=128,BK=64,STAGES=3,GROUP_M=8", "BM=128,BN=256,BK=32,STAGES=6,GROUP_M=8"])
-def test_tlx_wide_forms_group_raster(cfg, monkeypatch):
+@pytest.mark.parametrize("cfg", [None, (128, 256, 64, 3, 8), (128, 128, 64, 5, 8), (256, 128, 64, 3, 8),
+                                 (128, 256, 32, 6, 8)], ids=str)
+def test_tlx_wide_forms_group_raster(cfg):
     # Wide outputs take the GROUP_M raster by default (fwd: F=4096, dX: D=4096, dW: F=4096); the
     # m-tile count (27 + padding) is no multiple of GROUP_M, so the last group is partial. Also the
-    # autotune candidates, pinned one by one.
-    if cfg:
-        monkeypatch.setenv("TLX_DIST_GROUPED_MM_CONFIG", cfg)
+    # autotune candidates, pinned one by one (config=).
     counts = [1000, 0, 1, 1500, 37, 500]
     for D, F in ((256, 4096), (4096, 256)):
-        _all_forms("tlx", counts, 3100, D, F)
+        _all_forms("tlx", counts, 3100, D, F, config=None if cfg is None else GroupedGemmConfig(*cfg))
+
+
+@needs_tlx
+def test_tuned_and_pinned_config_through_grouped_mm():
+    # tune_grouped_mm picks one of this GPU's candidates; grouped_mm(config=) runs it in the forward
+    # and in both backward forms, with the same results as the default tiles (up to fp32 order).
+    from tlx_dist.grouped_gemm import tune_grouped_mm
+    from tlx_dist.grouped_gemm.config import tile_spec
+
+    torch.manual_seed(5)
+    counts = [700, 0, 1, 1300, 37, 562]
+    N, D, F = 2600, 256, 512
+    off = _offsets(counts)
+    x = torch.randn(N, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(counts), D, F, device=DEV, dtype=torch.bfloat16) / 16).requires_grad_()
+    cfg = tune_grouped_mm(x.detach(), w.detach(), off)
+    assert cfg in tile_spec(tlx.gpu_arch()).candidates
+    dy = torch.randn(N, F, device=DEV, dtype=torch.bfloat16)
+    grads = {}
+    for name, c in (("default", None), ("tuned", cfg), ("narrow", GroupedGemmConfig(128, 128, 64, 4))):
+        x.grad = w.grad = None
+        y = grouped_mm(x, w, off, backend="tlx", config=c)
+        y.backward(dy)
+        grads[name] = (y.detach(), x.grad, w.grad)
+    x64, w64 = x.detach().double(), w.detach().double()
+    want = (grouped_mm_ref(x64, w64, off), grouped_mm_ref(dy.double(), w64.transpose(1, 2), off),
+            grouped_mm_wgrad_ref(x64, dy.double(), off))
+    same = (grouped_mm_ref(x.detach(), w.detach(), off), grouped_mm_ref(dy, w.detach().transpose(1, 2), off),
+            grouped_mm_wgrad_ref(x.detach(), dy, off))
+    for name, got in grads.items():
+        for what, g, s_, r in zip(("y", "dx", "dw"), got, same, want):
+            _close(g, s_, r, f"{name} config: {what}")
 
 
 @needs_tlx

@@ -77,7 +77,7 @@ def test_tma_operand_check_is_traceable_without_dynamo():
     the custom op (which checks the real pointer) instead of raising "Cannot access data pointer"."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tlx_dist.grouped_gemm.tlx_backend import _tma_2d_reason
+    from tlx_dist.grouped_gemm.host import tma_2d_reason as _tma_2d_reason
 
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 

@@ -95,12 +95,11 @@ def test_auto_backend_on_cpu_and_alignment_fallback():
         assert order.index("torch") < order.index("triton")
 
 
-def test_env_pins_backend(monkeypatch):
-    monkeypatch.setenv("TLX_DIST_GROUPED_MM_BACKEND", "reference")
-    assert select_backend(torch.randn(4, 16), torch.randn(2, 16, 8)).name == "reference"
-    monkeypatch.setenv("TLX_DIST_GROUPED_MM_BACKEND", "nope")
+def test_argument_pins_backend():
+    assert select_backend(torch.randn(4, 16), torch.randn(2, 16, 8)).name == "torch"
+    assert select_backend(torch.randn(4, 16), torch.randn(2, 16, 8), "reference").name == "reference"
     with pytest.raises(ValueError, match="backend='nope'"):
-        select_backend(torch.randn(4, 16), torch.randn(2, 16, 8))
+        select_backend(torch.randn(4, 16), torch.randn(2, 16, 8), "nope")
 
 
 def test_opcheck_and_compile():

@@ -201,7 +201,7 @@ def test_forward_does_not_keep_the_last_steps_graph(coef):
     outputs are gone: the layer's own ``last_stats`` (logits and losses, in the graph) must not keep
     the old AccumulateGrad node alive into the next forward. Autograd would reuse that node with the
     stream it was made on, and a CUDA-graph capture after one eager step on the default stream then
-    fails in its backward (cudaErrorStreamCaptureImplicit; session 7's benchmark captures)."""
+    fails in its backward (cudaErrorStreamCaptureImplicit, as the benchmark's captures once did)."""
     torch.manual_seed(0)
     layer = MoELayer(make_cfg(aux_loss_coef=coef, z_loss_coef=coef))
     x = torch.randn(6, layer.cfg.dim)
@@ -213,3 +213,38 @@ def test_forward_does_not_keep_the_last_steps_graph(coef):
     assert "first_step" not in _router_accumulator(y2, layer.router.weight).metadata, \
         "the previous step's AccumulateGrad node was reused: something still holds its graph"
     assert layer.last_stats is not None and torch.isfinite(layer.aux_loss)
+
+
+def test_launch_configs_reach_the_layers_ops():
+    """``gemm_config`` (the separate pipeline's TLX tiles) and ``fused_config`` (the fused
+    pipeline's launch choices) are checked at construction and handed to the ops at each forward;
+    the router kernel is a plain switch on the layer's router."""
+    from tlx_dist.fused import FusedConfig
+    from tlx_dist.grouped_gemm import GroupedGemmConfig
+
+    cfg = make_cfg(dtype="float64")
+    torch.manual_seed(0)
+    x = torch.randn(9, cfg.dim, dtype=torch.float64)
+    base = MoELayer(cfg, pipeline="fused")
+    tuned = MoELayer(cfg, pipeline="fused", fused_config=FusedConfig(dout_rows="gather", layout_kernel=False))
+    tuned.load_state_dict(base.state_dict())
+    torch.testing.assert_close(tuned(x), base(x), rtol=0, atol=0)  # row modes: the same values
+    pinned = MoELayer(cfg, pipeline="separate", gemm_config=GroupedGemmConfig())
+    assert not MoELayer(cfg, gemm_config=GroupedGemmConfig())._fused(x)  # a pinned tile config: separate
+    # on CPU the grouped GEMM runs on a backend without tiles (fp64: the reference loop): the pinned
+    # config is an error at the call, not dropped
+    with pytest.raises(ValueError, match=r"config= pins the TLX kernels' tile config, but backend 'reference'"):
+        pinned(x)
+    with pytest.raises(ValueError, match=r"pipeline='fused' .* takes no gemm_config"):
+        MoELayer(cfg, pipeline="fused", gemm_config=GroupedGemmConfig())
+    with pytest.raises(ValueError, match=r"fused_config applies to the fused pipeline"):
+        MoELayer(cfg, pipeline="separate", fused_config=FusedConfig())
+    with pytest.raises(TypeError, match=r"gemm_config must be a GroupedGemmConfig or None, got str"):
+        MoELayer(cfg, gemm_config="128x256x64")
+    with pytest.raises(TypeError, match=r"fused_config must be a FusedConfig or None, got dict"):
+        MoELayer(cfg, fused_config={"dout_rows": "gather"})
+    sep = MoELayer(cfg, pipeline="separate")
+    sep.load_state_dict(base.state_dict())
+    y_kernel = sep(x)
+    sep.router.kernel = False  # the torch ops (on CPU without the interpreter both are the torch ops)
+    torch.testing.assert_close(sep(x), y_kernel, rtol=0, atol=0)

@@ -222,6 +222,77 @@ def test_group_routing_never_picks_a_masked_expert_even_when_scores_are_negative
     assert sorted(r(x).idx_TK.tolist()[0]) == [2, 3]
 
 
+def _groups_used(idx_TK: torch.Tensor, S: int) -> torch.Tensor:
+    """``[T]`` number of distinct expert groups (of S contiguous experts) each token picked."""
+    g = (idx_TK // S).sort(dim=1).values
+    return 1 + (g[:, 1:] != g[:, :-1]).sum(1)
+
+
+NEG = float("-inf")
+# (id, E, n_group, topk_group, top_k, bias rule, why). The bias adds to the selection scores only;
+# -inf on an expert removes it from selection as a caller masking experts would.
+INF_CASES = [
+    ("two_dead_groups", 8, 4, 3, 6, lambda e: NEG if e // 2 in (1, 3) else 0.0,
+     "the reported case: two all-(-inf) groups, topk_group=3, K=6 -- one dead group must be chosen (they "
+     "tie), and its -inf experts must fill K, not those of the other dead group"),
+    ("all_dead", 12, 4, 2, 6, lambda e: NEG, "every selection score -inf: every group ties"),
+    ("k_fills_dead_groups", 12, 4, 3, 9, lambda e: NEG if e // 3 != 0 else 0.0,
+     "K = topk_group * S with two of the chosen groups all -inf: all 9 experts of the 3 chosen groups"),
+    ("ties", 16, 4, 2, 5, lambda e: 0.0, "x = 0: every score 0.5, every group ties, every expert ties"),
+    ("one_dead_member", 12, 4, 2, 6, lambda e: NEG if e % 3 == 2 else 0.0,
+     "every group has one -inf member (group scores stay finite); K fills both chosen groups, -inf included"),
+]
+
+
+@pytest.mark.parametrize("case", INF_CASES, ids=[c[0] for c in INF_CASES])
+def test_group_limit_holds_with_minus_inf_and_ties(case):
+    """A token's experts span at most topk_group groups, are distinct, and come from groups whose
+    score is among its topk_group best (ties allowed), whatever ties -inf selection scores make.
+    The mask of excluded groups used to be -inf too, so here the top-K took experts of 4 groups."""
+    _, E, G, TG, K, rule, _why = case
+    torch.manual_seed(0)
+    cfg = make_cfg(dtype="float64", num_experts=E, top_k=K, n_group=G, topk_group=TG, score_func="sigmoid",
+                   load_balance_bias=True)
+    r = Router(cfg)
+    bias = torch.tensor([rule(e) for e in range(E)], dtype=torch.float64)
+    r.expert_bias.copy_(bias)
+    x = torch.zeros(64, cfg.dim, dtype=torch.float64) if case[0] == "ties" else torch.randn(64, cfg.dim,
+                                                                                          dtype=torch.float64)
+    out = r(x)
+    S = E // G
+    idx = out.idx_TK
+    assert (_groups_used(idx, S) <= TG).all(), _groups_used(idx, S)
+    assert (idx.sort(1).values[:, 1:] != idx.sort(1).values[:, :-1]).all(), "an expert picked twice"
+    sel = torch.sigmoid(x @ r.weight.T) + bias
+    group_TG = sel.view(-1, G, S).topk(min(2, S), -1).values.sum(-1)
+    cut = group_TG.topk(TG, -1).values[:, -1:]                     # the topk_group-th best group score
+    picked = group_TG.gather(1, idx // S)
+    assert (picked >= cut).all()
+    # Within the chosen groups the picks are the K best (no finite expert of a chosen group left out
+    # for a -inf one): the smallest picked selection score is >= every unpicked one of those groups.
+    chosen = torch.zeros(64, G, dtype=torch.bool).scatter_(1, idx // S, True).repeat_interleave(S, 1)
+    unpicked = chosen.clone().scatter_(1, idx, False)
+    worst_pick = sel.gather(1, idx).min(1).values
+    best_left = torch.where(unpicked, sel, NEG).max(1).values
+    assert (worst_pick >= best_left).all()
+    if case[0] == "one_dead_member":
+        assert (sel.gather(1, idx) == NEG).any(1).all()              # K=6 of 6 reached the -inf members
+
+
+def test_group_limited_layer_matches_loop_with_minus_inf_members():
+    """fp64 layer vs the per-token loop (output, losses, every gradient) when chosen groups hold
+    -inf selection scores: one member of each group of 3 is -inf, K fills both chosen groups, so
+    the -inf members must be picked from the chosen groups (group scores are random: no ties)."""
+    torch.manual_seed(1)
+    cfg = make_cfg(dtype="float64", num_experts=12, top_k=6, n_group=4, topk_group=2, score_func="sigmoid",
+                   load_balance_bias=True, aux_loss_coef=0.01, z_loss_coef=1e-3)
+    layer = MoELayer(cfg)
+    layer.router.expert_bias.copy_(torch.tensor([NEG if e % 3 == 2 else 0.3 * (e % 5) for e in range(12)]))
+    x = torch.randn(20, cfg.dim, dtype=torch.float64, requires_grad=True)
+    idx = _layer_vs_loop_fp64(layer, x)
+    assert (_groups_used(idx, 3) <= 2).all() and (idx % 3 == 2).sum(1).eq(2).all()
+
+
 # --- NaN policy for the router losses ------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [dict(), dict(score_func="sigmoid", n_group=4, topk_group=2)],

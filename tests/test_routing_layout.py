@@ -10,6 +10,8 @@ import pytest
 import torch
 from _interp import run_interpreted_suite
 
+from tlx_dist.fused.backends import Primitives
+
 pytest.importorskip("triton")
 
 
@@ -18,10 +20,11 @@ def test_routing_layout_interpreted():
     run_interpreted_suite("routing_interpreted_cases.py", timeout=300)
 
 
-class _Prims:
-    """Primitives that record what the composition asks for (no kernels)."""
+class _Prims(Primitives):
+    """Primitives that record what the composition asks for (no kernels; the default config)."""
 
     def __init__(self):
+        super().__init__()
         self.calls = []
 
     def tile_cum(self, offsets_E, n_rows, x):
@@ -72,18 +75,16 @@ def test_composition_uses_the_precomputed_schedule(given):
 
 
 def test_routing_kernel_switch(monkeypatch):
+    """The layout kernel runs where it can (CUDA; CPU only interpreted) unless the config turns it off
+    (``FusedConfig.layout_kernel``)."""
     import types
 
     from tlx_dist.fused import api
 
     cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
     cpu = types.SimpleNamespace(device=torch.device("cpu"))
-    for interp, env, want_cuda, want_cpu in (("0", "auto", True, False), ("1", "auto", False, True),
-                                             ("1", "1", False, True), ("0", "1", True, False), ("1", "0", False, False)):
+    for interp, wanted, want_cuda, want_cpu in (("0", True, True, False), ("1", True, False, True),
+                                                ("0", False, False, False), ("1", False, False, False)):
         monkeypatch.setenv("TRITON_INTERPRET", interp)
-        monkeypatch.setenv(api.ENV_ROUTING_KERNEL, env)
-        assert api._routing_kernel_runs(cuda) is want_cuda, (interp, env)
-        assert api._routing_kernel_runs(cpu) is want_cpu, (interp, env)
-    monkeypatch.setenv(api.ENV_ROUTING_KERNEL, "yes")
-    with pytest.raises(ValueError, match=api.ENV_ROUTING_KERNEL):
-        api._routing_kernel_runs(cuda)
+        assert api._routing_kernel_runs(cuda, wanted) is want_cuda, (interp, wanted)
+        assert api._routing_kernel_runs(cpu, wanted) is want_cpu, (interp, wanted)

@@ -50,17 +50,17 @@ def _specs(amd: bool = False):
                    BARRIER=True, E=E, EP=E, NC=E + W, USE_NVSHMEM=False, OFFS_CAP=W * T_MAX * K, LOCAL_ROWS=False,
                    LOCAL_X=True,  # the expanded form: this rank's own rows stay in x
                    RAW_META=False, BLK_SIGNAL=False, RECV_ROLE=False, RB=64, NRB=T_MAX // 64, RCV_R=64, RCV_D=256,
-                   ROWS_REGION=False, PIPE=False, SPLIT=0, BULK=0, BULK_DP=1, DENSE=False,
+                   ROWS_REGION=False, SPLIT=0, DENSE=False,
                    **tiles, **wait,
                    **o("OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_STATE", "OFF_FLAGS", "OFF_COUNTS",
                        "OFF_RBLK"))
     rsend_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                      peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rsend_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, ACC=tl.float32, BLOCK_R=8, **tiles, BARRIER=True,
-                    USE_NVSHMEM=False, PIPE=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
+                    USE_NVSHMEM=False, CBLK_SIGNAL=False, CB=32, NCB=T_MAX // 32, RECV_ROLE=False,
                     RR_T=8, RR_D=512, END=False, WP3=32, DENSE=False,
                     **wait, **o("OFF_ARRIVE", "OFF_COMB", "OFF_STATE", "OFF_FLAGS", "OFF_CBLK"))
-    # the one-launch combine (symm._comb_mode "overlap"): per-token-block counters, and summing
+    # the one-launch combine (policy.comb_mode "overlap"): per-token-block counters, and summing
     # programs that read this rank's partial rows where they are (row form) or from COMB
     rsend_recv_sig = dict(rsend_sig, N_RECV="i32", out_ptr="*bf16", send_row_ptr="*i32", T="i32", PART_ADDR="i64")
     rsend_recv_cx = dict(rsend_cx, CBLK_SIGNAL=True, RECV_ROLE=True, END=True, RR_T=1, RR_D=512)  # W = 8
@@ -73,9 +73,9 @@ def _specs(amd: bool = False):
         "_route_kernel": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
                  counts_ptr="*i64", T="i32", NB_MAX="i32", peers_ptr="*i64", RANK="i32"),
-            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # symm._route's
+            dict(K=K, KP=8, E=E, EP=E, W=W, WP=8, E_LOCAL=E // W, NC=E + W, NCP=512, BLOCK_T=128,  # launch._route's
                  USE_NVSHMEM=False, AGG_ONLY=False, DENSE=False, **wait, **o("OFF_STATE", "OFF_FLAGS", "OFF_COUNTS"))),
-        # the copy-engine row form (symm._ce_mode): the dense layout's route, send (META, gates, own rows;
+        # the copy-engine row form (policy.ce_mode): the dense layout's route, send (META, gates, own rows;
         # SPLIT=1), combine-backward send with per-block receive copies, block sums; the copies' kernels
         "_route_kernel[dense]": ("_route_kernel",
             dict(idx_ptr="*i64", scratch_ptr="*i64", q_ptr="*i32", dest_ptr="*i32", send_row_ptr="*i32",
@@ -111,7 +111,7 @@ def _specs(amd: bool = False):
         # the row form: this rank's own rows go straight to the op's output (OWN_ADDR)
         "_send_tokens_kernel[rows]": ("_send_tokens_kernel", send_sig, dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False)),
         # ... on real ranks over peer pointers: per-block arrival counters, and receiving programs that
-        # copy the other sources' rows out as they land (symm._recv_mode "overlap")
+        # copy the other sources' rows out as they land (policy.recv_mode "overlap")
         "_send_tokens_kernel[rows_overlap]": ("_send_tokens_kernel", send_sig,
                                               dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, BLK_SIGNAL=True,
                                                    RECV_ROLE=True, RAW_META=True)),
@@ -153,7 +153,7 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel": ("_reduce_send_kernel", rsend_sig, dict(rsend_cx, GATED=True, ROWS=False)),
         "_reduce_send_kernel[rows_recv]": ("_reduce_send_kernel", rsend_recv_sig,
                                            dict(rsend_recv_cx, GATED=False, ROWS=True)),
-        # ... at the summing tile symm._comb_recv_shape gives each W (~4096 / W elements a rank)
+        # ... at the summing tile tuning._comb_recv_shape gives each W (~4096 / W elements a rank)
         **{f"_reduce_send_kernel[rows_recv_w{w}]": ("_reduce_send_kernel", rsend_recv_sig,
                                                     dict(rsend_recv_cx, GATED=False, ROWS=True, W=w, WP=w,
                                                          RR_T=max(1, 4096 // w // 512), RR_D=512))
@@ -166,12 +166,6 @@ def _specs(amd: bool = False):
         "_reduce_send_kernel[blk]": ("_reduce_send_kernel", rsend_sig,
                                      dict(rsend_cx, GATED=False, ROWS=True, CBLK_SIGNAL=True)),
         "_reduce_recv_kernel[rows_blk]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True, BLK=True)),
-        # the copy-ahead loop (a launch-shape option of the sweep, symm.LAUNCH_OVERRIDES "pipe")
-        "_send_tokens_kernel[rows_region_pipe]": ("_send_tokens_kernel", send_sig,
-                                                  dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
-                                                       ROWS_REGION=True, PIPE=True, BLOCK_T=4, BLOCK_D=1024)),
-        "_reduce_send_kernel[rows_pipe]": ("_reduce_send_kernel", rsend_sig,
-                                           dict(rsend_cx, GATED=False, ROWS=True, PIPE=True)),
         # the overlapped row form (symm.RowsOverlap): META + gates + own rows in the op (SPLIT=1), the
         # peers' rows after it with region-counter adds and no barrier (SPLIT=2), the arrival wait and
         # the gate/up GEMM's virtual-expert offsets
@@ -181,18 +175,6 @@ def _specs(amd: bool = False):
         "_send_tokens_kernel[split2]": ("_send_tokens_kernel", send_sig,
                                         dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, WITH_META=False,
                                              BARRIER=False, ROWS_REGION=True, SPLIT=2)),
-        **({} if amd else {
-            # bulk-copy row moves (TLX; symm.LAUNCH_OVERRIDES "bulk"): the region form, the overlapped
-            # form's row half, and the expanded form (own rows stay in x)
-            "_send_tokens_kernel[rows_region_bulk]": ("_send_tokens_kernel", send_sig,
-                                                      dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, RAW_META=True,
-                                                           ROWS_REGION=True, BULK=3, BULK_DP=8192, BLOCK_T=4,
-                                                           BLOCK_D=1024)),
-            "_send_tokens_kernel[split2_bulk]": ("_send_tokens_kernel", send_sig,
-                                                 dict(send_cx, LOCAL_ROWS=True, LOCAL_X=False, WITH_META=False,
-                                                      BARRIER=False, ROWS_REGION=True, SPLIT=2, BULK=3,
-                                                      BULK_DP=8192)),
-            "_send_tokens_kernel[bulk]": ("_send_tokens_kernel", send_sig, dict(send_cx, BULK=6, BULK_DP=8192))}),
         "_rows_wait_kernel": ("_rows_wait_kernel",
                               dict(want_ptr="*i64", peers_ptr="*i64", RANK="i32", RCNT_OFF="i64"),
                               dict(W=W, OFF_STATE=0, **wait)),
@@ -203,7 +185,7 @@ def _specs(amd: bool = False):
         "_reduce_recv_kernel": ("_reduce_recv_kernel", rrecv_sig, rrecv_cx),
         # the row form: this rank's own partial rows are read from the reduce-send's input (PART_ADDR)
         "_reduce_recv_kernel[rows]": ("_reduce_recv_kernel", rrecv_sig, dict(rrecv_cx, LOCAL_ROWS=True)),
-        # few rows (symm._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
+        # few rows (tuning._tiles): 2 x 2048 tiles, so that T = 128 still spreads over many programs
         "_send_tokens_kernel[wide]": ("_send_tokens_kernel", send_sig, dict(send_cx, BLOCK_T=2, BLOCK_D=2048)),
         "_expand_kernel[wide]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=True, GATE_GRAD=False, END=True,
                                                                 BLOCK_R=2, BLOCK_D=2048, LOCAL_X=True)),
@@ -274,11 +256,7 @@ def _compile_all(arch: str) -> dict:
                              timer=ptx.count("%globaltimer"), nvshmem=ptx.count("nvshmem"),
                              ld16=ptx.count("ld.global.b16"), st16=ptx.count("st.global.b16"),
                              ld_v4=ptx.count("ld.global.v4"), st_v4=ptx.count("st.global.v4"),
-                             bulk_st=ptx.count("cp.async.bulk.global.shared::cta"),
-                             bulk_ld=ptx.count("cp.async.bulk.shared::cta.global"),
-                             bulk_read_wait=ptx.count("cp.async.bulk.wait_group.read"),
-                             bulk_drain=ptx.count("cp.async.bulk.wait_group 0;"),
-                             proxy_fence=ptx.count("fence.proxy.async.global"), shared=k.metadata.shared,
+                             shared=k.metadata.shared,
                              **dict(zip(("spill_bytes", "regs"), _ptxas_info(ptx, arch))))
     return out
 
@@ -315,8 +293,8 @@ def test_kernels_compile_with_signal_semantics(compiled):
     for name in ("_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel"):
         assert compiled[name]["st"] > 0 and compiled[name]["ld"] > 0, f"{name}: no row copy"
     # No heavy register spills at DeepSeek-V3 sizes (E = 256): the layout pass of the barrier wait
-    # (then a one-CTA kernel of its own) once built an [E, E] tile and spilled 45 KB per thread (the likely cause of its
-    # ~120 us per op on an H200). A few registers' worth (the expand kernel: 96 B on sm_90) is noise.
+    # (then a one-CTA kernel of its own) once built an [E, E] tile and spilled tens of KB per thread, a slow op
+    # on the GPU. A few registers' worth (the expand kernel's, on sm_90) is noise.
     for name, info in compiled.items():
         assert info.get("spill_bytes", 0) <= 256, f"{name}: ptxas spills {info['spill_bytes']} bytes per thread"
     # Row form: the receive rows stay put (no row copy in the index pass), partial rows still go home,
@@ -325,12 +303,6 @@ def test_kernels_compile_with_signal_semantics(compiled):
     assert compiled["_expand_kernel[rows_dgate]"]["timer"] == 0, "rows_dgate waits for nothing"
     assert compiled["_expand_kernel[rows_dgate]"]["release"] > 0, "rows_dgate: no release of the answers"
     assert compiled["_reduce_send_kernel[rows]"]["release"] > 0 and compiled["_reduce_send_kernel[rows]"]["st"] > 0
-    # the copy-ahead loop still moves rows in 16-byte vectors (NVIDIA) and keeps its signals
-    for name in ("_send_tokens_kernel[rows_region_pipe]", "_reduce_send_kernel[rows_pipe]"):
-        info = compiled[name]
-        assert info["release"] > 0 and info["st"] > 0 and info["ld"] > 0, name
-        if "ld_v4" in info:
-            assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved in 16-byte vectors"
     # Static capacity: the send still opens with a bounded barrier (readiness), the expand kernel
     # now waits for the counts too (more bounded polls than the plain dispatch expand).
     for name in ("_send_tokens_kernel[raw]", "_send_tokens_kernel[rows_raw]"):
@@ -351,14 +323,14 @@ def test_kernels_compile_with_signal_semantics(compiled):
         assert r["release"] > p["release"] and r["acquire"] > p["acquire"] and r["timer"] > p["timer"], name
         assert r["st"] > p["st"] and r["ld"] > p["ld"], f"{name}: no summing of the arrived rows"
     assert compiled["_reduce_send_kernel[blk]"]["release"] > 0
-    # Its summing programs (up to 4 an SM, symm._comb_recv_shape) wait for senders of the same launch:
+    # Its summing programs (up to 4 an SM, tuning._comb_recv_shape) wait for senders of the same launch:
     # at <= 64 registers a thread 8 CTAs of 4 warps fit an SM, so senders always find room beside them.
     if "regs" in compiled["_reduce_send_kernel[rows_recv]"]:
         for name in ("_reduce_send_kernel[rows_recv_w2]", "_reduce_send_kernel[rows_recv_w4]",
                      "_reduce_send_kernel[rows_recv_w8]", "_reduce_send_kernel[rows_recv_fp16]"):
             regs = compiled[name]["regs"]
             assert regs <= 64, f"one-launch combine {name}: {regs} registers a thread (<= 64 keeps 8 CTAs an SM)"
-    # The copy-engine combine's summing programs (symm.CE_SUM_PER_SM = 4 an SM, 4 warps) wait for the
+    # The copy-engine combine's summing programs (tuning.CE_SUM_PER_SM = 4 an SM, 4 warps) wait for the
     # chunks' one-warp signal kernels: at W = 2 (where "auto" turns the copy engines on) they must leave
     # room for them. <= 120 registers a thread: 4 x 4 warps x 32 x 120 = 61,440 of an SM's 65,536.
     if "regs" in compiled["_reduce_recv_kernel[rows_blk_dense_w2]"]:
@@ -400,21 +372,6 @@ def test_kernels_compile_with_signal_semantics(compiled):
             assert info["ld_v4"] > 0 and info["st_v4"] > 0, f"{name}: rows not moved as 16-byte vectors"
             assert info["ld16"] <= ld_max and info["st16"] <= st_max, \
                 f"{name}: {info['ld16']} 2-byte loads, {info['st16']} 2-byte stores (rows moved element by element)"
-    # Bulk-copy row moves (NVIDIA only): the rows go x -> shared memory -> peer by cp.async.bulk (one
-    # load per token, a store per destination), each slot reloaded only after its stores read it,
-    # every store complete (wait_group 0, not only .read) and fenced before the release add; the
-    # register path's 16-byte row copies are gone, the signals stay.
-    if "bulk_st" in compiled["_send_tokens_kernel"]:
-        for name, plain in (("_send_tokens_kernel[rows_region_bulk]", "_send_tokens_kernel[rows_region]"),
-                            ("_send_tokens_kernel[split2_bulk]", "_send_tokens_kernel[split2]"),
-                            ("_send_tokens_kernel[bulk]", "_send_tokens_kernel")):
-            b, p = compiled[name], compiled[plain]
-            assert p["bulk_st"] == 0 and p["bulk_ld"] == 0, f"{plain}: bulk copies without BULK"
-            assert b["bulk_st"] > 0 and b["bulk_ld"] > 0 and b["bulk_read_wait"] > 0, f"{name}: no bulk copies"
-            assert b["bulk_drain"] == 1 and b["proxy_fence"] == 1, f"{name}: stores not drained before the publish"
-            assert b["release"] >= p["release"] > 0, f"{name}: lost its release adds"
-            assert b["st_v4"] < p["st_v4"], f"{name}: rows still stored through registers"
-            assert b["shared"] >= 3 * 8192 * 2, f"{name}: slots not in shared memory"
     # The peer-pointer build (USE_NVSHMEM=False, the default) has no NVSHMEM in it: no module init.
     for name, info in compiled.items():
         assert info.get("nvshmem", 0) == 0, f"{name}: references NVSHMEM with USE_NVSHMEM=False"

@@ -26,7 +26,7 @@ pytestmark = [
 
 from tlx_dist.comm import LocalDispatcher, SymmBuffers, SymmDispatcher  # noqa: E402
 from tlx_dist.comm.emulated import EmulatedWorld, reference_dispatch  # noqa: E402
-from tlx_dist.comm.symm_buffers import ExchangeError  # noqa: E402
+from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 from tlx_dist.testing import assert_close_ksum_bf16, assert_close_to_ref  # noqa: E402
 
 DEV = "cuda"
@@ -95,59 +95,6 @@ def test_emulated_world(W, kind):
     T = 1 is below every tile, the others are not multiples of the row block."""
     Ts = [300 - 37 * s if s else 1 for s in range(W)] if W > 1 else [300]
     _check_world(W, 256, 8, 7168, Ts, kind)
-
-
-@pytest.mark.parametrize("W", [2, 4, 8])
-def test_bulk_send_moves_the_same_rows(W, monkeypatch):
-    """``LAUNCH_OVERRIDES["send"] = {"bulk": 4}``: the send moves each token row x -> shared memory ->
-    every destination by cp.async.bulk (tlx/comm/bulk.py) instead of through registers. The copying
-    form against the reference dispatch (rows exact, combine and both backwards vs fp64) on skewed
-    routings; the row form into a per-layer region bit for bit the register path's receive rows and
-    combine outputs. T = 1 and row counts off every block."""
-    import tlx
-    from tlx_dist.comm import symm
-
-    if not tlx.tlx_available():
-        pytest.skip("the bulk-copy send is TLX")
-    used = []
-    real = symm._bulk
-
-    def spy(*a, **kw):
-        r = real(*a, **kw)
-        used.append(r.get("BULK", 0))
-        return r
-
-    monkeypatch.setattr(symm, "_bulk", spy)
-    monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": 4})
-    Ts = [300 - 37 * s if s else 1 for s in range(W)]
-    for kind in ("random", "heavy_imbalance", "one_expert"):
-        _check_world(W, 256, 8, 7168, Ts, kind)
-    assert used and min(used) >= 2, f"the bulk path was not taken: BULK per launch {used}"
-    E, K, D = 64, 8, 2048
-    g = torch.Generator(device=DEV).manual_seed(7 + W)
-    xs = [torch.randn(T, D, device=DEV, generator=g).to(torch.bfloat16) for T in Ts]
-    idxs = [_idx(g, T, K, E, W, "random") for T in Ts]
-    gates = [torch.rand(T, K, device=DEV, generator=g) for T in Ts]
-    got = {}
-    for bulk in (0, 4):
-        monkeypatch.setitem(symm.LAUNCH_OVERRIDES, "send", {"bulk": bulk} if bulk else {})
-        used.clear()
-        world = EmulatedWorld(W, max(Ts), D, K, E, torch.bfloat16, device=DEV, row_regions=1)
-        rows = world.dispatch_rows(xs, idxs, gates, region=0)
-        recv = [r[0].clone() for r in rows]
-        outs = world.combine_rows([r[0] * 0.5 for r in rows], [r[3] for r in rows])
-        world.check()
-        got[bulk] = (recv, [o.clone() for o in outs], [r[3].rows_from_W.tolist() for r in rows], list(used))
-        world.close()
-    assert min(got[4][3]) >= 2 and max(got[0][3]) == 0, (got[0][3], got[4][3])
-    T_MAX = max(Ts)
-    assert sum(map(sum, got[0][2])) >= sum(Ts), "every token goes somewhere"
-    for d in range(W):
-        assert got[4][2][d] == got[0][2][d], f"rank {d}: rows from each source"
-        for src, n in enumerate(got[0][2][d]):  # source src's rows land at src * T_MAX + [0, n)
-            a, b = got[4][0][d][src * T_MAX:src * T_MAX + n], got[0][0][d][src * T_MAX:src * T_MAX + n]
-            assert torch.equal(a, b), f"W={W}: rank {d} receive rows from {src}"
-        assert torch.equal(got[4][1][d], got[0][1][d]), f"W={W}: rank {d} combine output"
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -361,11 +308,11 @@ def test_world_size_one_torch_symmetric_memory():
 
 
 def test_launches_per_op_on_gpu():
-    """Issue 8's launch budget on the device, at world size 1 on torch symmetric memory: in steady
-    state a dispatch (either form) launches exactly route, send and expand, and a combine (either
-    form) reduce-send and reduce-receive -- no torch kernel besides (the expanded-row offsets are
-    capped and the row form's gather index written by the kernels themselves; until session 7 a
-    clamp and a division ran as torch ops after every dispatch)."""
+    """The exchange's launch budget on the device, at world size 1 on torch symmetric memory: in
+    steady state a dispatch (either form) launches exactly route, send and expand, and a combine
+    (either form) reduce-send and reduce-receive -- no torch kernel besides (the expanded-row
+    offsets are capped and the row form's gather index written by the kernels themselves, not by a
+    clamp and a division as torch ops after every dispatch)."""
     import torch.distributed as dist
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -1,6 +1,6 @@
 """Runs tests/symm_*_interpreted_cases.py (the symmetric-memory kernels under the Triton interpreter, on
 CPU), each file in a child pytest with TRITON_INTERPRET=1, so that this process keeps compiling kernels.
-The fast tier's four children run two at a time (tests/_interp.py's SuitePool), each under its own
+The fast tier's five children run two at a time (tests/_interp.py's SuitePool), each under its own
 time limit, and each test checks its own child."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _FAST = {
     "test_symm_dispatch_interpreted_suite": "symm_interpreted_cases.py",
     "test_symm_nvshmem_route_interpreted_suite": "symm_nvshmem_interpreted_cases.py",  # emulated cross-node route
     "test_symm_copy_engine_interpreted_suite": "symm_ce_interpreted_cases.py",  # the row form by copy engines
+    "test_symm_fp8_dispatch_interpreted_suite": "symm_fp8_interpreted_cases.py",  # packed FP8 rows, both routes
 }
 
 
@@ -71,3 +72,8 @@ def test_symm_dispatch_interpreted_suite_release():
 def test_symm_rows_nvshmem_copy_engine_interpreted_suites_release():
     run_interpreted_suite("symm_nvshmem_interpreted_cases.py", "symm_rows_interpreted_cases.py",
                           "symm_ce_interpreted_cases.py", release=True)
+
+
+@_SKIP
+def test_symm_fp8_dispatch_interpreted_suite(fast_suites, request):
+    _check(fast_suites, request)

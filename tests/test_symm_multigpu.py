@@ -3,13 +3,13 @@ GPUs, and MoELayer forward/backward with both. Launch with torchrun, one process
 
     torchrun --nproc-per-node=2 -m pytest -m multigpu tests/test_symm_multigpu.py -q
 
-First passed on two H200s on 2026-11-29 (session 4); every test here, the fused EP layers (with
-receive regions, and overlapped with a CUDA-graph replay) included, passed there in session 12 (14
-passed). Groups spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
+The fused EP layers run with receive regions, and overlapped with a CUDA-graph replay. Groups
+spanning nodes take the NVSHMEM route: tests/test_symm_nvshmem_multigpu.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -142,7 +142,7 @@ def test_moe_layer_fused_ep_vs_all_to_all(group, regions):
 @pytest.mark.parametrize("copy_engine", [False, True], ids=["sm", "copy_engine"])
 def test_moe_layer_overlapped_fused_ep(group, copy_engine):
     """``copy_engine=True``: the same with the copy-engine row form (rows and partial rows by
-    cuMemcpyAsync on side streams, the dense layout). The arrival-driven overlap (``SymmDispatcher(overlap=True)``, issue 9 item 3): the row send
+    cuMemcpyAsync on side streams, the dense layout). The arrival-driven overlap (``SymmDispatcher(overlap=True)``): the row send
     on a side stream while the gate/up GEMM computes the own rows on the other SMs -- three steps
     of forward + backward against the all-to-all layer (output, dx, every parameter gradient), the
     region counters back at zero after each step, then the whole step captured in a CUDA graph
@@ -184,8 +184,8 @@ def test_moe_layer_overlapped_fused_ep(group, copy_engine):
         torch.cuda.synchronize()
         assert int(disp.buffers.region_counters().abs().sum()) == 0, "the rows' waits left counts behind"
         assert not disp.buffers.comb_block_counters().any(), "a combine counter was left non-zero"
-    from tlx_dist.comm.symm import _ce_mode
-    assert _ce_mode(disp.buffers) == copy_engine
+    from tlx_dist.comm.symm.policy import ce_mode
+    assert ce_mode(disp.buffers) == copy_engine
     disp.check()
     # the step in a CUDA graph: side stream forked and joined inside the capture. The eager steps'
     # outputs go first: their autograd graphs hold the parameters' AccumulateGrad nodes, made on the
@@ -222,26 +222,24 @@ def test_moe_layer_overlapped_fused_ep(group, copy_engine):
     disp.buffers.close()  # (ep_buffers would hand this set, its mode fixed, to the next case)
 
 
-@pytest.mark.parametrize("overlap", ["1", "0"])
+@pytest.mark.parametrize("overlap", ["on", "off"])
 @pytest.mark.parametrize("kind", ["random", "heavy_imbalance", "one_token"])
-def test_row_form_matches_all_to_all(group, kind, overlap, monkeypatch):
+def test_row_form_matches_all_to_all(group, kind, overlap):
     """The fused EP pipeline's exchange (``dispatch_rows``) alone, three ops in a row with unequal
     token counts (one rank with a single token): every expanded row reads exactly the all-to-all's
     row; identity experts through ``combine_rows`` and autograd (``combine_rows``' backward moves dy
     rows the same way as dispatch moves x) give ``sum_k gate * x`` and its gradients. Both receive
-    copies: the send kernel's receiving programs (``overlap=1``) and the expand kernel's, after
-    arrival (``0``; what buffers below ``RECV_OVERLAP_MIN_TOKENS`` use)."""
+    copies: the send kernel's receiving programs (``recv_overlap="on"``) and the expand kernel's,
+    after arrival (``"off"``; what buffers below ``RECV_OVERLAP_MIN_TOKENS`` use)."""
     import torch.distributed as dist
 
-    from tlx_dist.comm import AllToAllDispatcher, SymmBuffers, SymmDispatcher
-    from tlx_dist.comm.symm import ENV_RECV_OVERLAP, _recv_mode
-
-    monkeypatch.setenv(ENV_RECV_OVERLAP, overlap)
+    from tlx_dist.comm import AllToAllDispatcher, ExchangeConfig, SymmBuffers, SymmDispatcher
+    from tlx_dist.comm.symm.policy import recv_mode
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 4, 2048, 1000
-    bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group)
-    assert _recv_mode(bufs) == ("overlap" if overlap == "1" else "after")
+    bufs = SymmBuffers(T_max, D, K, E, torch.bfloat16, group, config=ExchangeConfig(recv_overlap=overlap))
+    assert recv_mode(bufs) == ("overlap" if overlap == "on" else "after")
     sd, ad = SymmDispatcher(E, group, buffers=bufs), AllToAllDispatcher(E, group)
     g = torch.Generator(device="cuda").manual_seed(10 + r)
     for rep in range(3):
@@ -284,7 +282,7 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmDispatcher
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T = 4 * W, 2, 256, 32
@@ -308,7 +306,7 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
 
 @pytest.mark.parametrize("rows", [False, True])
 def test_one_launch_combine_matches_the_arrive_path(group, rows):
-    """Real ranks over peer pointers combine the row form in one launch (``symm._comb_mode``
+    """Real ranks over peer pointers combine the row form in one launch (``policy.comb_mode``
     "overlap": the reduce-send's first programs sum each token block as its partial rows land). Its
     output is bit for bit the two-launch path's ("after": one ARRIVE count per rank, then the
     reduce-receive), T not a multiple of the counters' token block and unequal per rank; every
@@ -318,7 +316,8 @@ def test_one_launch_combine_matches_the_arrive_path(group, rows):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from tlx_dist.comm import SymmDispatcher, symm
+    from tlx_dist.comm import SymmDispatcher
+    from tlx_dist.comm.symm import policy
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 8, 1024, 1000
@@ -338,7 +337,7 @@ def test_one_launch_combine_matches_the_arrive_path(group, rows):
             y = torch.randn(recv.shape, device="cuda", generator=g).to(torch.bfloat16)
             comb = lambda: sd.combine_weighted(y, h, gate)  # noqa: E731
         bufs = sd.buffers
-        assert symm._comb_mode(bufs) == "overlap"
+        assert policy.comb_mode(bufs) == "overlap"
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             one = comb()
             torch.cuda.synchronize()
@@ -348,10 +347,11 @@ def test_one_launch_combine_matches_the_arrive_path(group, rows):
         assert kernels == (["_reduce_send_kernel"] if rows else ["_reduce_send_kernel", "_reduce_recv_kernel"]), kernels
         assert not bufs.comb_block_counters().any(), "a combine counter was left non-zero"
         dist.barrier()
-        bufs._comb_mode = "after"  # every rank, between ops
+        cfg = bufs.config
+        bufs.reconfigure(dataclasses.replace(cfg, comb_overlap="off"))  # every rank, between ops
         two = comb()
         torch.cuda.synchronize()
-        bufs._comb_mode = None
+        bufs.reconfigure(cfg)
     assert one.shape == (T, D) and torch.equal(one, two), "the one-launch combine differs from the ARRIVE path"
     assert float(one.float().abs().sum()) > 0
     sd.check()
@@ -366,7 +366,7 @@ def test_rank_that_skips_a_combine_is_an_error_not_a_hang(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmDispatcher
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T = 4 * W, 2, 256, 64
@@ -400,7 +400,7 @@ def test_copy_engine_row_form_matches_the_sm_row_form(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmBuffers, SymmDispatcher
-    from tlx_dist.comm.symm import _ce_mode
+    from tlx_dist.comm.symm.policy import ce_mode
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T_max = 8 * W, 8, 2048, 1000
@@ -417,7 +417,7 @@ def test_copy_engine_row_form_matches_the_sm_row_form(group):
             gate = torch.rand(T, K, device="cuda", generator=g)
             xs, gs = x.clone().requires_grad_(True), gate.clone().requires_grad_(True)
             recv, src, gate_N, h = sd.dispatch_rows(xs, idx, gs, region=0)
-            assert h.dense == ce and _ce_mode(bufs) == ce
+            assert h.dense == ce and ce_mode(bufs) == ce
             n = int(h.offsets_e[-1])
             rows = recv[src[:n].long()]
             part = torch.zeros(recv.shape, device="cuda", dtype=torch.float32).index_add(
@@ -432,8 +432,8 @@ def test_copy_engine_row_form_matches_the_sm_row_form(group):
                             ("RBLK", bufs.recv_block_counters())):
                 assert not c.any(), f"rep {rep}: a {name} counter was left non-zero"
             # no rank starts the next op before every rank has read its counters: a peer's next dispatch
-            # adds to them as soon as this rank's GPU ended its last op (x2_s45: rank 0, ahead by its
-            # compile skew in a cold process, had added its rows before rank 1 read them)
+            # adds to them as soon as this rank's GPU ended its last op (a rank ahead by its compile skew
+            # in a cold process once added its rows before the other read them)
             dist.barrier()
         sd.check()
         # graph capture and replay of the no-grad pair

@@ -51,7 +51,7 @@ def _nvshmem_specs():
 
     from test_symm_compile import _specs
     from tlx import comm
-    from tlx_dist.comm.symm_buffers import SymmLayout
+    from tlx_dist.comm.symm.buffers import SymmLayout
 
     L = SymmLayout.build(4096, 7168, 8, 256, 8, torch.bfloat16, staging=True)
     offs = {f"OFF_{n.upper()}": getattr(L, f"off_{n}") for n in
@@ -267,7 +267,7 @@ def _compile_all(arch: str, lib: str) -> dict:
 
 
 def _bitcode(arch: int) -> str:
-    from tlx_dist.comm.symm_buffers import nvshmem_device_library
+    from tlx_dist.comm.symm.buffers import nvshmem_device_library
     try:
         return nvshmem_device_library(arch)
     except RuntimeError as err:

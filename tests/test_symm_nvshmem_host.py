@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from _dist import run_world  # noqa: E402
-from tlx_dist.comm import symm_buffers as sb  # noqa: E402
-from tlx_dist.comm.symm_buffers import SymmBuffers, SymmLayout  # noqa: E402
+from tlx_dist.comm.symm import buffers as sb  # noqa: E402
+from tlx_dist.comm.symm.buffers import SymmBuffers, SymmLayout  # noqa: E402
 
 STAGING = ("srows", "smeta", "sgates", "scomb", "sdgate")
 REGIONS = ("state", "flags", "arrive", "counts", "meta", "gates", "recv", "comb", "dgate")

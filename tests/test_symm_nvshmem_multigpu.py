@@ -122,7 +122,7 @@ def test_rank_that_skips_an_op_is_an_error_not_a_hang(group):
     import torch.distributed as dist
 
     from tlx_dist.comm import SymmDispatcher
-    from tlx_dist.comm.symm_buffers import ExchangeError
+    from tlx_dist.comm.symm.buffers import ExchangeError
 
     W, r = dist.get_world_size(), dist.get_rank()
     E, K, D, T = 4 * W, 2, 256, 32

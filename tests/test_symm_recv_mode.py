@@ -1,54 +1,53 @@
 """Which receive copy the row form uses (CPU): the overlapped one only for real ranks over peer
-pointers whose buffers hold at least RECV_OVERLAP_MIN_TOKENS tokens per rank (or when forced),
-the block-by-block expand copy in the emulated world and on one rank, the after-arrival copy on the
-NVSHMEM route and below the threshold."""
+pointers whose buffers hold at least RECV_OVERLAP_MIN_TOKENS tokens per rank (or when the config
+asks), the block-by-block expand copy in the emulated world and on one rank, the after-arrival copy
+on the NVSHMEM route and below the threshold; the combine's mode; the one-launch combine's shape."""
 
 import types
 
 import pytest
 
 from tlx_dist.comm import symm
-from tlx_dist.comm.symm import ENV_RECV_OVERLAP, RECV_OVERLAP_MIN_TOKENS
+from tlx_dist.comm.symm import ExchangeConfig, Tile, policy, tuning
+from tlx_dist.comm.symm.config import RECV_OVERLAP_MIN_TOKENS
 
 
-def _bufs(backend="symm", W=2, T=RECV_OVERLAP_MIN_TOKENS, nvshmem=False):
-    return types.SimpleNamespace(use_nvshmem=nvshmem, backend=backend, world_size=W,
-                                 layout=types.SimpleNamespace(max_tokens=T))
+def _bufs(backend="symm", W=2, T=RECV_OVERLAP_MIN_TOKENS, nvshmem=False, **cfg):
+    return types.SimpleNamespace(use_nvshmem=nvshmem, hier=None, backend=backend, world_size=W,
+                                 config=ExchangeConfig(**cfg),
+                                 modes={}, layout=types.SimpleNamespace(max_tokens=T))
 
 
-def test_auto_by_capacity(monkeypatch):
-    monkeypatch.delenv(ENV_RECV_OVERLAP, raising=False)
-    assert symm._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS)) == "overlap"
-    assert symm._recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS - 1)) == "after"
-    assert symm._recv_mode(_bufs(T=4096, W=8)) == "after"
-    assert symm._recv_mode(_bufs(nvshmem=True)) == "after"
+def test_auto_by_capacity():
+    assert policy.recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS)) == "overlap"
+    assert policy.recv_mode(_bufs(T=RECV_OVERLAP_MIN_TOKENS - 1)) == "after"
+    assert policy.recv_mode(_bufs(T=4096, W=8)) == "after"
+    assert policy.recv_mode(_bufs(nvshmem=True)) == "after"
     for backend in ("emulated", "local"):
-        assert symm._recv_mode(_bufs(backend=backend, T=16)) == "blocks"
-    assert symm._recv_mode(_bufs(W=1)) == "blocks"
+        assert policy.recv_mode(_bufs(backend=backend, T=16)) == "blocks"
+    assert policy.recv_mode(_bufs(W=1)) == "blocks"
 
 
-def test_resolved_once_per_buffer_set(monkeypatch):
-    monkeypatch.setenv(ENV_RECV_OVERLAP, "1")
-    b = _bufs(T=128)
-    assert symm._recv_mode(b) == "overlap"
-    monkeypatch.setenv(ENV_RECV_OVERLAP, "0")  # a later change does not flip a live buffer set
-    assert symm._recv_mode(b) == "overlap"
-    assert symm._recv_mode(_bufs(T=128)) == "after"
+def test_resolved_once_per_buffer_set():
+    b = _bufs(T=128, recv_overlap="on")
+    assert policy.recv_mode(b) == "overlap" and b.modes == {"recv": "overlap"}
+    b.config = ExchangeConfig(recv_overlap="off")  # (not how a config changes: the resolved mode stays)
+    assert policy.recv_mode(b) == "overlap"
+    assert policy.recv_mode(_bufs(T=128)) == "after"
 
 
-@pytest.mark.parametrize("force,want", [("1", "overlap"), ("0", "after")])
-def test_forced(monkeypatch, force, want):
-    monkeypatch.setenv(ENV_RECV_OVERLAP, force)
-    assert symm._recv_mode(_bufs(T=128)) == want
-    assert symm._recv_mode(_bufs(T=1 << 20)) == want
-    assert symm._recv_mode(_bufs(nvshmem=True)) == "after"  # the NVSHMEM route has no receiving programs
-    assert symm._recv_mode(_bufs(backend="emulated")) == "blocks"  # ranks launch one after another
+@pytest.mark.parametrize("force,want", [("on", "overlap"), ("off", "after")])
+def test_forced(force, want):
+    assert policy.recv_mode(_bufs(T=128, recv_overlap=force)) == want
+    assert policy.recv_mode(_bufs(T=1 << 20, recv_overlap=force)) == want
+    # the NVSHMEM route has no receiving programs; the emulated world's ranks launch one after another
+    assert policy.recv_mode(_bufs(nvshmem=True, recv_overlap=force)) == "after"
+    assert policy.recv_mode(_bufs(backend="emulated", recv_overlap=force)) == "blocks"
 
 
-def test_bad_value_names_the_variable(monkeypatch):
-    monkeypatch.setenv(ENV_RECV_OVERLAP, "yes")
-    with pytest.raises(ValueError, match=ENV_RECV_OVERLAP):
-        symm._recv_mode(_bufs())
+def test_bad_value_names_the_field():
+    with pytest.raises(ValueError, match=r"ExchangeConfig.recv_overlap='1' must be 'auto', 'on' or 'off'"):
+        ExchangeConfig(recv_overlap="1")
 
 
 # --- per-layer receive regions (SymmDispatcher(row_regions=...)) ------------------------------------
@@ -57,7 +56,7 @@ def test_bad_value_names_the_variable(monkeypatch):
 def test_row_regions_append_to_the_layout_and_move_nothing():
     import torch
 
-    from tlx_dist.comm.symm_buffers import SymmLayout
+    from tlx_dist.comm.symm.buffers import SymmLayout
 
     args = (1000, 2048, 8, 64, 2, torch.bfloat16)
     plain, three = SymmLayout.build(*args), SymmLayout.build(*args, row_regions=3)
@@ -90,7 +89,7 @@ def test_training_config_checks_ep_row_regions():
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "h200_2gpu_ep2.toml")
-    assert load_config(recipe).parallel.ep_row_regions  # the EP=2 recipe turns them on (session 11)
+    assert load_config(recipe).parallel.ep_row_regions  # the EP=2 recipe turns them on
     assert not load_config(recipe, ["parallel.ep_row_regions=false"]).parallel.ep_row_regions
     # where no fused EP layer reads them the key does nothing: the recipe still runs with these overrides
     for other in (["parallel.ep=1", "parallel.dp=1"], ["parallel.moe_pipeline=separate"],
@@ -100,33 +99,36 @@ def test_training_config_checks_ep_row_regions():
         load_config(recipe, ["parallel.ep_row_regions=2"])
 
 
-def test_training_config_checks_ep_overlap():
-    """``parallel.ep_overlap``: off in the recipe (slower over NVLink, session 12); on, it needs the
-    receive regions and a static capacity, each named when missing."""
+def test_training_config_checks_exchange_overlap():
+    """``parallel.exchange.overlap``: off in the recipe (slower over NVLink); on, it needs the
+    receive regions and a static capacity, each named when missing; the old flat key names its
+    replacement."""
     import os
 
     from train.config import load_config
 
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "h200_2gpu_ep2.toml")
-    assert not load_config(recipe).parallel.ep_overlap
-    cfg = load_config(recipe, ["parallel.ep_overlap=true", "parallel.capacity_factor=2.0"])
-    assert cfg.parallel.ep_overlap and cfg.parallel.capacity_factor == 2.0
+    assert not load_config(recipe).parallel.exchange.overlap
+    cfg = load_config(recipe, ["parallel.exchange.overlap=true", "parallel.capacity_factor=2.0"])
+    assert cfg.parallel.exchange.overlap and cfg.parallel.capacity_factor == 2.0
     with pytest.raises(ValueError, match="parallel.capacity_factor > 0"):
-        load_config(recipe, ["parallel.ep_overlap=true"])
+        load_config(recipe, ["parallel.exchange.overlap=true"])
     with pytest.raises(ValueError, match="parallel.ep_row_regions = true"):
-        load_config(recipe, ["parallel.ep_overlap=true", "parallel.capacity_factor=2.0",
+        load_config(recipe, ["parallel.exchange.overlap=true", "parallel.capacity_factor=2.0",
                              "parallel.ep_row_regions=false"])
+    with pytest.raises(ValueError, match="parallel.ep_overlap was replaced by parallel.exchange.overlap"):
+        load_config(recipe, ["parallel.ep_overlap=true"])
 
 
-def _claims(rank, world, n):
+def _claims(rank, world, n, overlap=(False, False)):
     import torch.distributed as dist
 
-    d = symm.SymmDispatcher(8, dist.group.WORLD, row_regions=2)
+    d = symm.SymmDispatcher(8, dist.group.WORLD, row_regions=2, overlap=overlap[rank] or None)
     for _ in range(n[rank]):
         d.claim_rows_region()
     try:
-        d._check_claims()
+        d._check_ranks_agree()
     except RuntimeError as exc:
         return str(exc)
     return "ok"
@@ -136,11 +138,14 @@ def test_ranks_must_claim_the_same_regions():
     from _dist import run_world
 
     assert run_world(_claims, 2, [2, 2]) == ["ok", "ok"]
+    # ranks asking for different configs would take different forms: refused at the first op
+    out = run_world(_claims, 2, [2, 2], (False, True))
+    assert all("ranks asked for different exchange configs" in o for o in out), out
     out = run_world(_claims, 2, [1, 2])
     assert all("claimed different numbers of receive regions (1 to 2" in o for o in out), out
 
 
-# --- the combine's mode (symm._comb_mode) and the one-launch combine's shape ---------------------------
+# --- the combine's mode (policy.comb_mode) and the one-launch combine's shape ---------------------------
 
 
 def test_comb_mode(monkeypatch):
@@ -149,28 +154,21 @@ def test_comb_mode(monkeypatch):
     per rank on the NVSHMEM route, on ROCm (co-residency unchecked there), or when switched off."""
     import torch
 
-    from tlx_dist.comm.symm import ENV_COMB_OVERLAP
-    monkeypatch.delenv(ENV_COMB_OVERLAP, raising=False)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert symm._comb_mode(_bufs()) == "overlap"
-    assert symm._comb_mode(_bufs(T=128, W=8)) == "overlap"
-    assert symm._comb_mode(_bufs(nvshmem=True)) == "after"
+    assert policy.comb_mode(_bufs()) == "overlap"
+    assert policy.comb_mode(_bufs(T=128, W=8)) == "overlap"
+    assert policy.comb_mode(_bufs(comb_overlap="on")) == "overlap"
+    assert policy.comb_mode(_bufs(nvshmem=True)) == "after"
     for backend in ("emulated", "local"):
-        assert symm._comb_mode(_bufs(backend=backend)) == "blocks"
-    assert symm._comb_mode(_bufs(W=1)) == "blocks"
-    b = _bufs()
-    monkeypatch.setenv(ENV_COMB_OVERLAP, "0")
-    assert symm._comb_mode(_bufs()) == "after"
-    b._comb_mode = None
-    assert symm._comb_mode(b) == "after"
-    monkeypatch.setenv(ENV_COMB_OVERLAP, "1")  # a later change does not flip a live buffer set
-    assert symm._comb_mode(b) == "after" and symm._comb_mode(_bufs()) == "overlap"
-    monkeypatch.setenv(ENV_COMB_OVERLAP, "yes")
-    with pytest.raises(ValueError, match=ENV_COMB_OVERLAP):
-        symm._comb_mode(_bufs())
-    monkeypatch.delenv(ENV_COMB_OVERLAP)
+        assert policy.comb_mode(_bufs(backend=backend)) == "blocks"
+        assert policy.comb_mode(_bufs(backend=backend, comb_overlap="off")) == "blocks"
+    assert policy.comb_mode(_bufs(W=1)) == "blocks"
+    b = _bufs(comb_overlap="off")
+    assert policy.comb_mode(b) == "after"
+    b.config = ExchangeConfig()  # (not how a config changes: the resolved mode stays)
+    assert policy.comb_mode(b) == "after" and policy.comb_mode(_bufs()) == "overlap"
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert symm._comb_mode(_bufs()) == "after"
+    assert policy.comb_mode(_bufs()) == "after"
 
 
 def test_one_launch_combine_shape(monkeypatch):
@@ -179,24 +177,24 @@ def test_one_launch_combine_shape(monkeypatch):
     room: the summing programs wait for them); summing tiles of ~4096 / W elements a rank."""
     import torch
 
-    monkeypatch.setattr(symm, "_num_programs", lambda dev, per_sm=4: 132 * per_sm)
-    monkeypatch.setattr(symm, "LAUNCH_OVERRIDES", {})
+    monkeypatch.setattr(tuning, "_num_programs", lambda dev, per_sm=4: 132 * per_sm)
 
-    def bufs(W, T_max=16384, D=7168):
-        return types.SimpleNamespace(device=torch.device("cuda", 0), layout=types.SimpleNamespace(
-            world_size=W, hidden=D, comb_block=32, max_tokens=T_max))
+    def bufs(W, T_max=16384, D=7168, **cfg):
+        return types.SimpleNamespace(device=torch.device("cuda", 0), config=ExchangeConfig(**cfg),
+                                     layout=types.SimpleNamespace(world_size=W, hidden=D, comb_block=32,
+                                                                  max_tokens=T_max))
 
-    assert symm._comb_recv_shape(bufs(2), 16384) == (2 * 132, 4 * 132, 4, 512)
-    assert symm._comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
-    assert symm._comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
-    assert symm._comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
+    assert tuning.comb_recv_shape(bufs(2), 16384) == (2 * 132, 4 * 132, 4, 512)
+    assert tuning.comb_recv_shape(bufs(8), 16384)[2:] == (1, 512)
+    assert tuning.comb_recv_shape(bufs(4, D=256), 16384)[2:] == (4, 256)
+    assert tuning.comb_recv_shape(bufs(2), 64)[1] == 2 * 14  # 2 token blocks x 14 column tiles
     for W, D in ((3, 256), (6, 128), (5, 7168)):  # summing tile rows: a power of two
-        rr_t = symm._comb_recv_shape(bufs(W, D=D), 16384)[2]
+        rr_t = tuning.comb_recv_shape(bufs(W, D=D), 16384)[2]
         assert rr_t >= 1 and rr_t & (rr_t - 1) == 0, (W, D, rr_t)
-    assert symm._comb_recv_shape(bufs(2), 0)[1] >= 1
-    symm.LAUNCH_OVERRIDES.update(comb_recv=dict(per_sm=8, send_per_sm=3))
-    assert symm._comb_recv_shape(bufs(2), 16384)[:2] == (3 * 132, 4 * 132)  # capped at 4 an SM
-    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=8))
-    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
-    symm.LAUNCH_OVERRIDES.update(reduce_send=dict(num_warps=16))
-    assert symm._comb_recv_shape(bufs(2), 16384)[1] == 1 * 132
+    assert tuning.comb_recv_shape(bufs(2), 0)[1] >= 1
+    more = bufs(2, comb_sum_per_sm=8, comb_send_per_sm=3)
+    assert tuning.comb_recv_shape(more, 16384)[:2] == (3 * 132, 4 * 132)  # summing programs capped at 4 an SM
+    eight = Tile(cols=512, warps=8, per_sm=16)
+    assert tuning.comb_recv_shape(bufs(2, reduce_send=eight), 16384)[1] == 2 * 132  # 4 CTAs of 8 warps an SM: 2 sum
+    sixteen = Tile(cols=512, warps=16, per_sm=16)
+    assert tuning.comb_recv_shape(bufs(2, reduce_send=sixteen), 16384)[1] == 1 * 132

@@ -47,13 +47,17 @@ def test_ep1_vs_ep2_losses_match(ep1_losses, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_two_procs_loopback(ep1_losses, tmp_path):
+@pytest.mark.parametrize("sharding,accum", [("full", 1), pytest.param("hybrid", 2, marks=pytest.mark.release)])
+def test_two_nodes_two_procs_loopback(ep1_losses, tmp_path, sharding, accum):
     """Two torchrun 'nodes' (--nnodes=2 --node-rank=0/1) on 127.0.0.1, 2 processes each: mesh
     dp=2 x ep=2, so experts are FSDP-sharded over dp and exchanged over ep. 2 sequences per rank
-    = the same global batch of 8 as the one-rank run, so the losses must match it too."""
+    = the same global batch of 8 as the one-rank run, so the losses must match it too. Hybrid:
+    the node layout comes from torchrun's LOCAL_WORLD_SIZE, dense parameters are HSDP over
+    (2 nodes, 2 ranks), experts replicated across the nodes, and 2 micro-batches of 1 sequence."""
     steps = 3
     port = free_port()
-    ov = TINY + [f"train.steps={steps}", "data.batch_size=2", "parallel.ep=2", "train.log_every=1"]
+    ov = TINY + [f"train.steps={steps}", f"data.batch_size={2 // accum}", "parallel.ep=2", "train.log_every=1",
+                 f"parallel.sharding={sharding}", f"train.grad_accum={accum}"]
     out_file = tmp_path / "mn.json"
     procs = [popen_pretrain(pretrain_cmd(ov, out_file if i == 0 else None, nproc=2, node=(i, 2, port)))
              for i in range(2)]
@@ -67,7 +71,7 @@ def test_two_nodes_two_procs_loopback(ep1_losses, tmp_path):
             raise
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-5000:]
-    assert "world=4 (dp=2 x ep=2)" in outs[0]
+    assert f"world=4 (dp=2 x ep=2) nodes=2 sharding={sharding} grad_accum={accum}" in outs[0]
     assert "step 3/3" in outs[0] and "step" not in outs[1].replace("steps", "")  # rank 0 prints only
     import json
     mn = json.loads(out_file.read_text())

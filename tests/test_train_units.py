@@ -18,7 +18,7 @@ DEBUG = [c for c in CONFIGS if c.name == "debug_cpu.toml"][0]
 
 def test_recipe_set():
     assert {c.stem for c in CONFIGS} >= {"debug_cpu", "h200_1gpu", "h200_2gpu_ep2", "h200_8gpu_ep8",
-                                         "b200_multinode", "mi300x_multinode"}
+                                         "h200_8x8", "b200_16x8", "mi300x_16x8"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -36,6 +36,14 @@ def test_recipes_load_and_validate(path):
     assert world % cfg.parallel.ep == 0, f"{path.name}: launched on {world} ranks, parallel.ep={cfg.parallel.ep}"
     dp = cfg.parallel.dp or world // cfg.parallel.ep
     assert dp * cfg.parallel.ep == world
+    if nnodes:   # the multi-node recipes: shard inside a node, replicate across, with room to amortize
+        from train.mesh import _expert_shards
+        # the step's one cross-node all-reduce amortized over >= 32k tokens per GPU: several
+        # micro-batches, or one large one (b200_16x8: its backward is what hides the all-reduce)
+        tokens = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+        assert cfg.parallel.sharding == "hybrid" and tokens >= 32768, (path.name, tokens)
+        assert _expert_shards(cfg, int(nproc.group(1)), cfg.parallel.ep) >= 1   # raises if the layout cannot be built
+        assert f"--config configs/{path.name}" in text
     assert cfg.train.compile == (path.stem != "debug_cpu")
     assert param_counts(cfg.model).active < param_counts(cfg.model).total
 

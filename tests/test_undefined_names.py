@@ -1,7 +1,7 @@
 """Every name a function in the repository reads from module scope is defined there (or is a builtin).
 
 A cheap guard for what CI cannot run: bench/ and scripts/ only run on a GPU machine, and a helper
-lost in a refactor (session 5's ``_graphs`` in bench/dispatch.py) surfaces there as a NameError after
+lost in a refactor (a ``_graphs`` once dropped from bench/dispatch.py) surfaces there as a NameError after
 minutes of device time. ``symtable`` resolves the scopes exactly as the compiler does.
 """
 from __future__ import annotations

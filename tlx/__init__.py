@@ -148,11 +148,11 @@ ENV_C_LAUNCH = "TLX_DIST_C_LAUNCH"
 def c_launch(kernel):
     """Marks a ``@triton.jit`` kernel for fbtriton's C launch path (``JITFunction.c_cache``): once a
     specialisation is compiled, later launches look it up and launch it in C (argument
-    specialisation, TensorDescriptor arguments included) instead of Triton's Python binder. On an
-    H200 host this cut one eager OLMoE T=1024 layer's enqueue time by ~210 us forward and ~80 us
-    backward (bench/RESULTS.md, session 10). Must run before the kernel's first launch in the
-    process (fbtriton fills its C cache only when it compiles), so kernel modules call it at import.
-    No-op under the interpreter, on a Triton without the C path, or with ``TLX_DIST_C_LAUNCH=0``.
+    specialisation, TensorDescriptor arguments included) instead of Triton's Python binder, which
+    is most of a launch's host time, and host time is what bounds the layer at small token counts.
+    Must run before the kernel's first launch in the process (fbtriton fills its C cache only when
+    it compiles), so kernel modules call it at import. No-op under the interpreter, on a Triton
+    without the C path, or with ``TLX_DIST_C_LAUNCH=0`` (a debugging switch: Triton's own launcher).
     Returns ``kernel``. Only for kernels whose parameters have no Python defaults: the C key pads
     omitted trailing arguments with None, so an omitted non-None default and an explicit None
     would share a compiled kernel (the exchange kernels, with defaults, are not marked)."""
@@ -199,7 +199,7 @@ def _bind_context() -> None:
     thread. fbtriton's C dispatcher calls ``cuLaunchKernelEx`` without making one current (Triton's
     Python launcher does, ``ensureCudaContext``), and a thread whose first CUDA work is a marked
     kernel has none -- autograd's device thread, when a backward starts with one of ours (torch
-    binds it lazily, at its first runtime call): "invalid device context (201)" (session 16,
+    binds it lazily, at its first runtime call): "invalid device context (201)" (seen with
     tests/test_fused_ep_gpu.py run on its own). Once per thread and device."""
     dev = _current_device()
     if getattr(_BOUND, "device", None) != dev:
@@ -219,8 +219,8 @@ def _dispatch_in_c(kernel) -> None:
     setter, which would also export ``TRITON_USE_C_DISPATCHER`` to the environment) for the duration
     of the launch and restored after it, so no other Triton kernel in the process changes path, and
     ``kernel[grid]`` stays Python's ``run`` (the knob's C proxy takes positional arguments only).
-    On an H200 host (bench/RESULTS.md, session 15) the fused layer's five launches a pass took 35-39%
-    less host time (cProfile) with it, and the GPU tiers passed with it on (35 tests)."""
+    The fused layer's launches take a good part less host time with it, and the GPU tiers pass
+    with it on (docs/decisions.md)."""
     try:
         from triton import knobs
     except ImportError:

@@ -37,8 +37,10 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
         scores = torch.softmax(logits, 0) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         select = scores.detach() + (expert_bias_E.to(scores.dtype) if cfg.load_balance_bias and expert_bias_E is not None else 0)
         if cfg.group_limited:
-            select = _restrict_to_best_groups(select, cfg.n_group, cfg.topk_group)
-        chosen = torch.topk(select, K).indices.tolist()
+            allowed = torch.tensor(_best_group_experts(select, cfg.n_group, cfg.topk_group), device=select.device)
+            chosen = allowed[torch.topk(select[allowed], K).indices].tolist()
+        else:
+            chosen = torch.topk(select, K).indices.tolist()
         gates = scores[chosen]
         if cfg.route_norm:
             gates = gates / (gates.sum() + 1e-20)
@@ -73,16 +75,14 @@ def moe_reference(x_TD: torch.Tensor, router_w_ED: torch.Tensor, w13_EDF2: torch
     return out_TD, idx_TK, aux, z
 
 
-def _restrict_to_best_groups(select_E: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """One token's selection scores with every expert outside its ``topk_group`` best groups set to
-    -inf; a group scores the sum of its two best experts (its one expert for groups of one)."""
+def _best_group_experts(select_E: torch.Tensor, n_group: int, topk_group: int) -> list[int]:
+    """Ids of the experts in one token's ``topk_group`` best groups, a group scoring the sum of its
+    two best experts (its one expert for groups of one). The top-K is then taken among these ids
+    only: masking the other groups with -inf would tie with a chosen group's own -inf entries."""
     size = select_E.shape[0] // n_group
     group_scores = []
     for g in range(n_group):
         members = sorted(select_E[g * size:(g + 1) * size].tolist(), reverse=True)
         group_scores.append(sum(members[:2]))
     best = sorted(range(n_group), key=lambda g: group_scores[g], reverse=True)[:topk_group]
-    out = torch.full_like(select_E, float("-inf"))
-    for g in best:
-        out[g * size:(g + 1) * size] = select_E[g * size:(g + 1) * size]
-    return out
+    return [g * size + j for g in sorted(best) for j in range(size)]

@@ -34,7 +34,7 @@ import tlx
 
 from .config import MoEConfig
 
-__all__ = ["Router", "RouterOutput", "RoutingStats", "expert_counts", "router_logits", "group_limited_select"]
+__all__ = ["Router", "RouterOutput", "RoutingStats", "expert_counts", "router_logits", "group_limited_topk"]
 
 
 def expert_counts(idx_TK: torch.Tensor, num_experts: int, weight_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -97,46 +97,41 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     return F.linear(x_TD.to(acc), w_ED.to(acc))
 
 
-def group_limited_select(select_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """DeepSeek-V3 group-limited routing: ``select_TE`` with ``-inf`` on every expert outside the
-    ``topk_group`` best of ``n_group`` contiguous groups, a group scoring the sum of its top-2
-    entries (top-1 for groups of one expert). No host sync, no data-dependent shape."""
+def group_limited_topk(select_TE: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3 group-limited routing: ``[T, top_k]`` int64 ids of the ``top_k`` largest entries
+    of ``select_TE`` (``[T, E]``, descending) among the experts of the ``topk_group`` best of
+    ``n_group`` contiguous groups, a group scoring the sum of its top-2 entries (top-1 for groups
+    of one). No host sync, no data-dependent shape.
+
+    The top-K runs over the chosen groups' entries gathered into ``[T, topk_group * E/n_group]``,
+    not over ``select_TE`` with the other groups masked to ``-inf``: a chosen group's entries can be
+    ``-inf`` themselves (a ``-inf`` selection bias), and a mask of the same value would tie with
+    them, so the top-K could take experts of more than ``topk_group`` groups."""
     T, E = select_TE.shape
     S = E // n_group
-    group_TG = select_TE.view(T, n_group, S).topk(min(2, S), dim=-1).values.sum(-1)
-    keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=select_TE.device)
-    keep_TG.scatter_(1, group_TG.topk(topk_group, dim=-1).indices, True)
-    keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, S).reshape(T, E)
-    return select_TE.masked_fill(~keep_TE, float("-inf"))
+    sel_TGS = select_TE.view(T, n_group, S)
+    group_TG = sel_TGS.topk(min(2, S), dim=-1).values.sum(-1)
+    groups_Tg = group_TG.topk(topk_group, dim=-1).indices
+    cand_TgS = sel_TGS.gather(1, groups_Tg.unsqueeze(-1).expand(T, topk_group, S))
+    pos_TK = cand_TgS.reshape(T, topk_group * S).topk(top_k, dim=-1, sorted=True).indices
+    return groups_Tg.gather(1, pos_TK // S) * S + pos_TK % S
 
 
 # --- the router after its GEMM in one launch (tlx/portable/router.py) --------------------------------
 
-ENV_ROUTER_KERNEL = "TLX_DIST_ROUTER_KERNEL"
-
-
-def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig) -> bool:
+def _router_kernel_runs(logits_TE: torch.Tensor, cfg: MoEConfig, wanted: bool = True) -> bool:
     """Whether :class:`Router` takes the one-launch scores / top-K / loss sums
-    (``tlx/portable/router.py``) instead of the torch ops. Eager mode, fp32 logits, no group-limited
-    selection, at least one token. ``TLX_DIST_ROUTER_KERNEL=1`` / ``0`` forces it on / off; by
-    default (``auto``) it runs wherever it can: on CUDA GPUs, and on CPU under ``TRITON_INTERPRET=1``
-    (the tests). On an H200 (session 12, ``scripts/device/x2_s20.sh``) its 14 GPU tests passed and
-    the eager layer table run off / on / off / on gave it the higher fused/torchtitan ratio in 11
-    of 12 (shape, T) pairs both times (the 12th 0.01 below, inside the spread): on by default."""
-    if cfg.group_limited or logits_TE.dtype != torch.float32 or logits_TE.shape[0] == 0:
+    (``tlx/portable/router.py``) instead of the torch ops: eager mode, fp32 logits, no group-limited
+    selection, at least one token, wherever the kernel runs (CUDA GPUs, and CPU under
+    ``TRITON_INTERPRET=1``: the tests) -- unless ``wanted`` (``Router(kernel=False)``) is False. On
+    by default: one launch where the torch ops take a dozen small ones, and the layer's eager step
+    was at least as fast with it on every benchmarked shape."""
+    if not wanted or cfg.group_limited or logits_TE.dtype != torch.float32 or logits_TE.shape[0] == 0:
         return False
-    if torch.compiler.is_compiling():
-        return False
-    mode = os.environ.get(ENV_ROUTER_KERNEL, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV_ROUTER_KERNEL}={mode!r}: expected auto, 0 or 1")
-    if mode == "0" or not tlx.triton_available():
+    if torch.compiler.is_compiling() or not tlx.triton_available():
         return False
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    runs_here = (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
-    if mode == "auto":
-        return runs_here
-    return runs_here
+    return (logits_TE.is_cuda and not interp) or (logits_TE.device.type == "cpu" and interp)
 
 
 def _pow2(n: int) -> int:
@@ -239,11 +234,17 @@ class RouterOutput:
 class Router(nn.Module):
     """Linear gate + (group-limited) top-K selection. ``weight`` is ``[E, D]`` in
     ``cfg.router_dtype`` (default: the config dtype); logits, scores and gates are fp32 (fp64 when
-    the router weight is float64)."""
+    the router weight is float64). ``kernel``: after the GEMM, the one-launch scores / top-K / loss
+    sums (``tlx/portable/router.py``) where they run (see :func:`_router_kernel_runs`); False: the
+    torch ops everywhere (the same selection, gates and losses). A plain attribute: settable on a
+    built layer (``layer.router.kernel``)."""
 
-    def __init__(self, cfg: MoEConfig, device: Optional[torch.device] = None):
+    def __init__(self, cfg: MoEConfig, device: Optional[torch.device] = None, kernel: bool = True):
         super().__init__()
+        if type(kernel) is not bool:
+            raise TypeError(f"kernel={kernel!r} must be a bool")
         self.cfg = cfg
+        self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim, dtype=cfg.router_torch_dtype, device=device))
         # Aux-loss-free balancing state. Replicated on every rank; `update_bias` keeps it in step.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=device))
@@ -259,7 +260,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
         logits_TE = router_logits(x_TD, self.weight)
-        if _router_kernel_runs(logits_TE, cfg):
+        if _router_kernel_runs(logits_TE, cfg, self.kernel):
             return self._forward_kernel(logits_TE)
         acc = logits_TE.dtype
         if cfg.score_func == "softmax":
@@ -271,8 +272,9 @@ class Router(nn.Module):
         if cfg.load_balance_bias:
             select_TE = select_TE + self.expert_bias.to(acc)
         if cfg.group_limited:
-            select_TE = group_limited_select(select_TE, cfg.n_group, cfg.topk_group)
-        idx_TK = torch.topk(select_TE, cfg.top_k, dim=-1, sorted=True).indices
+            idx_TK = group_limited_topk(select_TE, cfg.n_group, cfg.topk_group, cfg.top_k)
+        else:
+            idx_TK = torch.topk(select_TE, cfg.top_k, dim=-1, sorted=True).indices
         gate_TK = scores_TE.gather(1, idx_TK)
         if cfg.route_norm:
             gate_TK = gate_TK / (gate_TK.sum(dim=-1, keepdim=True) + 1e-20)

@@ -12,9 +12,17 @@ written by the one rank that holds it (a rank holds experts ``ep_rank * e + [dp 
 Loading asks for the ids this rank holds *now*, so a checkpoint saved at one (dp, ep) resumes at
 any other with the same number of experts (e.g. EP=2 -> EP=1 -> EP=2), and DCP reshards everything
 else (FSDP2 DTensors over the dp or the world mesh) itself. The world size may change too when the
-global batch (``data.batch_size * world``) stays the same: a rank with no ``extra_rank<r>.pt`` of
-its own takes rank 0's (step, scheduler and data position are global). Router biases
-(aux-loss-free balancing) are replicated buffers and travel with the model state.
+global batch (``data.batch_size * world * train.grad_accum``) stays the same: a rank with no
+``extra_rank<r>.pt`` of its own takes rank 0's (step, scheduler and data position are global).
+Router biases (aux-loss-free balancing) are replicated buffers and travel with the model state.
+
+Nothing saved depends on the mesh: the optimizer's parameter groups are one per parameter role
+(``train.parallelize.OPTIMIZER_ROLES``), the same at every layout, and the LR scheduler's per-group
+lists are saved keyed by role (``schedule_state``). Loading reads the optimizer's per-parameter
+state (Adam moments, step counts) and the schedule, not the saved param groups: the groups and
+their hyperparameters (betas, eps, weight decay) are this run's, from its config, and every group's
+learning rate is set from the restored schedule. So a checkpoint whose groups were split by mesh
+(written before the groups were by role) loads too, its schedule mapped onto this run's groups.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .parallelize import ParallelDims
 from .resume_check import check_resume_compatible
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "prune_checkpoints", "expert_key"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "prune_checkpoints", "expert_key", "schedule_state",
+           "load_schedule_state"]
 
 
 def expert_key(fqn: str, global_id: int) -> str:
@@ -89,6 +98,48 @@ def _split_experts(model_sd: dict, optim_sd: dict, firsts: dict[str, int]) -> tu
     return model_rest, {**optim_sd, "state": state_rest}, experts
 
 
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")   # LR scheduler state with one entry per group
+
+
+def _roles(optimizer) -> list[str]:
+    return list(getattr(optimizer, "group_roles", None) or map(str, range(len(optimizer.param_groups))))
+
+
+def schedule_state(scheduler, optimizer) -> dict:
+    """``scheduler.state_dict()`` with its per-group lists as ``{role: value}`` (mesh-independent)."""
+    roles = _roles(optimizer)
+    return {k: dict(zip(roles, v)) if k in _PER_GROUP and isinstance(v, list) else v
+            for k, v in scheduler.state_dict().items()}
+
+
+def load_schedule_state(scheduler, optimizer, extra: dict) -> None:
+    """Restores the LR schedule from a checkpoint's ``extra`` (``schedule`` by role, or an older
+    ``scheduler`` state with one entry per saved group) and sets every group's current ``lr`` to it:
+    the next optimizer step uses the rate the uninterrupted run would."""
+    roles = _roles(optimizer)
+    if "schedule" in extra:
+        sd = dict(extra["schedule"])
+        for k in _PER_GROUP:
+            if isinstance(sd.get(k), dict):
+                missing = [r for r in roles if r not in sd[k]]
+                if missing:
+                    raise ValueError(f"the checkpoint's LR schedule has no parameter group {missing[0]!r} "
+                                     f"(it has {sorted(sd[k])}): saved by a different model")
+                sd[k] = [sd[k][r] for r in roles]
+    else:   # one entry per saved group; its groups may have been split by mesh
+        sd = dict(extra["scheduler"])
+        for k in _PER_GROUP:
+            v = sd.get(k)
+            if isinstance(v, list) and len(v) != len(roles):
+                if len(set(map(repr, v))) != 1:
+                    raise ValueError(f"the checkpoint's LR schedule has {len(v)} parameter groups with different "
+                                     f"{k} and this run has {len(roles)}: cannot map them")
+                sd[k] = [v[0]] * len(roles)
+    scheduler.load_state_dict(sd)
+    for g, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        g["lr"] = lr
+
+
 def latest_step(ckpt_dir: str) -> Optional[int]:
     p = os.path.join(ckpt_dir, "latest")
     if not os.path.exists(p):
@@ -128,8 +179,9 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
     dcp.save({"model": model_rest, "optim": optim_rest, "experts": experts}, checkpoint_id=path)
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(),
-                "rng": _rng_state(), "layout": {"world": pd.world, "dp": pd.dp, "ep": pd.ep}},
+    torch.save({"step": step, "schedule": schedule_state(scheduler, optimizer), "data": loader.state_dict(),
+                "rng": _rng_state(), "layout": {"world": pd.world, "dp": pd.dp, "ep": pd.ep, "nodes": pd.nodes,
+                                                "sharding": pd.sharding}},
                os.path.join(path, f"extra_rank{pd.rank}.pt"))
     dist.barrier()
     if pd.rank == 0:
@@ -148,15 +200,16 @@ def load_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler, loade
     path = os.path.join(ckpt_dir, f"step_{step}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_rest, optim_rest, experts = _split_experts(model_sd, optim_sd, _expert_first_ids(model))
-    state = {"model": model_rest, "optim": optim_rest, "experts": experts}
+    # The saved param_groups are not read (module docstring): the groups stay this run's.
+    state = {"model": model_rest, "optim": {"state": optim_rest["state"]}, "experts": experts}
     check_resume_compatible(path, state)  # a mismatch is one clear line, not DCP's traceback
     dcp.load(state, checkpoint_id=path)  # experts land in place in model_sd / optim_sd's tensors
     model_sd = {**model_sd, **state["model"]}
-    optim_sd = {**state["optim"], "state": {**optim_sd["state"], **state["optim"]["state"]}}
+    optim_sd = {"state": {**optim_sd["state"], **state["optim"]["state"]}, "param_groups": optim_rest["param_groups"]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     own = os.path.join(path, f"extra_rank{pd.rank}.pt")
     extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
+    load_schedule_state(scheduler, optimizer, extra)
     loader.load_state_dict(extra["data"])
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])

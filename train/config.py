@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from tlx_dist import MoEConfig
+from tlx_dist.comm import ExchangeConfig
 
 __all__ = ["UsageError", "ModelConfig", "ParallelConfig", "DataConfig", "TrainConfig", "CheckpointConfig",
            "MetricsConfig", "Config", "load_config", "config_from_dict", "apply_overrides"]
@@ -79,17 +80,27 @@ class ParallelConfig:
     Elsewhere (one rank, all-to-all, separate pipeline) it does nothing, so a recipe that sets it
     still runs with those overrides. Not for schedules that run a layer's forward twice before its
     backward.
-    ep_overlap: the arrival-driven overlap of those layers (``SymmDispatcher(overlap=True)``): a
-    dispatch ends once the peers' metadata landed, their token rows follow on a side stream while
-    the gate/up GEMM computes this rank's own rows. Needs ``ep_row_regions = true`` and
-    ``capacity_factor > 0`` (checked); does nothing where the layers get no region.
-    exchange_bulk: n > 0: the symmetric exchange's send moves token rows through n shared-memory
-    slots by the SM's bulk-copy unit (``SymmDispatcher(bulk_send=n)``; TLX on sm_90 / sm_100 over
-    peer pointers, the register copy elsewhere); 0 (default): off, unless TLX_DIST_EXCHANGE_BULK.
-    exchange_copy_engine: "auto" (default) | "on" | "off": the copy-engine row form of the layers
-    with a receive region (``SymmDispatcher(copy_engine=...)``): their rows cross by copy engines in
-    the dense layout; "auto" turns it on for T >= 4096 tokens a rank where nearly every token reaches
-    every peer (two GPUs a group at E=64, K=8)."""
+    sharding: how FSDP2 spreads the parameters over their data-parallel ranks (``train.mesh``):
+    ``"full"`` (default) shards each over all of them; ``"hybrid"`` (HSDP) shards inside a node and
+    replicates across nodes -- dense parameters on a (node, rank-in-node) mesh, each expert over
+    the ranks of its expert-data-parallel group in one node (none when ep fills the node) and
+    replicated over the nodes -- so all-gathers and reduce-scatters stay on the node's links and
+    of the parameter traffic only one all-reduce of the gradient shards crosses the NICs per
+    optimizer step. One node: the same as "full".
+    ranks_per_node: ranks of one node; 0 (default) = torchrun's ``LOCAL_WORLD_SIZE`` (no torchrun:
+    one node). Set it to emulate nodes (e.g. 4 processes as 2 nodes x 2); ranks ``n * ranks_per_node
+    + [0, ranks_per_node)`` form node n, torchrun's placement.
+    exchange: the symmetric exchange's settings, the table ``[parallel.exchange]`` (the fields of
+    :class:`tlx_dist.comm.ExchangeConfig`, e.g. ``copy_engine = "off"``; a kernel's launch shape
+    as ``[parallel.exchange.send]``). ``overlap = true`` (the arrival-driven overlap of the layers
+    with a receive region) needs ``ep_row_regions = true`` and ``capacity_factor > 0`` (checked);
+    ``timeout_s`` defaults to ``train.comm_timeout_s``.
+    reduce_dtype: the dtype gradients cross the links in: ``"float32"`` (default) or ``"bfloat16"``
+    (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` for the reduce-scatters and the cross-node
+    all-reduces, and the all-reduce of the router / shared-expert gradients over ep). Only the
+    communication is bf16: master weights, gradients, optimizer state and the accumulation over
+    ``train.grad_accum`` micro-batches stay fp32 (``train.parallelize``). Halves the gradient bytes
+    on the NICs; each reduction rounds to bf16 (about 2^-8 of the summed magnitudes per add)."""
 
     ep: int = 1
     dp: int = 0
@@ -97,9 +108,10 @@ class ParallelConfig:
     capacity_factor: float = 0.0
     moe_pipeline: str = "auto"
     ep_row_regions: bool = False
-    ep_overlap: bool = False
-    exchange_bulk: int = 0
-    exchange_copy_engine: str = "auto"
+    sharding: str = "full"
+    ranks_per_node: int = 0
+    reduce_dtype: str = "float32"
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
 
 
 @dataclass(frozen=True)
@@ -121,9 +133,14 @@ class TrainConfig:
     activation_checkpoint: ``"none"``; ``"moe"`` recomputes each MoE FFN (router, dispatch,
     expert GEMMs, combine) in the backward instead of keeping its activations -- most of the
     activation memory of an MoE model, for ~1/3 more expert GEMM time; ``"full"`` recomputes
-    whole blocks. Recomputation never changes the losses."""
+    whole blocks. Recomputation never changes the losses.
+    grad_accum: micro-batches of ``data.batch_size`` sequences per rank accumulated into one
+    optimizer step (the loss of each scaled by 1 / grad_accum); gradients are reduced once per step
+    where the sharding allows it (``train.parallelize.set_gradient_sync``). A step consumes
+    ``data.batch_size * world * grad_accum`` sequences; tokens/s and MFU count all of them."""
 
     steps: int = 100
+    grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -187,11 +204,24 @@ def _check_type(prefix: str, name: str, value: Any, hint: Any) -> Any:
     return value
 
 
+# keys of earlier recipes, and what took their place
+_MOVED = {"parallel.exchange_copy_engine": "parallel.exchange.copy_engine",
+          "parallel.ep_overlap": "parallel.exchange.overlap",
+          "parallel.exchange_bulk": None}  # (the bulk-copy send was removed: it moved rows no faster)
+
+
 def _build(cls, d: Any, prefix: str):
     if not isinstance(d, dict):
         raise ValueError(f"{prefix} must be a table, got {d!r}")
+    if cls is ExchangeConfig:  # (its own field types, tiles and checks, errors named after prefix)
+        return ExchangeConfig.from_dict(d, prefix=prefix)
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    for k in sorted(set(d) - names):
+        if f"{prefix}.{k}" in _MOVED:
+            new = _MOVED[f"{prefix}.{k}"]
+            raise ValueError(f"{prefix}.{k} was replaced by {new}" if new else
+                             f"{prefix}.{k} was removed (the option lost; drop the key)")
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"{prefix}: unknown field(s) {unknown}; known: {sorted(names)}")
@@ -217,6 +247,8 @@ def _positive(prefix: str, obj, *names: str, allow_zero: bool = False) -> None:
 
 
 ACTIVATION_CHECKPOINT = ("none", "moe", "full")
+SHARDING = ("full", "hybrid")
+REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 def _validate(cfg: Config) -> None:
@@ -250,22 +282,23 @@ def _validate(cfg: Config) -> None:
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
-    if p.exchange_copy_engine not in ("auto", "on", "off"):
-        raise ValueError(f"parallel.exchange_copy_engine={p.exchange_copy_engine!r} must be auto, on or off")
-    if p.exchange_bulk < 0:
-        raise ValueError(f"parallel.exchange_bulk={p.exchange_bulk} must be >= 0 (shared-memory slots; 0: off)")
-    if p.ep_overlap and not p.ep_row_regions:
-        raise ValueError("parallel.ep_overlap=true overlaps the dispatch with GEMMs that read the rows where they "
-                         "land: set parallel.ep_row_regions = true too")
-    if p.ep_overlap and p.capacity_factor == 0:
-        raise ValueError("parallel.ep_overlap=true needs a static capacity (the rows leave before the counts are "
-                         "known): set parallel.capacity_factor > 0")
+    if p.exchange.overlap and not p.ep_row_regions:
+        raise ValueError("parallel.exchange.overlap=true overlaps the dispatch with GEMMs that read the rows where "
+                         "they land: set parallel.ep_row_regions = true too")
+    if p.exchange.overlap and p.capacity_factor == 0:
+        raise ValueError("parallel.exchange.overlap=true needs a static capacity (the rows leave before the counts "
+                         "are known): set parallel.capacity_factor > 0")
+    if p.sharding not in SHARDING:
+        raise ValueError(f"parallel.sharding={p.sharding!r} must be one of {', '.join(map(repr, SHARDING))}")
+    _positive("parallel", p, "ranks_per_node", allow_zero=True)
+    if p.reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"parallel.reduce_dtype={p.reduce_dtype!r} must be one of {', '.join(map(repr, REDUCE_DTYPES))}")
     _positive("data", d, "seq_len", "batch_size")
     if d.source not in ("pydoc", "file", "synthetic"):
         raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
     if d.source == "file" and not d.path:
         raise ValueError("data.path='' must name a UTF-8 text file when data.source='file'")
-    _positive("train", t, "steps", "lr", "log_every", "comm_timeout_s")
+    _positive("train", t, "steps", "grad_accum", "lr", "log_every", "comm_timeout_s")
     _positive("train", t, "warmup_steps", "weight_decay", "grad_clip", "crash_at_step", allow_zero=True)
     if not 0 <= t.min_lr_ratio <= 1:
         raise ValueError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")

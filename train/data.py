@@ -13,7 +13,8 @@ Global sample ``g`` (g = 0, 1, 2, ...) is window ``perm_epoch[g % n_windows]`` w
 global samples ``[s * G, (s + 1) * G)`` with ``G = batch_size * world``, rank ``r`` takes the
 ``r``-th block of ``batch_size``. So the data seen by the job depends only on the step and the
 global batch, not on how the ranks are arranged, and the position (``samples_seen``) is one integer
-saved in the checkpoint.
+saved in the checkpoint. With ``train.grad_accum = k`` an optimizer step is k such steps of the
+loader (micro-batches): it consumes ``k * G`` samples, which is the global batch a resume checks.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class ByteLoader:
     """Batches ``(inputs_BS, targets_BS)`` int64 for one rank. ``samples_seen`` is the global
     position (see the module docstring); ``state_dict`` / ``load_state_dict`` carry it."""
 
-    def __init__(self, cfg: DataConfig, rank: int, world: int, device=None):
+    def __init__(self, cfg: DataConfig, rank: int, world: int, device=None, grad_accum: int = 1):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.grad_accum = grad_accum
         self.samples_seen = 0
         self._perm_epoch = -1
         if cfg.source == "synthetic":
@@ -95,11 +97,13 @@ class ByteLoader:
         return rows[:, :-1], rows[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"samples_seen": self.samples_seen, "global_batch": self.cfg.batch_size * self.world}
+        """``global_batch``: sequences per optimizer step (all ranks, all micro-batches)."""
+        return {"samples_seen": self.samples_seen, "global_batch": self.cfg.batch_size * self.world * self.grad_accum}
 
     def load_state_dict(self, sd: dict) -> None:
-        gb = self.cfg.batch_size * self.world
+        gb = self.cfg.batch_size * self.world * self.grad_accum
         if sd["global_batch"] != gb:
             raise ValueError(f"checkpoint global batch {sd['global_batch']} differs from "
-                             f"data.batch_size * world = {gb}; resume with the same layout")
+                             f"data.batch_size * world * train.grad_accum = {self.cfg.batch_size} * {self.world} * "
+                             f"{self.grad_accum} = {gb}; choose those so the product is the saved one")
         self.samples_seen = int(sd["samples_seen"])

@@ -3,12 +3,17 @@
 World W = dp * ep ranks; rank = dp_rank * ep + ep_rank. Every rank reads its own data (EP ranks are
 also data-parallel for everything that is not an expert).
 
-    parameter                         sharded over       gradient reduced over
-    experts w13 / w2                  ep (by MoELayer)   dp (FSDP2 reduce-scatter, dp mesh)
-                                      + dp (FSDP2)
-    router, shared experts            dp (FSDP2)         dp (FSDP2) then ep (all-reduce, here)
-    attention, norms, dense MLP,      all W ranks        all W ranks (FSDP2 on a 1-D mesh of W)
-    embedding, head                   (FSDP2)
+    parameter                         sharded over            gradient reduced over
+    experts w13 / w2                  ep (by MoELayer)        their expert-data-parallel group: the dp
+                                      + the MoE mesh (FSDP2)  ranks of this ep index (the MoE mesh)
+    router, shared experts            the MoE mesh (FSDP2)    the MoE mesh, then ep (all-reduce, here)
+    attention, norms, dense MLP,      the dense mesh (FSDP2)  the dense mesh: all W ranks
+    embedding, head
+
+The meshes are ``train.mesh``'s: with ``parallel.sharding = "full"`` the dense mesh is all W ranks
+and the MoE mesh the dp ranks of this ep index; with ``"hybrid"`` on several nodes both are 2-D
+(HSDP: sharded inside a node, replicated across nodes; reduce-scatter inside the node, then an
+all-reduce of the shards across nodes).
 
 The router and shared experts live in the same ``MoELayer`` module as the experts, and FSDP2 groups
 parameters per module, so the whole MoE layer is sharded over the dp mesh and the replicated part is
@@ -32,6 +37,33 @@ fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction. 
 not cast (``cast_forward_inputs=False``): the residual stream is bf16 already, and the RoPE tables
 stay fp32 (FSDP2 would round them to bf16 at every block).
 
+``parallel.reduce_dtype = "bfloat16"``: only the gradient *communication* is bf16 -- FSDP2's
+``reduce_dtype`` (its reduce-scatters and the HSDP all-reduce across nodes) and ``finish_grads``'
+all-reduce over ep. What the ranks hold stays fp32: the sharded gradients (FSDP2 casts each
+reduction's result to the fp32 parameter dtype), the masters, the optimizer state, and the sums over
+``train.grad_accum`` micro-batches (below). Each element then carries the bf16 rounding of the
+operands sent and of every add in the reduction: at most (contributions + 4) * 2^-8 of the
+sum of the contributions' magnitudes (tests/test_train_reduce_dtype.py).
+
+Wrapping and overlap: every block is its own FSDP2 unit and its MoE layer a unit inside it, so each
+unit's reduce-scatter (and HSDP all-reduce) is issued as soon as that unit's backward is done and
+runs on FSDP2's communication streams while earlier blocks compute their backward. Prefetching is
+explicit, one unit ahead in the order the hooks fire: in the forward each unit's pre-forward issues
+the next unit's all-gather (block i -> its MoE layer -> block i + 1 ...), so it does not rely on the
+CPU running ahead (an exchange that reads its counts on the host stalls it); in the backward the
+same chain reversed (block i -> its MoE layer -> block i - 1), which is FSDP2's implicit order
+made explicit.
+
+Gradient accumulation (``train.grad_accum``): ``set_gradient_sync(model, pd, False)`` before every
+micro-batch but the last. An HSDP unit keeps reduce-scattering inside the node (sharded gradients,
+no unsharded copy kept) and skips the all-reduce across nodes; a fully sharded unit skips the
+reduce-scatter and accumulates its unsharded gradient (in the fp32 reduce dtype) until the last
+micro-batch. ``finish_grads`` runs once per optimizer step. With bf16 reduction FSDP2 would
+accumulate in bf16 (its accumulators take the reduce dtype), so instead: a fully sharded unit
+reduce-scatters every micro-batch (in bf16) into its fp32 sharded gradient, and an HSDP unit's
+partial sum of the in-node reduce-scatters is cast to fp32 after each micro-batch
+(``keep_accumulation_fp32``), rounded to bf16 once, for the all-reduce of the last one.
+
 Per step, after backward: ``finish_grads`` (EP reductions), ``clip_grad_norm_`` (fp32 per-tensor
 norms with ``_foreach_norm``, one all-reduce; with the fused AdamW the clip factor is handed to
 the optimizer kernel as its ``grad_scale`` instead of a separate pass over the gradients), the
@@ -42,63 +74,25 @@ all-reduced ``[L, E]`` count tensor).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from .config import Config, UsageError
+from .mesh import ParallelDims, build_mesh
 from .mixed_precision import LocalMixedPrecision
 from .model import Transformer
 
-__all__ = ["ParallelDims", "build_mesh", "build_model", "make_train_dispatcher", "check_exchange", "finish_grads", "clip_grad_norm_",
-           "build_optimizer", "local_tensor", "expert_param_names", "update_router_biases"]
+__all__ = ["ParallelDims", "build_mesh", "build_model", "make_train_dispatcher", "check_exchange", "finish_grads",
+           "clip_grad_norm_", "build_optimizer", "param_role", "OPTIMIZER_ROLES", "set_gradient_sync", "local_tensor",
+           "expert_param_names", "update_router_biases", "REDUCE_DTYPES", "keep_accumulation_fp32"]
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    world: int
-    dp: int
-    ep: int
-    rank: int
-    device_type: str
-    world_mesh: DeviceMesh       # 1-D, all ranks ("fsdp")
-    mesh: DeviceMesh             # 2-D ("dp", "ep")
-
-    @property
-    def ep_group(self) -> dist.ProcessGroup:
-        return self.mesh["ep"].get_group()
-
-    @property
-    def world_group(self) -> dist.ProcessGroup:
-        return self.world_mesh.get_group()
-
-    @property
-    def ep_rank(self) -> int:
-        return self.mesh["ep"].get_local_rank()
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-
-def build_mesh(cfg: Config, device_type: str) -> ParallelDims:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ep = cfg.parallel.ep
-    if world % ep:
-        raise UsageError(f"parallel.ep={ep} does not divide the world size {world} "
-                         f"(launch {ep} processes per expert-parallel group with torchrun)")
-    dp = cfg.parallel.dp or world // ep
-    if dp * ep != world:
-        raise UsageError(f"parallel.dp={dp} * parallel.ep={ep} = {dp * ep} differs from the world size {world}")
-    mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
-    world_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
-    return ParallelDims(world, dp, ep, rank, device_type, world_mesh, mesh)
+# parallel.reduce_dtype -> the dtype gradients are communicated in
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -111,6 +105,11 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 
 def _ep_in_one_node(pd: ParallelDims) -> bool:
+    """Whether this rank's EP group (ranks ``dp_rank * ep + [0, ep)``) sits inside one node."""
+    R = getattr(pd, "ranks_per_node", 0)
+    if R:
+        first = pd.dp_rank * pd.ep
+        return first // R == (first + pd.ep - 1) // R
     from tlx_dist.comm import Topology
     return Topology.from_group(pd.ep_group).single_node
 
@@ -134,9 +133,15 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
         return kind
     if device.type != "cuda":
         raise UsageError("parallel.dispatcher='symm' needs CUDA GPUs (use 'all_to_all' or 'auto' on CPU)")
+    import dataclasses
+
     from tlx_dist.comm import SymmDispatcher
-    # The exchange's bounded waits use the run's collective timeout: a rank may reach the first
-    # dispatch long after another (first-step compilation), which is no failure.
+    # The exchange's bounded waits use the run's collective timeout (unless parallel.exchange.timeout_s
+    # sets one): a rank may reach the first dispatch long after another (first-step compilation),
+    # which is no failure.
+    exchange = p.exchange
+    if exchange.timeout_s is None:
+        exchange = dataclasses.replace(exchange, timeout_s=cfg.train.comm_timeout_s)
     # per-layer receive regions only where a fused EP layer claims one (MoELayer: pipeline "fused",
     # or "auto" with narrow experts, F <= 2D), not for separate ops
     from tlx_dist.moe import _narrow_experts
@@ -144,10 +149,9 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     fused_possible = p.moe_pipeline == "fused" or (p.moe_pipeline == "auto" and _narrow_experts(m.moe))
     regions = m.n_layers - m.n_dense_layers if p.ep_row_regions and pd.ep > 1 and fused_possible else 0
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
-                          max_tokens=cfg.data.batch_size * cfg.data.seq_len, timeout_s=cfg.train.comm_timeout_s,
+                          max_tokens=cfg.data.batch_size * cfg.data.seq_len,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,
-                          overlap=p.ep_overlap, bulk_send=p.exchange_bulk,
-                          copy_engine={"auto": "auto", "on": True, "off": False}[p.exchange_copy_engine])
+                          config=exchange)
 
 
 def check_exchange(model: Transformer) -> None:
@@ -179,24 +183,107 @@ def build_model(cfg: Config, pd: ParallelDims, device: torch.device, bf16: bool)
     # MoELayer returns a view of its output; FSDP2 warns that an in-place op on it would skip the
     # backward hook. Block adds it out of place (h + ffn(h)), so the warning does not apply here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoELayer\) returned a view")
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-          if bf16 else MixedPrecisionPolicy())
+    rd = REDUCE_DTYPES[cfg.parallel.reduce_dtype]
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=rd, cast_forward_inputs=False)
+    elif rd != torch.float32:   # fp32 compute, bf16 on the links
+        mp = MixedPrecisionPolicy(reduce_dtype=rd, cast_forward_inputs=False)
+    else:
+        mp = MixedPrecisionPolicy()
+    model._grad_reduce_dtype = rd
     local: list[nn.Parameter] = []   # parameters outside FSDP (their mesh has one rank)
     if pd.world == 1:
         local = list(model.parameters())
     else:
+        pairs = []   # (block, its MoE layer if that is an FSDP2 unit of its own)
         for block in model.layers:
-            ignored = None
+            ignored, moe_unit = None, None
             if block.moe is not None:
                 if pd.dp > 1:
-                    fully_shard(block.moe, mesh=pd.mesh["dp"], mp_policy=mp)
+                    fully_shard(block.moe, mesh=pd.experts, mp_policy=mp)
+                    moe_unit = block.moe
                 else:
                     ignored = set(block.moe.parameters())
                     local += list(ignored)
-            fully_shard(block, mesh=pd.world_mesh, mp_policy=mp, ignored_params=ignored)
-        fully_shard(model, mesh=pd.world_mesh, mp_policy=mp)
+            fully_shard(block, mesh=pd.dense, mp_policy=mp, ignored_params=ignored)
+            pairs.append((block, moe_unit))
+        fully_shard(model, mesh=pd.dense, mp_policy=mp)
+        _set_prefetch(model, pairs)
+        if rd != torch.float32 and cfg.train.grad_accum > 1:
+            _partial_reductions(model)   # fails here, not mid-step, if this FSDP2 keeps them elsewhere
     model._local_mp = LocalMixedPrecision(model, local, torch.bfloat16) if bf16 and local else None
     return model
+
+
+def _set_prefetch(root: nn.Module, pairs: list) -> None:
+    """One unit ahead in the order the hooks fire (module docstring). Forward: the root (embedding),
+    block 0, its MoE layer, block 1, ...; backward: the root (head), block L-1, its MoE layer, block
+    L-2, ... (a block's pre-backward hook fires on its output's gradient, before its MoE layer's)."""
+    def chain(order):
+        units = [root] + [u for pair in order for u in pair if u is not None]
+        return list(zip(units, units[1:]))
+    for a, b in chain(pairs):
+        a.set_modules_to_forward_prefetch([b])
+    for a, b in chain(reversed(pairs)):
+        a.set_modules_to_backward_prefetch([b])
+
+
+def set_gradient_sync(model: Transformer, pd: ParallelDims, enabled: bool) -> None:
+    """Whether the next backward reduces the gradients across ranks (off for every micro-batch of
+    ``train.grad_accum`` but the last; module docstring). An HSDP unit (2-D mesh) keeps its
+    reduce-scatter inside the node and toggles only the all-reduce across nodes; a 1-D unit toggles
+    its reduce-scatter, except under bf16 reduction, where it reduce-scatters every micro-batch
+    (FSDP2 would accumulate the unsharded gradient in bf16). Parameters outside FSDP2 accumulate
+    locally either way, and ``finish_grads`` (the EP reductions) is called once per step by the
+    caller."""
+    every_micro_batch = getattr(model, "_grad_reduce_dtype", torch.float32) != torch.float32
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            hsdp = (pd.experts if hasattr(m, "expert_range") else pd.dense).ndim == 2
+            if hsdp:
+                m.set_requires_all_reduce(enabled, recurse=False)
+            else:
+                m.set_requires_gradient_sync(enabled or every_micro_batch, recurse=False)
+
+
+def _partial_reductions(model: Transformer) -> list:
+    """FSDP2's parameter group of every unit. Each holds ``_partial_reduce_output``: an HSDP unit's
+    sum of the reduce-scattered gradient shards of the micro-batches whose all-reduce was skipped,
+    in the reduce dtype, on its reduce-scatter stream (``comm_ctx.reduce_scatter_stream``). Private
+    FSDP2 state: a torch without it is an error naming the key that needs it."""
+    groups = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            pg = m._get_fsdp_state()._fsdp_param_group
+            if pg is None:
+                continue
+            if not (hasattr(pg, "_partial_reduce_output") and hasattr(pg, "comm_ctx")):
+                raise UsageError(f"parallel.reduce_dtype='bfloat16' with train.grad_accum > 1 keeps the sums over "
+                                 f"micro-batches in fp32 through FSDP2's _partial_reduce_output, which torch "
+                                 f"{torch.__version__} does not have; use train.grad_accum = 1 or reduce_dtype 'float32'")
+            groups.append(pg)
+    return groups
+
+
+@torch.no_grad()
+def keep_accumulation_fp32(model: Transformer) -> None:
+    """After the backward of a micro-batch that skipped the cross-node all-reduce: cast each HSDP
+    unit's partial sum of reduce-scattered gradient shards to fp32, so that the next micro-batches
+    add into an fp32 sum (FSDP2 keeps it in the reduce dtype, bf16 under ``parallel.reduce_dtype =
+    "bfloat16"``); the last micro-batch adds its own shard to it and rounds the sum to bf16 once, for
+    the all-reduce. No-op under fp32 reduction. The cast runs on the reduce-scatter stream that
+    produced the sum and reads it next, so the allocator's stream ordering covers both; no host sync."""
+    if getattr(model, "_grad_reduce_dtype", torch.float32) == torch.float32:
+        return
+    for pg in _partial_reductions(model):
+        part = pg._partial_reduce_output
+        if part is None or part.dtype == torch.float32:
+            continue
+        if part.is_cuda:
+            with torch.cuda.stream(pg.comm_ctx.reduce_scatter_stream):
+                pg._partial_reduce_output = part.float()
+        else:
+            pg._partial_reduce_output = part.float()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -227,7 +314,13 @@ def finish_grads(model: Transformer, pd: ParallelDims) -> None:
     grads = [local_tensor(p.grad) for p in rep if p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=pd.ep_group)
+        rd = getattr(model, "_grad_reduce_dtype", flat.dtype)
+        if rd == flat.dtype:
+            dist.all_reduce(flat, group=pd.ep_group)
+        else:   # bf16 on the link, the sum divided and kept in fp32
+            wire = flat.to(rd)
+            dist.all_reduce(wire, group=pd.ep_group)
+            flat = wire.to(flat.dtype)
         flat.div_(pd.ep)
         i = 0
         for g in grads:
@@ -254,25 +347,27 @@ def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
     kernel divide each gradient as it reads it (the hook ``GradScaler`` uses); the next
     ``optimizer.step()`` must follow.
 
-    Local shards: W-rank FSDP params are disjoint across all ranks; MoE-layer params are disjoint
-    across dp, and across ep the experts are disjoint while the router / shared experts are
-    replicated (so their square sums are divided by ep before the all-rank sum)."""
+    Local shards, each counted once: a gradient's local shard is held by ``_copies`` ranks -- the
+    replicate dimension of an HSDP mesh (dense: the nodes; MoE layers: dp_replicate), times ep for
+    the router / shared experts (replicated over ep; the experts are disjoint across ep) -- so its
+    square sum is divided by that before the all-rank sum."""
     rep, _ = _moe_params(model)
     rep_ids = {id(p) for p in rep}
-    grads, rep_grads = [], []
+    by_copies: dict[tuple, list] = {(1, False): []}   # (copies, replicated over ep) -> local gradients
     for p in model.parameters():
         if p.grad is not None:
-            (rep_grads if id(p) in rep_ids else grads).append(local_tensor(p.grad))
+            r = id(p) in rep_ids
+            by_copies.setdefault((_copies(p.grad) * (pd.ep if r else 1), r), []).append(local_tensor(p.grad))
     lmp = getattr(model, "_local_mp", None)
     if lmp is not None and lmp.keep_grads:  # AdamWBf16Grads: the bf16 gradients (one rank, ep = 1)
-        grads += lmp.pending_grads()
+        by_copies[(1, False)] += lmp.pending_grads()
     device = next(model.parameters()).device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     f32 = torch.float32  # per-tensor norms accumulated in fp32 whatever the gradient's dtype
-    if grads:
-        sq = sq + torch.stack(torch._foreach_norm(grads, 2.0, dtype=f32)).square().sum()
-    if rep_grads:
-        sq = sq + torch.stack(torch._foreach_norm(rep_grads, 2.0, dtype=f32)).square().sum() / pd.ep
+    for n, r in sorted(by_copies):
+        if by_copies[(n, r)]:
+            part = torch.stack(torch._foreach_norm(by_copies[(n, r)], 2.0, dtype=f32)).square().sum()
+            sq = sq + (part / n if r or n > 1 else part)
     if pd.world > 1:
         dist.all_reduce(sq, group=pd.world_group)
     norm = sq.sqrt()
@@ -280,23 +375,51 @@ def clip_grad_norm_(model: Transformer, pd: ParallelDims, max_norm: float,
         optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm > 0 else None
     elif max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads + rep_grads, coef)
+        torch._foreach_mul_([g for n in sorted(by_copies) for g in by_copies[n]], coef)
     return norm
 
 
+def _copies(t: torch.Tensor) -> int:
+    """Ranks holding the same local shard of ``t``: the sizes of its Replicate mesh dimensions."""
+    if not isinstance(t, DTensor):
+        return 1
+    n = 1
+    for i, pl in enumerate(t.placements):
+        if isinstance(pl, Replicate):
+            n *= t.device_mesh.size(i)
+    return n
+
+
+# The optimizer's parameter groups, in this order, each present iff the model has such parameters:
+# a function of the model alone, never of the mesh, so that a checkpoint's groups (saved by index)
+# and LR schedule match those of a job at any other (world, dp, ep). One group never mixes meshes:
+# the dense parameters share the dense mesh, the MoE layers the MoE mesh (foreach kernels need one).
+OPTIMIZER_ROLES = ("dense", "dense_no_decay", "moe", "moe_no_decay")
+
+
+def param_role(name: str, p: torch.Tensor, moe_modules: tuple[str, ...]) -> str:
+    """The optimizer group of parameter ``name``: ``moe`` for an MoE layer's (experts, router,
+    shared experts; ``moe_modules`` are those layers' names), ``dense`` for the rest; ``_no_decay``
+    for norms (1-D) and the embedding."""
+    moe = name.startswith(tuple(f"{m}." for m in moe_modules))
+    decay = p.dim() >= 2 and "embed" not in name
+    return ("moe" if moe else "dense") + ("" if decay else "_no_decay")
+
+
 def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = None) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and the embedding. Groups are split by mesh so that every
-    foreach kernel sees DTensors of one mesh. ``train.optimizer = "adamw_bf16_grads"``:
+    """AdamW; no weight decay on norms and the embedding. One parameter group per role present in
+    the model (``OPTIMIZER_ROLES``; ``optimizer.group_roles`` names them), the same groups at every
+    layout. ``train.optimizer = "adamw_bf16_grads"``:
     :class:`train.optim.AdamWBf16Grads` over the one-rank bf16 masters (``fused`` does not apply);
     ``"auto"``: that where every parameter is such a master (bf16 on one rank), else torch's AdamW."""
     t = cfg.train
-    groups: dict[tuple, list] = {}
+    moe_modules = tuple(n for n, m in model.named_modules() if hasattr(m, "expert_range"))
+    groups: dict[str, list] = {}
     for name, p in model.named_parameters():
-        decay = p.dim() >= 2 and "embed" not in name
-        mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
-        groups.setdefault((mesh, decay), []).append(p)
-    param_groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0}
-                    for (_, decay), ps in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))]
+        groups.setdefault(param_role(name, p, moe_modules), []).append(p)
+    roles = [r for r in OPTIMIZER_ROLES if r in groups]
+    param_groups = [{"params": groups[r], "weight_decay": 0.0 if r.endswith("_no_decay") else t.weight_decay}
+                    for r in roles]
     lmp = getattr(model, "_local_mp", None)
     local_bf16 = lmp is not None and len(lmp.slots) == len(list(model.parameters()))
     if t.optimizer == "adamw_bf16_grads" or (t.optimizer == "auto" and local_bf16):
@@ -305,9 +428,32 @@ def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = Non
                              "a local bf16 master: train.dtype bf16, world size 1); use train.optimizer='adamw'")
         from .optim import AdamWBf16Grads
 
-        return AdamWBf16Grads(param_groups, lmp, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                              weight_decay=t.weight_decay)
-    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
+        opt = AdamWBf16Grads(param_groups, lmp, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                             weight_decay=t.weight_decay)
+    else:
+        opt = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
+    opt.group_roles = tuple(roles)
+    _refresh_fp8_per_step(model, opt)
+    return opt
+
+
+def _refresh_fp8_per_step(model: Transformer, opt: torch.optim.Optimizer) -> None:
+    """FP8 MoE layers (``model.moe.precision = "fp8"``) remake their FP8 weight copies once per
+    optimizer step: a post-step hook marks them stale, and the layers stop watching version counters
+    (``fp8_refresh="step"``), which torch's fused AdamW does not bump and FSDP2's per-micro-batch
+    all-gathers bump without changing a value."""
+    layers = [m for m in model.moe_layers() if m.precision == "fp8"]
+    if not layers:
+        return
+    for m in layers:
+        m.fp8_refresh = "step"
+        m.invalidate_fp8_weights()
+
+    def hook(*_):
+        for m in layers:
+            m.invalidate_fp8_weights()
+
+    opt.register_step_post_hook(hook)
 
 
 @torch.no_grad()

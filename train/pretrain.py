@@ -4,11 +4,12 @@
     python -m train.pretrain --config configs/debug_cpu.toml        # one process
     python -m train.pretrain --config auto                          # h200_1gpu on an H200, else debug_cpu
 
-One step: next batch -> forward -> cross-entropy + MoE aux losses -> backward (FSDP2 reduce-
-scatters) -> finish EP reductions -> clip by the global norm -> AdamW -> LR schedule -> router bias
-update (aux-loss-free, counts summed over every rank in the step's one all-reduce). At step 1 and
-every ``log_every`` steps rank 0 prints loss, grad norm, aux loss, tokens/s per GPU, MFU, peak
-memory and expert load (max/mean tokens per expert).
+One step: ``train.grad_accum`` micro-batches of (next batch -> forward -> cross-entropy + MoE aux
+losses -> backward; FSDP2 reduces the gradients in the last one) -> finish EP reductions -> clip by
+the global norm -> AdamW -> LR schedule -> router bias update (aux-loss-free, counts summed over
+every rank in the step's one all-reduce). At step 1 and every ``log_every`` steps rank 0 prints
+loss, grad norm, aux loss, tokens/s per GPU, MFU (both over all micro-batches), peak memory and
+expert load (max/mean tokens per expert).
 
 Errors in the recipe, an override, a path or a resume request (:class:`train.config.UsageError`)
 print one line and exit with status 2.
@@ -41,7 +42,7 @@ from .data import ByteLoader
 from .fault import failure_message, set_comm_timeouts
 from .metrics import MetricLogger, flops_per_token, param_counts, peak_flops, peak_memory_gib
 from .parallelize import (build_mesh, build_model, build_optimizer, check_exchange, clip_grad_norm_, finish_grads,
-                          lr_lambda, update_router_biases)
+                          keep_accumulation_fp32, lr_lambda, set_gradient_sync, update_router_biases)
 from .profiling import annotate_dispatchers, format_profile, step_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -104,11 +105,43 @@ def _resume(cfg: Config, step: int, model, optimizer, scheduler, loader, pd) -> 
         raise UsageError(f"cannot resume from {path}: {e}") from None
 
 
+def accumulate_grads(model, pd, loader, grad_accum: int):
+    """Forward and backward of ``grad_accum`` micro-batches from ``loader``, each loss scaled by
+    ``1 / grad_accum`` (the step's objective is the mean over all of them); cross-rank gradient
+    reduction only in the last backward where the sharding allows (``set_gradient_sync``), the sums
+    over micro-batches in fp32 whatever ``parallel.reduce_dtype`` (``keep_accumulation_fp32``).
+
+    Returns ``(ce, aux, counts_LE)``: the micro-batches' mean cross-entropy and aux loss (fp32
+    0-dim, detached, this rank's) and the tokens each MoE layer routed to each expert, summed over
+    them (int64 ``[L, E]``, or None without MoE layers). No host sync."""
+    moe_layers = model.moe_layers()
+    ce_sum = aux_sum = counts_LE = None
+    for i in range(grad_accum):
+        if grad_accum > 1:
+            set_gradient_sync(model, pd, i == grad_accum - 1)
+        inputs, targets = loader.next_batch()
+        ce = model(inputs, targets)
+        aux = model.aux_loss()
+        loss = ce + aux
+        (loss if grad_accum == 1 else loss / grad_accum).backward()
+        if i < grad_accum - 1:
+            keep_accumulation_fp32(model)
+        counts = torch.stack([m.last_stats.tokens_per_expert for m in moe_layers]) if moe_layers else None
+        if i == 0:
+            ce_sum, aux_sum, counts_LE = ce.detach(), aux.detach(), counts
+        else:
+            ce_sum, aux_sum = ce_sum + ce.detach(), aux_sum + aux.detach()
+            counts_LE = counts_LE + counts if counts is not None else None
+    if grad_accum > 1:
+        ce_sum, aux_sum = ce_sum / grad_accum, aux_sum / grad_accum
+    return ce_sum, aux_sum, counts_LE
+
+
 def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[float]:
     """Runs ``cfg`` to ``train.steps`` (resuming if a checkpoint exists); returns rank 0's
     per-step losses (cross-entropy averaged over all ranks) for the steps it ran."""
     pd = build_mesh(cfg, device.type)
-    set_comm_timeouts([pd.mesh["dp"].get_group(), pd.mesh["ep"].get_group(), pd.world_group], cfg.train.comm_timeout_s)
+    set_comm_timeouts(pd.groups(), cfg.train.comm_timeout_s)
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     ck, steps = cfg.checkpoint, cfg.train.steps
     resume_step = latest_step(ck.dir) if ck.dir and ck.resume else None
@@ -116,7 +149,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     model = build_model(cfg, pd, device, bf16)
     optimizer = build_optimizer(model, cfg, fused=(device.type == "cuda") or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = ByteLoader(cfg.data, pd.rank, pd.world, device)
+    loader = ByteLoader(cfg.data, pd.rank, pd.world, device, grad_accum=cfg.train.grad_accum)
 
     start = 0
     if resume_step is not None:
@@ -134,7 +167,9 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
     pc = param_counts(cfg.model)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(device, bf16)
-    log.print(f"world={pd.world} (dp={pd.dp} x ep={pd.ep}) device={device.type} dtype={'bf16' if bf16 else 'fp32'} "
+    log.print(f"world={pd.world} (dp={pd.dp} x ep={pd.ep}) nodes={pd.nodes} sharding={pd.sharding} "
+              f"grad_accum={cfg.train.grad_accum} reduce_dtype={cfg.parallel.reduce_dtype} device={device.type} "
+              f"dtype={'bf16' if bf16 else 'fp32'} "
               f"params total={pc.total / 1e6:.1f}M active={pc.active / 1e6:.1f}M flops/token={fpt / 1e9:.3f}G "
               f"peak={'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     log.print(f"compile={'on' if cfg.train.compile else 'off'} activation_checkpoint={cfg.train.activation_checkpoint} "
@@ -148,7 +183,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
         log.print(f"grouped GEMM backend: {select_backend(x, x.new_empty(1, D, 2 * Fe), cfg.train.gemm_backend or None).name}"
                   f" | MoE exchange: {moe_layers[0].dispatcher.name}, pipeline={moe_layers[0].pipeline}")
     use_bias = cfg.model.moe.load_balance_bias and bool(moe_layers)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len  # per rank
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum  # per rank, all micro-batches
     losses: list[float] = []
     pending: list[torch.Tensor] = []
     # Tokens per expert since the last log step: summed over ranks every step when the router
@@ -165,10 +200,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
         prof.start()
     model.train()
     for step in range(start + 1, steps + 1):
-        inputs, targets = loader.next_batch()
-        ce = model(inputs, targets)
-        aux = model.aux_loss()
-        (ce + aux).backward()
+        ce, aux, step_counts_LE = accumulate_grads(model, pd, loader, cfg.train.grad_accum)
         finish_grads(model, pd)
         with torch.profiler.record_function("train.clip_grad_norm"):
             gnorm = clip_grad_norm_(model, pd, cfg.train.grad_clip, optimizer)
@@ -179,8 +211,7 @@ def train(cfg: Config, device: torch.device, profile_steps: int = 0) -> list[flo
 
         # Every step's loss is kept (exact-resume checks, golden files). One small all-reduce per
         # step carries the losses and, with aux-loss-free balancing, every layer's expert counts.
-        stats = torch.stack([ce.detach(), aux.detach().to(ce.device)]).double()
-        step_counts_LE = torch.stack([m.last_stats.tokens_per_expert for m in moe_layers]) if moe_layers else None
+        stats = torch.stack([ce, aux.to(ce.device)]).double()
         if use_bias:
             stats = torch.cat([stats, step_counts_LE.flatten().double()])
         if pd.world > 1:

@@ -5,7 +5,8 @@ token rows once per rank -> expand to expert-major rows; reduce per token -> sen
 home), with bounded waits; ``protocol`` their shared waits and signals, ``route`` a dispatch's
 first phase, ``copy_engine`` the ready / signal / fix-up kernels of the copy-engine row form
 (whose copies the host issues). ``nvshmem``: the NVSHMEM device calls of their ``USE_NVSHMEM`` variants
-(peers on other nodes), emulated under the interpreter. Host wrappers, buffer allocation and
+(peers on other nodes), emulated under the interpreter. ``hier``: the hierarchical exchange's kernels
+(one row per (token, node) to a relay, which forwards it inside its node; node-first combine). Host wrappers, buffer allocation and
 autograd live in ``tlx_dist.comm.symm``.
 """
 

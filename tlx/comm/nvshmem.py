@@ -2,7 +2,7 @@
 
 Declarations only (``@core.extern``): the definitions come from ``libnvshmem_device.bc`` of the
 NVSHMEM wheel, which the host links into exactly the kernels compiled with ``USE_NVSHMEM=True``
-and whose CUDA module it then initialises for NVSHMEM (``tlx_dist.comm.symm_buffers``). A kernel
+and whose CUDA module it then initialises for NVSHMEM (``tlx_dist.comm.symm.buffers``). A kernel
 compiled with ``USE_NVSHMEM=False`` never references these symbols, so it needs neither.
 
 Rules the exchange kernels follow (and ``tests/test_symm_nvshmem_compile.py`` checks in the PTX):

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - builds without the CUDA/HIP extras
     _globaltimer = _memrealtime = None
 
 # CLOCK constexpr of the waiting kernels: what "time" a bounded wait reads.
-CLOCK_POLLS = 0       # Triton interpreter: a poll counts as 1 us
+CLOCK_POLLS = 0       # Triton interpreter: a poll counts as a microsecond
 CLOCK_GLOBALTIMER = 1  # NVIDIA %globaltimer, ns
 CLOCK_MEMREALTIME = 2  # AMD s_memrealtime, a 100 MHz constant clock: 10 ns a tick
 
@@ -52,7 +52,7 @@ def _wait_geq(flag_ptr, target, err_ptr, OP: tl.constexpr, peer, TIMEOUT_NS: tl.
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
         if CLOCK == 0:
-            waited += 1000  # a poll counts as 1 us
+            waited += 1000  # a poll counts as a microsecond
         else:
             waited = _now_ns(CLOCK).to(tl.int64) - t0
     if v < target:  # one failed wait is reported (the largest code if several fail at once)

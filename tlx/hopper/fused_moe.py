@@ -27,20 +27,17 @@ kernels (tlx/common/gather.py).
                        scale[n] * acc with relaxed fp32 atomics (no [T, K, D] tensor, no k-sum pass).
   EPILOGUE == DSWIGLU: A = dout[dst] (gathered) @ w2^T (K-major); with h and the gate: stores dh,
                        ag = gate * a and the gate-gradient partial dot of this F-tile. h is read
-                       from global memory in the epilogue, or (PREFETCH_H) TMA-loaded by the
-                       producer into a one-tile shared buffer (``hfull`` / ``hempty``) after it
-                       has issued the tile's k-steps -- measured slower on an H200 (it takes
-                       ring stages), so off by default; or (EARLY_H) each consumer prefetches its
-                       half of h into L2 (``prefetch.global.L2``, one per 128-byte line) before
-                       the tile's main loop, so the epilogue's loads hit L2 (no shared memory, no
-                       registers held across the loop: loading h into registers there spilled).
+                       from global memory in the epilogue; with EARLY_H each consumer first
+                       prefetches its half of h into L2 (``prefetch.global.L2``, one per 128-byte
+                       line) before the tile's main loop, so the epilogue's loads hit L2 (no shared
+                       memory, no registers held across the loop).
 ``_fused_wgrad_hopper_kernel`` (ragged K): dw[e] = A[ia]^T @ B[ib] over the expert's rows, either
   operand gathered by ``cp.async`` (A_GATHER: x[src] for dW13; B_GATHER: dout[dst] for dW2), the other
   by ragged TMA; tiles longest expert first with atomic claims (DYNAMIC), as the landed dW kernel.
   VIRT > 1 (SWIGLU; the EP overlap's split gate/up GEMM): E counts VIRT runs per expert, each
   run a "virtual expert" of the tile walk, whose weights are those of expert e // VIRT.
   The gathered rows are the reduction, so their indices change every k-step: the producer loads
-  step k + 1's indices while issuing step k's copies (1.4x faster than loading them in line).
+  step k + 1's indices while issuing step k's copies (an index load in line stalls every stage).
 Epilogue stores are plain (masked) global stores from the wgmma accumulator layout; the dW output
 goes through shared memory and TMA like the landed kernel.
 """
@@ -119,10 +116,9 @@ def _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull
 
 
 @triton.jit
-def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
+def _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                  E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
-                 EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 PREFETCH_H: tl.constexpr):
+                 EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     rows = mt * BM + CID * BMS + tl.arange(0, BMS)
     cols = nt * BN + tl.arange(0, BN)
@@ -147,13 +143,9 @@ def _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, 
             tl.atomic_add(c_ptr + d_row[:, None] * stride_cn + cols[None, :], val, mask=ok, sem="relaxed")
     else:
         out_ty: tl.constexpr = c_ptr.dtype.element_ty
-        if PREFETCH_H:  # the producer brought this tile's h into shared memory during the main loop
-            hg = hg_pre
-            hu = hu_pre
-        else:
-            h_ptrs = h_ptr + n_idx[:, None] * stride_hn + cols[None, :]
-            hg = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-            hu = tl.load(h_ptrs + F_OFF, mask=ok, other=0.0).to(tl.float32)
+        h_ptrs = h_ptr + n_idx[:, None] * stride_hn + cols[None, :]
+        hg = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        hu = tl.load(h_ptrs + F_OFF, mask=ok, other=0.0).to(tl.float32)
         gate = tl.load(scale_ptr + n_idx, mask=row_ok & (e < E), other=0.0).to(tl.float32)
         a_val, dhg, dhu = swiglu_bwd(hg, hu, acc, gate[:, None])
         tl.store(part_ptr + n_idx * stride_pn + nt, tl.sum(a_val * acc, axis=1), mask=row_ok)
@@ -177,20 +169,18 @@ def _prefetch_h_lines(h_ptr, lo, mt, cnt, nt, NN, F_OFF, stride_hn, R0: tl.const
 
 
 @triton.jit
-def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr, offsets_ptr,
+def _mm_consume(t, it, tc, a_buf, b_buf, full, afull, empty, tile_cum_ptr, offsets_ptr,
                 c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr,
                 E, N_ROWS, K_DIM, NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, CID: tl.constexpr,
                 EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH_H: tl.constexpr,
+                SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr,
                 EARLY_H: tl.constexpr, accb, epi_full, epi_empty, EPI_WG: tl.constexpr, NCH: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
     steps = tl.where(e < E, tl.cdiv(K_DIM, BK), 0)
     acc = tl.zeros((BMS, BN), dtype=tl.float32)
     acc_u = tl.zeros((BMS, BN), dtype=tl.float32)  # SwiGLU's up half; unused otherwise
-    hg_pre = acc  # placeholders unless PREFETCH_H
-    hu_pre = acc
     if EARLY_H:  # dSwiGLU: L2 prefetch of this half's h lines (gate and up) before the main loop
         _prefetch_h_lines(h_ptr, lo, mt, cnt, nt, NN, F_OFF, stride_hn, CID * BMS, BMS, BM, BN)
     prev = 0
@@ -223,19 +213,14 @@ def _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempt
         acc_u = tlx.async_dot_wait(0, acc_u)
     if steps > 0:
         tlx.barrier_arrive(empty[prev])
-    if PREFETCH_H:
-        tlx.barrier_wait(hfull[0], tc & 1)
-        hg_pre = tlx.local_load(h_buf[CID * 2]).to(tl.float32)
-        hu_pre = tlx.local_load(h_buf[CID * 2 + 1]).to(tl.float32)
-        tlx.barrier_arrive(hempty[0])  # both groups have h in registers: the next tile's may land
     if EPI_WG:  # hand the accumulator to the epilogue warp group and go on to the next tile
         tlx.barrier_wait(epi_empty[CID], (tc & 1) ^ 1)
         _stash_chunks(acc, accb, CID * NCH, BMS, BN, NCH)
         tlx.barrier_arrive(epi_full[CID])
     else:
-        _mm_epilogue(acc, acc_u, hg_pre, hu_pre, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr,
+        _mm_epilogue(acc, acc_u, e, lo, cnt, mt, nt, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr,
                      part_ptr, E, NN, F_OFF, stride_cn, stride_c2n, stride_hn, stride_pn, CID, EPILOGUE, HAS_SCALE, BM,
-                     BN, PREFETCH_H)
+                     BN)
     return it
 
 
@@ -403,24 +388,6 @@ def _epi_chunk(g, e, lo, cnt, mt, c0, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, 
     return dot
 
 
-@triton.jit
-def _h_produce(t, tc, h_desc, h_buf, hfull, hempty, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, F_OFF,
-               BM: tl.constexpr, BN: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
-    """dSwiGLU's epilogue operand: after issuing tile ``t``'s k-steps, TMA-load its h rows (gate and
-    up columns, both consumer halves) into ``h_buf`` once the consumers have read the previous
-    tile's. Rows past the expert are read (another expert's h, or zeros past N) and never stored."""
-    BMS: tl.constexpr = BM // 2
-    e, lo, cnt, mt, nt = _mm_tile_at(t, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n, SEARCH_STEPS, GROUP_M)
-    tlx.barrier_wait(hempty[0], (tc & 1) ^ 1)
-    tlx.barrier_expect_bytes(hfull[0], 4 * BMS * BN * 2)
-    row = lo + mt * BM
-    col = nt * BN
-    tlx.async_descriptor_load(h_desc, h_buf[0], [row, col], hfull[0])
-    tlx.async_descriptor_load(h_desc, h_buf[1], [row, col + F_OFF], hfull[0])
-    tlx.async_descriptor_load(h_desc, h_buf[2], [row + BMS, col], hfull[0])
-    tlx.async_descriptor_load(h_desc, h_buf[3], [row + BMS, col + F_OFF], hfull[0])
-
-
 # Row and expert counts vary from call to call: no recompiles for their divisibility.
 @triton.jit(do_not_specialize=["N_ROWS", "E", "stride_pn"])
 def _fused_mm_hopper_kernel(
@@ -430,7 +397,7 @@ def _fused_mm_hopper_kernel(
     EPILOGUE: tl.constexpr, A_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, LAG: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    h_desc, PREFETCH_H: tl.constexpr, EARLY_H: tl.constexpr, VIRT: tl.constexpr, EPI_WG: tl.constexpr,
+    EARLY_H: tl.constexpr, VIRT: tl.constexpr, EPI_WG: tl.constexpr,
     EPI_REGS: tl.constexpr, EPI_COLS: tl.constexpr, PINGPONG: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
@@ -447,24 +414,16 @@ def _fused_mm_hopper_kernel(
     empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1 if PINGPONG else 2)
     # PINGPONG (dSwiGLU reading its A in place): each consumer takes every other tile whole, and the
     # two take turns issuing their main loops (mma_bar), so one's epilogue runs beside the other's MMAs
-    tl.static_assert(PINGPONG == 0 or (EPILOGUE == DSWIGLU and not A_GATHER and not PREFETCH_H and EPI_WG == 0
-                                       and B_KMAJOR and HAS_SCALE))
+    tl.static_assert(PINGPONG == 0 or (EPILOGUE == DSWIGLU and not A_GATHER and EPI_WG == 0 and B_KMAJOR
+                                       and HAS_SCALE))
     mma_bar = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
     if A_GATHER:
         afull = tlx.alloc_warp_barrier(num_barriers=NUM_STAGES, num_warps=4)
     else:
         afull = full  # never waited on
-    if PREFETCH_H:  # dSwiGLU: one tile of h, [consumer * 2 + (gate | up)]
-        h_buf = tlx.local_alloc((BMS, BN), dtype, 4)
-        hfull = tlx.alloc_barriers(num_barriers=1, arrive_count=1)
-        hempty = tlx.alloc_barriers(num_barriers=1, arrive_count=2)
-    else:
-        h_buf = a_buf  # never used
-        hfull = full
-        hempty = empty
     NCH: tl.constexpr = BN // EPI_COLS
     # the handed-off epilogue has the scatter and dSwiGLU forms only (one accumulator, h from global)
-    tl.static_assert(EPI_WG == 0 or (EPILOGUE != SWIGLU and not PREFETCH_H))
+    tl.static_assert(EPI_WG == 0 or EPILOGUE != SWIGLU)
     if EPI_WG:  # each consumer's accumulator, in NCH column chunks, for the epilogue warp group
         accb = tlx.local_alloc((BMS, EPI_COLS), tl.float32, 2 * NCH)
         epi_full = tlx.alloc_barriers(num_barriers=2, arrive_count=1)
@@ -479,15 +438,10 @@ def _fused_mm_hopper_kernel(
             tiles_n = tl.cdiv(NN, BN)
             total = mm_num_tiles(tile_cum_ptr, E, tiles_n)
             it = 0
-            tc = 0
             for t in range(tl.program_id(0), total, NUM_SMS):
                 it = _mm_produce(t, it, a_desc, a_ptr, src_ptr, b_desc, a_buf, b_buf, full, afull, empty, tile_cum_ptr,
                                  offsets_ptr, E, N_ROWS, K_DIM, tiles_n, F_OFF, stride_an, EPILOGUE, A_GATHER,
                                  B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M, LAG, VIRT)
-                if PREFETCH_H:
-                    _h_produce(t, tc, h_desc, h_buf, hfull, hempty, tile_cum_ptr, offsets_ptr, E, N_ROWS, tiles_n,
-                               F_OFF, BM, BN, SEARCH_STEPS, GROUP_M)
-                tc += 1
         with tlx.async_task(num_warps=4, replicate=2, registers=CONSUMER_REGS):  # wgmma + fused epilogue
             cid: tl.constexpr = tlx.async_task_replica_id()
             tiles_n = tl.cdiv(NN, BN)
@@ -501,11 +455,11 @@ def _fused_mm_hopper_kernel(
                                               tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, BM, BN, BK,
                                               NUM_STAGES, SEARCH_STEPS, GROUP_M, EARLY_H, EPI_COLS)
                 else:
-                    it = _mm_consume(t, it, tc, a_buf, b_buf, h_buf, full, afull, empty, hfull, hempty, tile_cum_ptr,
+                    it = _mm_consume(t, it, tc, a_buf, b_buf, full, afull, empty, tile_cum_ptr,
                                      offsets_ptr, c_ptr, c2_ptr, dst_ptr, scale_ptr, h_ptr, part_ptr, E, N_ROWS, K_DIM,
                                      NN, F_OFF, tiles_n, stride_cn, stride_c2n, stride_hn, stride_pn, cid, EPILOGUE,
                                      A_GATHER, HAS_SCALE, B_KMAJOR, BM, BN, BK, NUM_STAGES, SEARCH_STEPS, GROUP_M,
-                                     PREFETCH_H, EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
+                                     EARLY_H, accb, epi_full, epi_empty, EPI_WG, NCH)
                 tc += 1
         if EPI_WG == 1:
             with tlx.async_task(num_warps=4, registers=EPI_REGS):  # epilogue of both consumers' tiles
@@ -565,7 +519,7 @@ def _wgrad_produce(t, it, a_desc, a_ptr, ia_ptr, b_desc, b_ptr, ib_ptr, a_buf, b
     ks = tl.arange(0, BK)
     # The gathered operand's row indices change every k-step (the rows are the reduction): load
     # step k + 1's while step k's copies are issued, so the index load's latency never stalls the
-    # copies (a load per step in the producer's critical path, ~1 us, against ~0.4 us of MMA per stage).
+    # copies (a global load per step in the producer's critical path takes longer than a stage's MMAs).
     if A_GATHER:
         ia_next = tl.load(ia_ptr + lo + ks, mask=ks < cnt, other=0)
     if B_GATHER:

@@ -26,7 +26,7 @@ logsumexp (fin rows only), then the score function's Jacobian. A non-finite row 
 the losses or their gradients. Unlike torch.topk (which ranks NaN first), a NaN score ranks last:
 a softmax row with a NaN or +inf logit is all NaN (its gates and gradient too, as with torch); a
 sigmoid row routes around its NaN entries, whose own logit gradient is NaN (0 * NaN).
-Reference: ``tlx_dist.router.Router`` with ``TLX_DIST_ROUTER_KERNEL=0`` (the torch ops)."""
+Reference: ``tlx_dist.router.Router(kernel=False)`` (the torch ops)."""
 
 import triton
 import triton.language as tl

@@ -1,12 +1,11 @@
 """Copy-engine copies into a peer's symmetric region, issued on the current stream.
 
-The exchange's copy-engine row form (``symm._ce_mode``) moves a rank's token rows and partial rows
-with the GPU's DMA copy engines instead of SM stores: ``cuMemcpyAsync`` (CUDA driver API, through
-ctypes) between this rank's memory and the peer address of the destination (unified addressing:
-the driver finds the peer GPU from the address). On two H200s the copy engines carry 380-391 GB/s
-per direction with both GPUs sending, against 363-366 for SM stores (``bench/p2p_copy.py``,
-bench/RESULTS.md session 16), and they leave every SM to the kernels. A copy on a capturing stream
-becomes a memcpy node of the CUDA graph.
+The exchange's copy-engine row form (``tlx_dist.comm.symm.ce_transport``) moves a rank's token rows
+and partial rows with the GPU's DMA copy engines instead of SM stores: ``cuMemcpyAsync`` (CUDA driver
+API, through ctypes) between this rank's memory and the peer address of the destination (unified
+addressing: the driver finds the peer GPU from the address). Over NVLink the copy engines move more
+per direction than SM stores with both GPUs sending (``bench/p2p_copy.py`` measures both), and they
+leave every SM to the kernels. A copy on a capturing stream becomes a memcpy node of the CUDA graph.
 
 On CPU (the Triton interpreter's emulated world) the same call is a ``memmove``: the tests run the
 mode's whole protocol there."""

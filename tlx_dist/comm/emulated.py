@@ -2,7 +2,7 @@
 
 Each virtual rank has its own slice of one allocation and its own peer table
 (:meth:`SymmBuffers.emulated`). An op is run by advancing every rank's phase generator
-(``symm.py``) one phase at a time, in rank order, on one stream: every kernel a phase waits on was
+(``symm/steps.py``) one phase at a time, in rank order, on one stream: every kernel a phase waits on was
 launched in an earlier phase, so nothing spins on a signal a later launch would raise.
 Not differentiable (autograd would run one rank at a time); the gradient ops are exposed directly.
 """
@@ -15,7 +15,9 @@ import torch
 
 from .symm import (check_capacity, combine_grad_steps, combine_rows_grad_steps, combine_rows_steps, combine_steps,
                    dispatch_grad_steps, dispatch_rows_grad_steps, dispatch_steps)
-from .symm_buffers import SymmBuffers
+from .symm.buffers import SymmBuffers
+from .symm.config import ExchangeConfig
+from .symm.hier_layout import leg_counters_dict
 
 __all__ = ["EmulatedWorld", "run_lockstep", "reference_dispatch"]
 
@@ -41,19 +43,28 @@ def run_lockstep(gens: list) -> list:
 class EmulatedWorld:
     """W virtual ranks of one EP group on one device (``"cpu"`` runs the kernels in the Triton
     interpreter). Methods take and return per-rank lists. ``capacity``: expanded rows per rank,
-    as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync). ``ranks_per_node``
-    (interpreter only): nodes of that many ranks, joined by the emulated NVSHMEM route.
-    ``copy_engine=True``: the copy-engine row form (``symm._ce_mode``; copies in line: ``memmove``
-    on CPU, same-device copies on a GPU) for the row form into a region with a static capacity."""
+    as for :class:`SymmDispatcher` (default ``"worst"``: static, no host sync). ``ranks_per_node``:
+    nodes of that many ranks. Across them the exchange is the hierarchical one where
+    ``config.topology`` asks for it (``"auto"``: more than one rank a node) -- in the interpreter
+    over the emulated NVSHMEM route, on a GPU by pointer stores -- else the flat one over the
+    emulated NVSHMEM route (interpreter only); ``nvshmem=False``: the hierarchical one by pointer
+    stores in the interpreter too (``SymmBuffers.emulated``).
+    ``config``: every virtual rank's :class:`ExchangeConfig`; ``copy_engine=True`` (not with
+    ``config``): the copy-engine row form (``ExchangeConfig(copy_engine="on")``; copies in line:
+    ``memmove`` on CPU, same-device copies on a GPU) for the row form into a region with a static
+    capacity."""
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, capacity="worst", device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None, row_regions: int = 0, copy_engine: bool = False):
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0, copy_engine: bool = False,
+                 config: Optional[ExchangeConfig] = None, nvshmem: Optional[bool] = None):
+        if copy_engine:
+            if config is not None:
+                raise TypeError("give copy_engine inside config= (ExchangeConfig(copy_engine='on')), not beside it")
+            config = ExchangeConfig(copy_engine="on")
         self.buffers = SymmBuffers.emulated(world_size, max_tokens, hidden, top_k, num_experts, dtype,
                                             device=device, timeout_s=timeout_s, ranks_per_node=ranks_per_node,
-                                            row_regions=row_regions)
-        for b in self.buffers:
-            b.copy_engine = bool(copy_engine)
+                                            row_regions=row_regions, config=config, nvshmem=nvshmem)
         self.world_size = world_size
         self.num_experts = num_experts
         self.capacity = check_capacity(capacity)
@@ -115,6 +126,24 @@ class EmulatedWorld:
         self._check(gs_RD, "gs_RD")
         return run_lockstep([dispatch_rows_grad_steps(b, g, gg, h)
                              for b, g, gg, h in zip(self.buffers, gs_RD, gs_gate_N, handles)])
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the world runs the hierarchical exchange (``config.topology``, ``ranks_per_node``)."""
+        return self.buffers[0].hier is not None
+
+    def leg_counters(self) -> list:
+        """Per rank, the hierarchical exchange's per-leg counters as ``{name: int}`` (a host sync;
+        ``SymmDispatcher.leg_counters`` gives them as device tensors); ValueError for the flat one."""
+        if not self.hierarchical:
+            raise ValueError("leg counters belong to the hierarchical exchange: build the world with "
+                             "ranks_per_node and ExchangeConfig(topology='hierarchical' or 'auto')")
+        return [leg_counters_dict(b.hier.counters) for b in self.buffers]
+
+    def reset_leg_counters(self) -> None:
+        for b in self.buffers:
+            if b.hier is not None:
+                b.hier.reset()
 
     def check(self) -> None:
         for b in self.buffers:

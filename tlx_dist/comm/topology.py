@@ -11,7 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "TOPOLOGIES", "exchange_ranks_per_node"]
+
+# How an EP group's exchange is laid out over its nodes (``ExchangeConfig.topology``).
+TOPOLOGIES = ("auto", "flat", "hierarchical")
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -53,6 +56,11 @@ class Topology:
     def single_node(self) -> bool:
         return all(self.same_node(d) for d in range(self.world_size))
 
+    @property
+    def nodes(self) -> tuple:
+        """The node of each group rank."""
+        return tuple(self.node_of(d) for d in range(self.world_size))
+
     @classmethod
     def from_ranks(cls, global_ranks: Sequence[int], rank: int,
                    env: Optional[Mapping[str, str]] = None) -> "Topology":
@@ -62,6 +70,10 @@ class Topology:
         if not 0 <= rank < len(global_ranks):
             raise ValueError(f"rank={rank} is outside the group of {len(global_ranks)} ranks")
         lws = _env_int(env, "LOCAL_WORLD_SIZE", max(global_ranks) + 1 if global_ranks else 1)
+        node = env.get("GROUP_RANK")
+        if node not in (None, "") and _env_int(env, "GROUP_RANK", 0) != global_ranks[rank] // lws:
+            raise ValueError(f"GROUP_RANK={node} but global rank {global_ranks[rank]} with LOCAL_WORLD_SIZE={lws} is "
+                             f"on node {global_ranks[rank] // lws}: torchrun numbers ranks node by node")
         return cls(global_ranks, lws, rank)
 
     @classmethod
@@ -71,3 +83,27 @@ class Topology:
         world = dist.get_world_size(group)
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
         return cls.from_ranks(ranks, dist.get_rank(group))
+
+
+def exchange_ranks_per_node(setting: str, nodes) -> int:
+    """Ranks per node of the hierarchical exchange for an EP group whose rank v is on node
+    ``nodes[v]``, or 0 for the flat one. The hierarchical exchange needs the group's ranks to fill
+    equal nodes in rank order (rank v local rank ``v % L`` of the group's ``v // L``-th node).
+    ``setting`` (``ExchangeConfig.topology``): ``"flat"`` -- 0; ``"hierarchical"`` -- L (ValueError if
+    the ranks do not fill equal nodes; one node gives the flat exchange's rows, bit for bit);
+    ``"auto"`` -- L when the group spans nodes with more than one rank on each, else 0."""
+    if setting not in TOPOLOGIES:
+        raise ValueError(f"topology={setting!r} must be one of {TOPOLOGIES}")
+    nodes = tuple(nodes)
+    if setting == "flat" or not nodes:
+        return 0
+    W = len(nodes)
+    L = sum(1 for n in nodes if n == nodes[0])
+    chunks = [nodes[i:i + L] for i in range(0, W, L)]
+    rect = W % L == 0 and all(len(set(c)) == 1 for c in chunks) and len({c[0] for c in chunks}) == len(chunks)
+    if setting == "hierarchical":
+        if not rect:
+            raise ValueError(f"topology='hierarchical' needs the EP group's ranks to fill equal nodes in rank order; "
+                             f"its ranks are on nodes {list(nodes)}")
+        return L
+    return L if rect and len(chunks) > 1 and L > 1 else 0

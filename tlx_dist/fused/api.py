@@ -13,9 +13,12 @@ slot's token). :func:`fused_experts_rows` takes the row-index form directly -- `
 row source (a receive buffer under expert parallelism), ``dst_N`` into any destination -- and is
 what the EP pipeline builds on.
 
-Ops: ``tlx_dist::fused_experts_fwd(x, src, dst, gate, w13, w2, offsets, num_dst, backend) ->
-(out, h)`` and ``tlx_dist::fused_experts_bwd(...) -> (dx, dgate, dw13, dw2)``, each with a fake
-implementation; the forward keeps ``h = x[src] @ w13`` (bf16, N x 2F) for the backward rather than
+Launch choices (row copies, tile configs, the layout kernel): ``config=``, a frozen
+:class:`~tlx_dist.fused.config.FusedConfig` (None: every default).
+
+Ops: ``tlx_dist::fused_experts_fwd(x, src, dst, gate, w13, w2, offsets, num_dst, backend, sched,
+config) -> (out, h)`` and ``tlx_dist::fused_experts_bwd(...) -> (dx, dgate, dw13, dw2)``, each with a
+fake implementation (the config travels as its JSON, the backend as its name); the forward keeps ``h = x[src] @ w13`` (bf16, N x 2F) for the backward rather than
 recomputing it (a third of the forward FLOPs); ``a = SwiGLU(h)`` is recomputed from ``h`` in the
 backward epilogue. The output and dx are k-sums of fp32 atomic adds: bitwise run-to-run
 reproducible only up to fp32 summation order (far below the final bf16 rounding); the separate
@@ -24,14 +27,16 @@ pipeline (``MoELayer(pipeline="separate")``) is the deterministic alternative.
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from tlx import triton_available
+import tlx
 
-from .backends import SCHED_BM, get_fused_backend, sched_order_offset, select_fused_backend
+from .arrival import ArrivalPlan
+from .backends import SCHED_BM, sched_order_offset
+from .config import FusedConfig
+from .selection import get_fused_backend, select_fused_backend
 
 __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx_supports", "expert_major_slots",
            "expert_major_layout"]
@@ -40,19 +45,32 @@ __all__ = ["fused_experts", "fused_experts_rows", "check_fused_args", "fused_tlx
 # --- custom ops ------------------------------------------------------------------------------------
 
 
+_KERNEL_BACKENDS = ("tlx", "triton")  # the backends whose compositions take sched / config / overlap
+
+
+def _as_config(config: Union[None, str, FusedConfig]) -> Optional[FusedConfig]:
+    """The op's JSON argument, or the eager path's object, as a FusedConfig (None stays None)."""
+    return FusedConfig.from_json(config) if isinstance(config, str) else config
+
+
 def _fwd_impl(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
               w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-              backend: str, sched: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched)
+              backend: str, sched: Optional[torch.Tensor] = None,
+              config: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched, config)
 
 
-def _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None, overlap=None):
+def _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None, config=None,
+              overlap=None):
     """The forward's body; ``overlap`` (a receive plan, eager only) is no custom-op argument."""
     b = get_fused_backend(backend)
     args = (x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst)
     kw = {} if sched is None else {"sched": sched}
+    config = _as_config(config)
+    if config is not None and backend in _KERNEL_BACKENDS:
+        kw["config"] = config
     if overlap is not None:  # (eager only: the custom op never gets one)
-        if backend in ("tlx", "triton"):  # the kernel backends: phased launches where the kernels can
+        if backend in _KERNEL_BACKENDS:  # phased launches where the kernels can
             kw["overlap"] = overlap
         else:
             overlap.wait()  # every row landed before the one-launch gate/up GEMM
@@ -61,11 +79,15 @@ def _fwd_body(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, 
 
 def _bwd_impl(dout_TD: torch.Tensor, x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor,
               gate_N: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
-              h_N2F: torch.Tensor, backend: str,
-              sched: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              h_N2F: torch.Tensor, backend: str, sched: Optional[torch.Tensor] = None,
+              config: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b = get_fused_backend(backend)
     args = (dout_TD.contiguous(), x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F)
-    return b.backward(*args) if sched is None else b.backward(*args, sched=sched)
+    kw = {} if sched is None else {"sched": sched}
+    config = _as_config(config)
+    if config is not None and backend in _KERNEL_BACKENDS:
+        kw["config"] = config
+    return b.backward(*args, **kw)
 
 
 _fwd_op = torch.library.custom_op("tlx_dist::fused_experts_fwd", mutates_args=())(_fwd_impl)
@@ -73,12 +95,12 @@ _bwd_op = torch.library.custom_op("tlx_dist::fused_experts_bwd", mutates_args=()
 
 
 @_fwd_op.register_fake
-def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None):
+def _(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, sched=None, config=None):
     return x_RD.new_empty(num_dst, x_RD.shape[1]), x_RD.new_empty(src_N.shape[0], w13_EDF2.shape[2])
 
 
 @_bwd_op.register_fake
-def _(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, backend, sched=None):
+def _(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, backend, sched=None, config=None):
     return torch.empty_like(x_RD), torch.empty_like(gate_N), torch.empty_like(w13_EDF2), torch.empty_like(w2_EFD)
 
 
@@ -86,10 +108,11 @@ def _setup_context(ctx, inputs, output):
     x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, backend, *rest = inputs
     ctx.save_for_backward(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, output[1], *rest[:1])
     ctx.backend = backend
+    ctx.config = rest[1] if len(rest) > 1 else None  # the op's JSON, or the eager path's FusedConfig
     ctx.num_dst = num_dst
     ctx.num_inputs = len(inputs)
     # h's gradient is never used: without this autograd fills an [N, 2F] zero tensor for it every
-    # backward (537 MB at OLMoE T=16384: 159 us of an H200's time, bench/RESULTS.md session 9)
+    # backward (half a gigabyte at OLMoE's shape and 16384 tokens)
     ctx.set_materialize_grads(False)
 
 
@@ -99,7 +122,7 @@ def _grads(ctx, dout_TD, bwd):
     if dout_TD is None:  # the output took no part in the loss
         dout_TD = x_RD.new_zeros(ctx.num_dst, x_RD.shape[1])
     dx, dgate, dw13, dw2 = bwd(dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, h_N2F, ctx.backend,
-                               sched[0] if sched else None)
+                               sched[0] if sched else None, ctx.config)
     grads = (dx, None, None, dgate, dw13, dw2)
     return grads + (None,) * (ctx.num_inputs - len(grads))
 
@@ -113,9 +136,9 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _FusedEager(torch.autograd.Function):
     """The ops' bodies called directly, for eager mode: the custom op's dispatch layers (the op
-    call, its autograd wrapper, the redispatch, the dynamo-disable wrapper) cost ~40 us of host
-    time per call on a slow host, and the layer is host-bound at T <= 4096. Under
-    ``torch.compile`` the custom op is used: it is what traces. Same kernels, same saved tensors."""
+    call, its autograd wrapper, the redispatch, the dynamo-disable wrapper) cost host time on every
+    call, and the layer is host-bound at a few thousand tokens. Under ``torch.compile`` the custom op
+    is used: it is what traces. Same kernels, same saved tensors."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -129,18 +152,17 @@ class _FusedEager(torch.autograd.Function):
         return _grads(ctx, dout_TD, _bwd_impl)
 
 
-def _run_fused(*args, overlap=None):
+def _run_fused(*args, sched=None, config: Optional[FusedConfig] = None, overlap=None):
     """``(out, h)``: the custom op under torch.compile, :class:`_FusedEager` in eager mode.
-    ``overlap``: see :func:`fused_experts_rows` (the compiled op waits for every row first)."""
+    ``args``: the op's up to ``backend``; ``overlap``: see :func:`fused_experts_rows` (the compiled
+    op waits for every row first)."""
     if torch.compiler.is_compiling():
         if overlap is not None:
             overlap.wait()
-        return _fwd_op(*args)
+        return _fwd_op(*args, sched, None if config is None else config.to_json())
     if overlap is not None:
-        if len(args) == 9:
-            args = args + (None,)
-        return _FusedEager.apply(*args, overlap)
-    return _FusedEager.apply(*args)
+        return _FusedEager.apply(*args, sched, config, overlap)
+    return _FusedEager.apply(*args, sched, config)
 
 
 # --- checks ----------------------------------------------------------------------------------------
@@ -189,8 +211,6 @@ def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
     """True when the Hopper TLX fused kernels run these operands (what ``MoELayer(pipeline="auto")``
     keys on). The Blackwell kernels are not chosen automatically until they have run on a B200
     (``pipeline="fused"`` selects them). Never raises; reads no device values."""
-    import tlx
-
     if tlx.gpu_arch() != "sm_90":
         return False
     try:
@@ -199,12 +219,28 @@ def fused_tlx_supports(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
         return False
 
 
+def _check_config(config, b) -> Optional[FusedConfig]:
+    """``config`` checked against the backend that runs: its tile fields are the ``tlx`` backend's
+    (a ValueError elsewhere, never a silent no-op) and must be for this GPU's generation."""
+    if config is None:
+        return None
+    if not isinstance(config, FusedConfig):
+        raise TypeError(f"config must be a FusedConfig or None, got {type(config).__name__}")
+    if b.name == "tlx":
+        config.check_arch(tlx.gpu_arch())
+    elif config.pins_tiles:
+        raise ValueError(f"config pins tile configs of the TLX kernels, but the fused backend {b.name!r} runs these "
+                         "operands; pin backend='tlx' or leave the tile fields None")
+    return config
+
+
 # --- public functions --------------------------------------------------------------------------------
 
 
 def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Tensor, gate_N: torch.Tensor,
                        w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, num_dst: int,
-                       *, backend: Optional[str] = None, overlap=None) -> torch.Tensor:
+                       *, backend: Optional[str] = None, overlap: Optional[ArrivalPlan] = None,
+                       config: Optional[FusedConfig] = None) -> torch.Tensor:
     """The fused experts in row-index form, differentiable in ``x_RD``, ``gate_N``, ``w13``, ``w2``.
 
     ``out[dst[n]] += gate[n] * (SwiGLU(x[src[n]] @ w13[e]) @ w2[e])`` for every row n of expert e
@@ -222,12 +258,13 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
         num_dst: rows of the output.
         backend: ``"tlx" | "triton" | "reference"`` to pin one; default automatic.
         overlap: the receive plan of an overlapped EP dispatch (``SymmDispatcher(overlap=True)``,
-            :class:`tlx_dist.comm.symm.RowsOverlap`): the peers' rows of ``x_RD`` may still be
+            an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): the peers' rows of ``x_RD`` may still be
             landing. The Hopper TLX and the portable kernels compute this rank's own rows first,
             wait, then the rest, and send the peers' partial rows home (the combine's first
             kernel) while the down GEMM computes the own ones; the output must then go to
             ``combine_rows`` as it is. Other backends wait for every row first and leave the
             combine whole.
+        config: the launch choices (:class:`~tlx_dist.fused.config.FusedConfig`); default: all defaults.
     Returns:
         ``[num_dst, D]`` in ``x_RD.dtype``.
     """
@@ -243,32 +280,25 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
     if not isinstance(num_dst, int) or isinstance(num_dst, bool) or num_dst < 0:
         raise ValueError(f"num_dst={num_dst!r} must be a non-negative int")
     b = select_fused_backend(x_RD, w13_EDF2, w2_EFD, backend)
+    config = _check_config(config, b)
     out, _h = _run_fused(x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E.to(torch.int32), num_dst, b.name,
-                         overlap=overlap)
+                         config=config, overlap=overlap)
     return out
 
 
-ENV_ROUTING_KERNEL = "TLX_DIST_ROUTING_KERNEL"
-
-
-def _routing_kernel_runs(idx_TK: torch.Tensor) -> bool:
+def _routing_kernel_runs(idx_TK: torch.Tensor, wanted: bool = True) -> bool:
     """Whether :func:`fused_experts` takes the one-launch expert-major layout
-    (``tlx/common/routing.py``) instead of the torch sort. Eager mode only (torch.compile traces the
-    torch ops). ``TLX_DIST_ROUTING_KERNEL=1`` / ``0`` forces it on / off; by default (``auto``) it
-    runs wherever it can: CUDA, and CPU under ``TRITON_INTERPRET=1``. On since session 11: on an H200
-    the GPU tiers pass with it (17 passed, memcheck 0 errors) and the eager OLMoE / Qwen3-30B-A3B /
-    DeepSeek-V2-Lite layers ran 1.47 / 1.45 / 1.37x the torchtitan-style layer at T=4096 against
-    1.43 / 1.24 / 1.30x with the torch sort (``bench/RESULTS.md``)."""
-    if torch.compiler.is_compiling() or not triton_available():
+    (``tlx/common/routing.py``) instead of the torch sort: where it can run (CUDA, and CPU under
+    ``TRITON_INTERPRET=1``), in eager mode (torch.compile traces the torch ops), unless ``wanted``
+    (``FusedConfig.layout_kernel``) is False. It also writes the TLX kernels' scheduler tables, so
+    neither pass runs their prep kernel: fewer launches between the router and the first GEMM, where
+    the GPU waits on the host at a few thousand tokens."""
+    if not wanted or torch.compiler.is_compiling() or not tlx.triton_available():
         return False
-    mode = os.environ.get(ENV_ROUTING_KERNEL, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV_ROUTING_KERNEL}={mode!r}: expected auto, 0 or 1")
     from ..grouped_gemm.host import interpret_mode
 
-    runs_here = (idx_TK.device.type == "cuda" and not interpret_mode()) or (idx_TK.device.type == "cpu"
-                                                                            and interpret_mode())
-    return runs_here and mode != "0"
+    return (idx_TK.device.type == "cuda" and not interpret_mode()) or (idx_TK.device.type == "cpu"
+                                                                       and interpret_mode())
 
 
 def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
@@ -309,7 +339,8 @@ def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
 
 
 def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, w13_EDF2: torch.Tensor,
-                  w2_EFD: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                  w2_EFD: torch.Tensor, *, backend: Optional[str] = None,
+                  config: Optional[FusedConfig] = None) -> torch.Tensor:
     """One rank's routed experts, fused: ``out[t] = sum_k gate[t, k] * expert_{idx[t, k]}(x[t])``
     with ``expert_e(x) = (silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:])) @ w2[e]``.
 
@@ -321,6 +352,7 @@ def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tenso
         w13_EDF2: ``[E, D, 2F]``; w2_EFD: ``[E, F, D]``.
         backend: ``"tlx"`` (Hopper TLX kernels), ``"triton"`` (portable Triton kernels),
             ``"reference"`` (PyTorch) to pin one; default automatic.
+        config: the launch choices (:class:`~tlx_dist.fused.config.FusedConfig`); default: all defaults.
     Returns:
         ``[T, D]`` in ``x_TD.dtype``; differentiable in x, gate, w13 and w2. No host sync on the
         kernel backends: CUDA-graph capturable.
@@ -339,17 +371,16 @@ def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tenso
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     T, E = idx_TK.shape[0], w13_EDF2.shape[0]
-    # The layout kernel: one launch for the layout and, for the TLX kernels, their scheduler tables
-    # (no prep kernel in either pass); the host work between the router and the first GEMM is most of
-    # the GPU's idle time at T <= 4096 (bench/RESULTS.md, session 10).
-    if _routing_kernel_runs(idx_TK):
+    b = select_fused_backend(x_TD, w13_EDF2, w2_EFD, backend)
+    config = _check_config(config, b)
+    # The layout kernel: one launch for the layout and, for the TLX kernels, their scheduler tables.
+    if _routing_kernel_runs(idx_TK, config is None or config.layout_kernel):
         tok_N, order_S, offsets_E, sched = expert_major_layout(idx_TK, E)
     else:
         (tok_N, order_S, offsets_E), sched = expert_major_slots(idx_TK, E), None
     gate_N = gate_TK.reshape(-1).index_select(0, order_S)  # backward: a scatter of a permutation
-    b = select_fused_backend(x_TD, w13_EDF2, w2_EFD, backend)
     out, _h = _run_fused(x_TD, tok_N, tok_N, gate_N, w13_EDF2, w2_EFD, offsets_E, T, b.name,
-                         sched if b.name == "tlx" else None)
+                         sched=sched if b.name == "tlx" else None, config=config)
     return out
 
 

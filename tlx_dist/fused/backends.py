@@ -1,6 +1,8 @@
 """Backends of the fused expert pipeline and the one composition they share.
 
-A kernel backend provides four primitives (legend and index arrays: ``reference.py``):
+A kernel backend provides four primitives, methods of a primitives object bound to one
+:class:`~tlx_dist.fused.config.FusedConfig` (``Primitives(config)``; legend and index arrays:
+``reference.py``):
 
 * ``gate_up_swiglu(x_RD, src_N, w13_EDF2, offsets_E, tile_cum) -> (h_N2F, a_NF)``
   gather-on-load GEMM 1 with the SwiGLU epilogue;
@@ -15,7 +17,8 @@ A kernel backend provides four primitives (legend and index arrays: ``reference.
 plus ``tile_cum(offsets_E, n_rows, x)`` (the scheduler's prep, for the tile height ``x``'s dtype
 gets; shared by the ragged-M launches of a pass), ``wgrad_order(offsets_E)`` (the dW tile order,
 shared by both dW launches) and ``supports(x_RD, w13_EDF2, w2_EFD) -> reason | None``.
-:func:`compose_forward` and :func:`compose_backward` chain them; the ``reference`` backend computes
+:func:`compose_forward` and :func:`compose_backward` chain them, reading the config's row modes
+from the primitives they are given (``p.config``); the ``reference`` backend computes
 the same two passes in PyTorch (``reference.py``). Backends: ``tlx`` (Hopper / Blackwell TLX kernels,
 ``tlx_backend.py``), ``triton`` (the portable stock-Triton kernels, ``tlx/portable/fused_moe.py``:
 any CUDA/ROCm GPU, and CPU under ``TRITON_INTERPRET=1`` when pinned), ``reference``.
@@ -23,7 +26,6 @@ any CUDA/ROCm GPU, and CPU under ``TRITON_INTERPRET=1`` when pinned), ``referenc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,56 +33,25 @@ import torch
 
 from tlx import triton_available
 
+from .arrival import ArrivalPlan
+from .config import DEFAULT, FusedConfig
 from .reference import fused_backward_ref, fused_forward_ref
 
-__all__ = ["FusedBackend", "register_fused_backend", "get_fused_backend", "select_fused_backend",
-           "compose_forward", "compose_backward", "ENV_FUSED_BACKEND", "ENV_FUSED_DOUT", "ENV_FUSED_X", "SCHED_BM", "sched_order_offset"]
-
-ENV_FUSED_BACKEND = "TLX_DIST_FUSED_BACKEND"
-# How the backward reads the upstream gradient's rows (dSwiGLU's A operand, dW2's B operand):
-# "gather" by index from dout_TD in both kernels; "copy": one index_select into an expert-major
-# [N, D] copy first (a transient N x D tensor), which both kernels then read in place by TMA (dW2 is
-# then the plain grouped dW kernel); "auto" (the default): copy where the expert intermediate F is at
-# least DOUT_COPY_MIN_F. A gathered dout row is read again for every F-tile of dSwiGLU, and the copy
-# lets dSwiGLU run its epilogue in warp groups of its own (tlx_backend "dswiglu_copy"). Layer on an
-# H200, T=16384, fused / torchtitan-style: x2_s30 (inline dSwiGLU epilogue) gather -> copy Mixtral (F
-# 14336) 1.02 -> 1.12, DeepSeek-V2-Lite (1408) 1.52 -> 1.52, OLMoE (1024) 1.62 -> 1.68, Qwen3-30B-A3B
-# (768) 1.71 -> 1.73; h200_s17 (the copy form with EPI_WG=2) OLMoE 1.62 -> 1.71, Qwen3 1.70 -> 1.79. So
-# every F copies since session 14; "gather" saves the N x D transient. "auto" copies only for the
-# primitives that set AUTO_ROW_COPY (the Hopper TLX kernels, where this was measured); the Blackwell
-# and portable kernels gather unless "copy" is forced.
-ENV_FUSED_DOUT = "TLX_DIST_FUSED_DOUT"
-DOUT_MODES = ("auto", "gather", "copy")
-DOUT_COPY_MIN_F = 0
-# The same choice for the forward's input rows (SwiGLU's A operand, dW13's A operand; the Hopper and
-# Blackwell kernels gather them with cp.async, TMA reads a copy): "copy" makes one index_select of
-# x's rows into an expert-major [N, D] copy before the gate/up GEMM, and again in the backward before
-# dW13 (recomputed there, not saved: activation memory is that of "gather"); "auto" copies where F is
-# at least X_COPY_MIN_F. A gathered x row is read again for every one of the 2F / BN column tiles.
-# The EP overlap's phased forward always gathers (its rows are still landing). On an H200 (h200_s17,
-# T=16384, medians of 3 interleaved rounds, SwiGLU / dW13 ms, gather -> copy with the copy timed):
-# Mixtral (F 14336) 13.35 / 12.17 -> 12.17 / 11.67; DeepSeek-V3 per rank (2048) 12.98 / 12.24 ->
-# 12.72 / 12.40 (even); DeepSeek-V2-Lite (1408), OLMoE (1024), Qwen3-30B-A3B (768): 4-11% slower.
-ENV_FUSED_X = "TLX_DIST_FUSED_X"
-X_COPY_MIN_F = 4096
+__all__ = ["FusedBackend", "Primitives", "register_fused_backend", "registered_fused_backends", "compose_forward",
+           "compose_backward", "SCHED_BM", "sched_order_offset"]
 
 
-def _row_mode(env: str) -> str:
-    """``env`` (TLX_DIST_FUSED_DOUT or _X; ``auto`` when unset), one of DOUT_MODES."""
-    mode = os.environ.get(env, "auto")
-    if mode not in DOUT_MODES:
-        raise ValueError(f"{env}={mode!r} must be one of {DOUT_MODES}")
-    return mode
+class Primitives:
+    """Base of a kernel backend's primitives: the launch config they run with (row modes for the
+    compositions, tile configs for the launchers). ``AUTO_ROW_COPY``: whether ``"auto"`` row modes
+    may copy rows for these kernels (where that rule was measured); ``PHASED``: the kernels take
+    VIRT (:func:`compose_forward`'s overlapped form)."""
 
+    AUTO_ROW_COPY = False
+    PHASED = False
 
-def dout_mode() -> str:
-    """``TLX_DIST_FUSED_DOUT`` (``auto`` when unset); anything else is a ValueError naming it."""
-    return _row_mode(ENV_FUSED_DOUT)
-
-
-def x_mode() -> str:
-    """``TLX_DIST_FUSED_X`` (``auto`` when unset); anything else is a ValueError naming it."""
-    return _row_mode(ENV_FUSED_X)
+    def __init__(self, config: Optional[FusedConfig] = None):
+        self.config = DEFAULT if config is None else config
 
 
 def _rows_by_mode(rows_TD: torch.Tensor, idx_N: torch.Tensor, copy: bool):
@@ -94,19 +65,16 @@ def _rows_by_mode(rows_TD: torch.Tensor, idx_N: torch.Tensor, copy: bool):
     return rows_TD.index_select(0, idx_N.clamp(0, rows_TD.shape[0] - 1)), None
 
 
-def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int, auto: bool = True):
-    """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, in
-    copy mode, ``(dout_TD[dst_N], None)``. ``auto``: whether ``auto`` may copy for these primitives
-    (``AUTO_ROW_COPY``: the TLX kernels, where the rule was measured; the portable ones gather)."""
-    mode = dout_mode()
-    return _rows_by_mode(dout_TD, dst_N, mode == "copy" or (mode == "auto" and auto and F >= DOUT_COPY_MIN_F))
+def _dout_rows(dout_TD: torch.Tensor, dst_N: torch.Tensor, F: int, p: Primitives):
+    """``(rows, index)`` the backward's dout operands read: ``(dout_TD, dst_N)`` (by index) or, when
+    ``p.config.dout_rows`` copies for these primitives at this F, ``(dout_TD[dst_N], None)``."""
+    return _rows_by_mode(dout_TD, dst_N, p.config.copies_dout(F, getattr(p, "AUTO_ROW_COPY", False)))
 
 
-def _x_rows(x_RD: torch.Tensor, src_N: torch.Tensor, F: int, auto: bool = True):
-    """``(rows, index)`` the gate/up GEMM and dW13 read: ``(x_RD, src_N)`` (by index) or, in copy
-    mode (``TLX_DIST_FUSED_X``), ``(x_RD[src_N], None)``; ``auto`` as in :func:`_dout_rows`."""
-    mode = x_mode()
-    return _rows_by_mode(x_RD, src_N, mode == "copy" or (mode == "auto" and auto and F >= X_COPY_MIN_F))
+def _x_rows(x_RD: torch.Tensor, src_N: torch.Tensor, F: int, p: Primitives):
+    """``(rows, index)`` the gate/up GEMM and dW13 read: ``(x_RD, src_N)`` (by index) or, when
+    ``p.config.x_rows`` copies, ``(x_RD[src_N], None)``."""
+    return _rows_by_mode(x_RD, src_N, p.config.copies_x(F, getattr(p, "AUTO_ROW_COPY", False)))
 
 
 # Rows per scheduler tile of the TLX primitives (both generations' ragged-M kernels, BM = 128): the
@@ -116,6 +84,9 @@ SCHED_BM = 128
 
 @dataclass(frozen=True)
 class FusedBackend:
+    """One backend. The kernel backends' ``forward`` / ``backward`` also take ``sched=`` (the
+    routing's scheduler tables), ``config=`` (a :class:`FusedConfig`) and, forward, ``overlap=``."""
+
     name: str
     forward: Callable    # (x_RD, src_N, dst_N, gate_N, w13, w2, offsets_E, num_dst) -> (out, h_N2F)
     backward: Callable   # (dout, x_RD, src_N, dst_N, gate_N, w13, w2, offsets_E, h_N2F) -> (dx, dgate, dw13, dw2)
@@ -131,41 +102,9 @@ def register_fused_backend(b: FusedBackend) -> None:
     _BACKENDS[b.name] = b
 
 
-_loaded = False
-
-
-def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import tlx_backend  # noqa: F401  (registers "tlx" where TLX runs on sm_90 / sm_100)
-
-
-def get_fused_backend(name: str) -> FusedBackend:
-    _ensure_loaded()
-    if name not in _BACKENDS:
-        raise ValueError(f"backend={name!r} is not one of {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
-
-
-def select_fused_backend(x_RD: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor,
-                         backend: Optional[str] = None) -> FusedBackend:
-    """The pinned backend (argument, then ``TLX_DIST_FUSED_BACKEND``) -- an error if it cannot run
-    these operands -- or the first in preference order that can."""
-    name = backend or os.environ.get(ENV_FUSED_BACKEND) or None
-    if name is not None:
-        b = get_fused_backend(name)
-        why = b.supports(x_RD, w13_EDF2, w2_EFD)
-        if why is not None:
-            raise ValueError(f"fused backend={name!r} cannot run these operands: {why}")
-        return b
-    _ensure_loaded()
-    for b in sorted(_BACKENDS.values(), key=lambda b: b.priority):
-        if x_RD.device.type == "cpu" and not b.auto_on_cpu:
-            continue
-        if b.supports(x_RD, w13_EDF2, w2_EFD) is None:
-            return b
-    raise AssertionError("the reference backend supports every input")  # pragma: no cover
+def registered_fused_backends() -> dict[str, FusedBackend]:
+    """The backends registered so far, by name (``selection.py`` imports the kernel modules first)."""
+    return dict(_BACKENDS)
 
 
 # --- the composition shared by the kernel backends ---------------------------------------------------
@@ -185,12 +124,12 @@ def _sched_parts(sched, offsets_E):
 
 
 def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, sched=None,
-                    overlap=None):
+                    overlap: Optional[ArrivalPlan] = None):
     """``(out [num_dst, D] in x's dtype, h_N2F)`` from a primitives module ``p``. ``sched``: the
     scheduler tables already computed with the routing (int32: tile_cum ``[E + 1]`` for ``p``'s tile
     height, then from :func:`sched_order_offset` the dW expert order ``[E]``; the TLX primitives
     only), else the prep kernel runs. ``overlap`` (the EP overlap's receive plan,
-    :class:`tlx_dist.comm.symm.RowsOverlap`): rows of ``x_RD`` are still arriving; ``PHASED``
+    an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): rows of ``x_RD`` are still arriving; ``PHASED``
     primitives (the TLX and portable kernels, which take VIRT) run :func:`_forward_overlapped`, the
     others wait for every row first (``overlap.wait()``)."""
     if overlap is not None and getattr(p, "PHASED", False):
@@ -198,7 +137,7 @@ def compose_forward(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, 
     tile_cum = p.tile_cum(offsets_E, src_N.shape[0], x_RD) if sched is None else _sched_parts(sched, offsets_E)[0]
     if overlap is not None:
         overlap.wait()
-    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], getattr(p, "AUTO_ROW_COPY", False))  # or x_RD[src_N]
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], p)  # or x_RD[src_N]
     h_N2F, a_NF = p.gate_up_swiglu(x_rows, x_idx, w13_EDF2, offsets_E, tile_cum)
     del x_rows
     out = p.down_scatter(a_NF, w2_EFD, offsets_E, dst_N, gate_N, num_dst, tile_cum)
@@ -213,8 +152,8 @@ def phase_tile_cums(offsets_V, n_rows: int, block_m: int):
     return prep_offsets(offsets_V, n_rows, block_m, phase=0)[1], prep_offsets(offsets_V, n_rows, block_m, phase=1)[1]
 
 
-def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov):
-    """The EP overlap's forward (``ov``: a :class:`tlx_dist.comm.symm.RowsOverlap`): each local
+def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets_E, num_dst, ov: ArrivalPlan):
+    """The EP overlap's forward (``ov``: an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): each local
     expert's rows as three runs -- sources before this rank | its own rows | sources after
     (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
       gate/up GEMM, own runs   (the peers' rows are still landing; on the SMs the send leaves free)
@@ -271,14 +210,13 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
         tile_cum, order = p.tile_cum(offsets_E, src_N.shape[0], x_RD), None
     else:
         tile_cum, order = _sched_parts(sched, offsets_E)
-    auto = getattr(p, "AUTO_ROW_COPY", False)
-    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N, w2_EFD.shape[1], auto)  # by index, or dout_TD[dst_N]
+    dout_rows, dout_idx = _dout_rows(dout_TD, dst_N, w2_EFD.shape[1], p)  # by index, or dout_TD[dst_N]
     dh_N2F, ag_NF, dgate_N = p.down_dswiglu(dout_rows, dout_idx, w2_EFD, offsets_E, h_N2F, gate_N, tile_cum)
     dx = p.down_scatter(dh_N2F, w13_EDF2.transpose(1, 2), offsets_E, src_N, None, x_RD.shape[0], tile_cum)
     order = p.wgrad_order(offsets_E) if order is None else order
     dw2 = p.wgrad_gather(ag_NF, None, dout_rows, dout_idx, offsets_E, order)
     del dout_rows  # (the dout copy's last reader) before the x copy: one N x D transient at a time
-    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], auto)  # recomputed: the forward keeps no copy
+    x_rows, x_idx = _x_rows(x_RD, src_N, w2_EFD.shape[1], p)  # recomputed: the forward keeps no copy
     dw13 = p.wgrad_gather(x_rows, x_idx, dh_N2F, None, offsets_E, order)
     del x_rows
     return dx.to(x_RD.dtype), dgate_N.to(gate_N.dtype), dw13, dw2
@@ -287,8 +225,9 @@ def compose_backward(p, dout_TD, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, o
 # --- the portable stock-Triton backend ---------------------------------------------------------------
 
 
-class _Portable:
-    """Launchers of tlx/portable/fused_moe.py (one program per possible tile; masks for every tail)."""
+class _Portable(Primitives):
+    """Launchers of tlx/portable/fused_moe.py (one program per possible tile; masks for every tail;
+    fixed tiles per dtype: a config's tile fields are the ``tlx`` backend's)."""
 
     @staticmethod
     def _blocks(x: torch.Tensor):
@@ -321,7 +260,7 @@ class _Portable:
     def wgrad_order(offsets_E):
         return None  # one program per dW tile: no walk order
 
-    PHASED = True  # the kernels take VIRT (compose_forward's overlapped form)
+    PHASED = True
 
     @staticmethod
     def phase_tile_cums(offsets_V, n_rows, x):
@@ -415,8 +354,16 @@ def _portable_supports(x_RD, w13_EDF2, w2_EFD) -> Optional[str]:
     return None
 
 
+def _portable_forward(*a, config: Optional[FusedConfig] = None, **kw):
+    return compose_forward(_Portable(config), *a, **kw)
+
+
+def _portable_backward(*a, config: Optional[FusedConfig] = None, **kw):
+    return compose_backward(_Portable(config), *a, **kw)
+
+
 register_fused_backend(FusedBackend(
-    "triton", lambda *a, **kw: compose_forward(_Portable, *a, **kw), lambda *a: compose_backward(_Portable, *a),
+    "triton", _portable_forward, _portable_backward,
     _portable_supports, priority=20))
 register_fused_backend(FusedBackend("reference", fused_forward_ref, fused_backward_ref, lambda x, w13, w2: None,
                                     priority=100, auto_on_cpu=True))

@@ -7,13 +7,13 @@ portable ``triton`` kernel. One kernel runs the three forms:
 * forward ``y_NF = x_ND @ w_EDF`` (weight N-contiguous),
 * dX ``dx_ND = dy_NF @ w_EDF^T`` via ``mm(dy, w.transpose(1, 2))`` (weight K-contiguous),
 * weight gradient ``dw_EDF[e] = x[rows e]^T @ dy[rows e]``, longest expert first with atomic tile
-  claims (``TLX_DIST_GROUPED_MM_DW_SCHED=static``: the plain round-robin walk).
+  claims (a config's ``dw_order="static"``: the plain round-robin walk).
 
-Shared with ``tlx_backend.py`` (one implementation of each): the operand checks (bf16/fp16, D and F
-multiples of 8, 16-byte aligned bases and row strides -- the kernel's 16-byte vector loads assume
-them), the tile-config dataclass and its choice (``pick_config``: ``TLX_DIST_GROUPED_MM_CONFIG`` pins
-one, ``TLX_DIST_GROUPED_MM_AUTOTUNE=1`` times the candidates; here with AMD's LDS budget), the dW
-order and schedule switch; with ``host.py`` the device tile-count prep and search depth.
+Shared with ``tlx_backend.py`` through ``host.py`` (one implementation of each): the operand checks
+(bf16/fp16, D and F multiples of 8, 16-byte aligned bases and row strides -- the kernel's 16-byte
+vector loads assume them), the dW order, the device tile-count prep and search depth; through
+``config.py`` the tile-config dataclass, its default and the autotuner's candidates (here with
+AMD's LDS budget).
 Operands those checks refuse fall back to the portable kernel, as on NVIDIA. Nothing reads device
 values on the host.
 
@@ -28,56 +28,20 @@ never run on AMD hardware.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 import tlx
 
-from .backends import Backend, register_backend
-from .tlx_backend import (GroupedGemmConfig, TileSpec, _dw_schedule, _lpt_order, _num_sms, _tma_2d_reason,
-                          operand_reason, pick_config)
-from .host import max_m_tiles, prep_tile_cum, search_steps
+from .config import GroupedGemmConfig, check_config, fastest, grouped_mm_config, tile_spec
+from .host import lpt_order, max_m_tiles, num_sms, operand_reason, prep_tile_cum, search_steps, tma_2d_reason
+from .registry import Backend, register_backend
 
-__all__ = ["CANDIDATES", "LDS_BYTES", "lds_bytes", "tile_spec", "kernel_signature"]
+__all__ = ["kernel_signature"]
 
-LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 NUM_XCDS = 8  # MI300X and MI350 alike
 NUM_WARPS = 8  # two wave groups of four waves: the warp pipeline's producer/consumer pair
-# (BM, BN, BK, STAGES = LDS ring slots, GROUP_M); all compile without spills (tests/test_tlx_compile.py).
-CANDIDATES = {
-    "gfx942": (GroupedGemmConfig(256, 128, 32, 2), GroupedGemmConfig(128, 128, 32, 3),
-               GroupedGemmConfig(128, 256, 32, 2), GroupedGemmConfig(256, 128, 32, 2, 8)),
-    "gfx950": (GroupedGemmConfig(256, 128, 64, 2), GroupedGemmConfig(128, 256, 64, 2),
-               GroupedGemmConfig(256, 256, 32, 2), GroupedGemmConfig(128, 128, 64, 3),
-               GroupedGemmConfig(256, 128, 64, 2, 8)),
-}
-
-
-def lds_bytes(cfg: GroupedGemmConfig, target: str) -> int:
-    """LDS of the operand ring. gfx950's inferred padded layout adds 16 elements per 512 (1/32); the
-    epilogue stores from registers and needs none."""
-    ring = cfg.STAGES * (cfg.BM * cfg.BK + cfg.BK * cfg.BN) * 2
-    return ring * 33 // 32 if target == "gfx950" else ring
-
-
-def _default_config(target: str, form: str, n_rows: int, E: int, K: int, NN: int) -> GroupedGemmConfig:
-    # Narrow outputs waste half of a 256-wide tile: 128x128 there, with one more ring slot.
-    if NN <= 128:
-        return GroupedGemmConfig(128, 128, 32 if target == "gfx942" else 64, 3)
-    cfg = CANDIDATES[target][0]
-    # Wide outputs (>= 16 column tiles): walk 8 rows of tiles together so the tiles in flight on
-    # an XCD share operands in its L2 (as the Hopper kernel does).
-    if -(-NN // cfg.BN) >= 16:
-        cfg = GroupedGemmConfig(cfg.BM, cfg.BN, cfg.BK, cfg.STAGES, 8)
-    return cfg
-
-
-@functools.lru_cache(maxsize=None)
-def tile_spec(target: str) -> TileSpec:
-    return TileSpec(target, CANDIDATES[target], LDS_BYTES[target], functools.partial(lds_bytes, target=target),
-                    functools.partial(_default_config, target))
 
 
 def _target(device: torch.device) -> str:
@@ -101,7 +65,7 @@ def _launch(target, cfg, wgrad, b_kmajor, a, b, c, offsets, tile_cum, order, n_r
 
     if programs is None:
         dev = a.device
-        programs = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        programs = num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
     P = max(1, min(programs, bound))
     dynamic = order is not None
     # dW's tile counter, zeroed here (a memset node under CUDA-graph capture); unused otherwise.
@@ -131,7 +95,14 @@ def _mm_with(cfg, target, x_ND, w_EDF, offsets, y_NF, emulate=False, programs=No
             bound, emulate, programs)
 
 
-def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _config(config: Optional[GroupedGemmConfig], target: str, form: str, N: int, E: int, K: int, NN: int,
+            dtype: torch.dtype) -> GroupedGemmConfig:
+    """The pinned ``config`` (checked against the target's LDS once), else the default."""
+    return check_config(config, target) if config is not None else grouped_mm_config(form, N, E, K, NN, target, dtype)
+
+
+def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+        config: Optional[GroupedGemmConfig] = None) -> torch.Tensor:
     if x_ND.data_ptr() % 16 or w_EDF.data_ptr() % 16:
         # Only reachable when backend choice ran under torch.compile (no base-address check there).
         from .triton_backend import _mm as portable_mm
@@ -144,30 +115,29 @@ def _mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor) -> tor
         return y_NF
     target = _target(x_ND.device)
     offsets = offsets_E.to(torch.int32).contiguous()
-    form = "dX" if w_EDF.stride(2) != 1 else "fwd"
-    cfg = pick_config(tile_spec(target), form, N, E, K, NN, x_ND.dtype,
-                      bench=lambda c: _mm_with(c, target, x_ND, w_EDF, offsets, torch.empty_like(y_NF)))
+    cfg = _config(config, target, "dX" if w_EDF.stride(2) != 1 else "fwd", N, E, K, NN, x_ND.dtype)
     _mm_with(cfg, target, x_ND, w_EDF, offsets, y_NF)
     return y_NF
 
 
-def _wgrad_with(cfg, target, x_ND, dy_NF, offsets, dw_EDF, emulate=False, programs=None, schedule=None):
+def _wgrad_with(cfg, target, x_ND, dy_NF, offsets, dw_EDF, emulate=False, programs=None):
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = offsets.shape[0]
     bound = E * -(-D // cfg.BM) * -(-F // cfg.BN)
-    order = _lpt_order(offsets) if (schedule or _dw_schedule()) == "lpt" else None
+    order = lpt_order(offsets) if cfg.dw_order == "lpt" else None
     strides = (x_ND.stride(0), 0, dy_NF.stride(0), dw_EDF.stride(0), dw_EDF.stride(1))
     # K_DIM is unused by dW (its K range is each expert's rows); tile_cum is not needed either.
     _launch(target, cfg, True, False, x_ND, dy_NF, dw_EDF, offsets, offsets, order, N, E, D, 0, F, strides, bound,
             emulate, programs)
 
 
-def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor,
+           config: Optional[GroupedGemmConfig] = None) -> torch.Tensor:
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = offsets_E.shape[0]
-    if N == 0 or _tma_2d_reason("dy_NF", dy_NF) is not None or x_ND.data_ptr() % 16:
+    if N == 0 or tma_2d_reason("dy_NF", dy_NF) is not None or x_ND.data_ptr() % 16:
         # dy is not seen by supports() (nor x's base address under torch.compile); the portable
         # kernel takes any layout (and N == 0 -> zeros).
         from .triton_backend import _wgrad as portable_wgrad
@@ -176,10 +146,20 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
     dw_EDF = torch.empty(E, D, F, dtype=x_ND.dtype, device=x_ND.device)
     target = _target(x_ND.device)
     offsets = offsets_E.to(torch.int32).contiguous()
-    cfg = pick_config(tile_spec(target), "dW", N, E, D, F, x_ND.dtype,
-                      bench=lambda c: _wgrad_with(c, target, x_ND, dy_NF, offsets, torch.empty_like(dw_EDF)))
+    cfg = _config(config, target, "dW", N, E, D, F, x_ND.dtype)
     _wgrad_with(cfg, target, x_ND, dy_NF, offsets, dw_EDF)
     return dw_EDF
+
+
+def _tune(form: str, a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> GroupedGemmConfig:
+    """The fastest of this target's candidates for one call (operands as in tlx_backend._tune)."""
+    target = _target(a.device)
+    offsets = offsets_E.to(torch.int32).contiguous()
+    if form == "dW":
+        dw = a.new_empty(offsets_E.shape[0], a.shape[1], b.shape[1])
+        return fastest(tile_spec(target), lambda c: _wgrad_with(c, target, a, b, offsets, dw))
+    y = a.new_empty(a.shape[0], b.shape[2])
+    return fastest(tile_spec(target), lambda c: _mm_with(c, target, a, b, offsets, y))
 
 
 def kernel_signature(target: str, wgrad: bool, b_kmajor: bool, cfg: Optional[GroupedGemmConfig] = None,
@@ -188,7 +168,7 @@ def kernel_signature(target: str, wgrad: bool, b_kmajor: bool, cfg: Optional[Gro
     pointer arguments are marked 16-byte aligned, as the host checks make them."""
     from tlx.amd.grouped_gemm import _grouped_gemm_amd_kernel
 
-    cfg = cfg or CANDIDATES[target][0]
+    cfg = cfg or tile_spec(target).candidates[0]
     sig = {n: f"*{dtype}" for n in ("a_ptr", "b_ptr", "c_ptr")}
     sig.update({n: "*i32" for n in ("offsets_ptr", "tile_cum_ptr", "order_ptr", "sched_ptr")})
     sig["scratch_ptr"] = f"*{dtype}"
@@ -206,4 +186,5 @@ def kernel_signature(target: str, wgrad: bool, b_kmajor: bool, cfg: Optional[Gro
 
 
 if tlx.tlx_available():  # the architecture is checked per call (supports), so overrides reach it
-    register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10, archs=("gfx94x",)))
+    register_backend(Backend("tlx", _mm, _wgrad, _supports, priority=10, archs=("gfx94x",), tiled=True,
+                             tune=_tune))

@@ -10,6 +10,11 @@ Backward of ``grouped_mm``: ``dx = grouped_mm(dy, w^T, offsets)`` and ``dw = gro
 offsets)`` -- the same backend family runs all three forms. Rows past ``offsets_E[-1]`` are padding:
 zero in ``y`` and ``dx``, ignored by ``dw``.
 
+``config=`` pins the TLX kernels' tile config (:class:`~tlx_dist.grouped_gemm.config.GroupedGemmConfig`)
+for the call and its backward; by default each form takes :func:`~tlx_dist.grouped_gemm.config.grouped_mm_config`'s
+choice for its shape. :func:`tune_grouped_mm` times the candidates on real operands and returns the
+fastest, to pass back as ``config=``.
+
 Offsets are validated on the host on CPU (always) and on a GPU with ``TLX_DIST_CHECK_OFFSETS=1``
 (a sync). Otherwise they are guarded on the device (``guard.py``): every backend runs on offsets
 clamped into ``[0, N]`` and made non-decreasing, so no kernel reads or writes outside its operands,
@@ -23,10 +28,11 @@ from typing import Optional
 
 import torch
 
-from .backends import select_backend, get_backend
+from .backends import get_backend, select_backend
+from .config import GroupedGemmConfig
 from .reference import check_num_experts
 
-__all__ = ["grouped_mm", "grouped_mm_wgrad", "check_grouped_mm_args", "check_grouped_mm_wgrad_args"]
+__all__ = ["grouped_mm", "grouped_mm_wgrad", "tune_grouped_mm", "check_grouped_mm_args", "check_grouped_mm_wgrad_args"]
 
 ENV_CHECK_OFFSETS = "TLX_DIST_CHECK_OFFSETS"
 
@@ -98,36 +104,43 @@ def check_grouped_mm_wgrad_args(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets
 
 
 # --- custom ops ----------------------------------------------------------------------------------
-# The backend name travels as a string argument so that torch.compile / CUDA graphs see one opaque
-# op per call with no Python-side state.
+# The backend name and the tile config (its fields as JSON, or None for the default) travel as string
+# arguments so that torch.compile / CUDA graphs see one opaque op per call with no Python-side state.
+
+
+def _run(fn, a, b, offsets_E, config: Optional[str]):
+    return fn(a, b, offsets_E) if config is None else fn(a, b, offsets_E, config=GroupedGemmConfig.from_json(config))
 
 
 @torch.library.custom_op("tlx_dist::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _grouped_mm_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                   config: Optional[str] = None) -> torch.Tensor:
     check_num_experts(w_EDF.shape[0], f"w_EDF of shape {tuple(w_EDF.shape)}")  # also for torch.ops callers
-    return get_backend(backend).mm(x_ND, w_EDF, offsets_E)
+    return _run(get_backend(backend).mm, x_ND, w_EDF, offsets_E, config)
 
 
 @_grouped_mm_op.register_fake
-def _(x_ND, w_EDF, offsets_E, backend):
+def _(x_ND, w_EDF, offsets_E, backend, config=None):
     return x_ND.new_empty(x_ND.shape[0], w_EDF.shape[2])
 
 
 @torch.library.custom_op("tlx_dist::grouped_mm_wgrad", mutates_args=())
-def _grouped_mm_wgrad_op(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _grouped_mm_wgrad_op(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                         config: Optional[str] = None) -> torch.Tensor:
     check_num_experts(offsets_E.shape[0], f"offsets_E of shape {tuple(offsets_E.shape)}")
-    return get_backend(backend).wgrad(x_ND, dy_NF, offsets_E)
+    return _run(get_backend(backend).wgrad, x_ND, dy_NF, offsets_E, config)
 
 
 @_grouped_mm_wgrad_op.register_fake
-def _(x_ND, dy_NF, offsets_E, backend):
+def _(x_ND, dy_NF, offsets_E, backend, config=None):
     return x_ND.new_empty(offsets_E.shape[0], x_ND.shape[1], dy_NF.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
-    x_ND, w_EDF, offsets_E, backend = inputs
+    x_ND, w_EDF, offsets_E, backend, *config = inputs
     ctx.save_for_backward(x_ND, w_EDF, offsets_E)
     ctx.backend = backend
+    ctx.config = config[0] if config else None
 
 
 def _backward(ctx, dy_NF):
@@ -136,29 +149,43 @@ def _backward(ctx, dy_NF):
     dy_NF = dy_NF.contiguous()
     if ctx.needs_input_grad[0]:
         w_EFD = w_EDF.transpose(1, 2)
-        dx = _grouped_mm_op(dy_NF, w_EFD, offsets_E, _pick(dy_NF, w_EFD, ctx.backend))
+        dx = _grouped_mm_op(dy_NF, w_EFD, offsets_E, _pick(dy_NF, w_EFD, ctx.backend, ctx.config), ctx.config)
     if ctx.needs_input_grad[1]:
-        dw = _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, ctx.backend))
-    return dx, dw, None, None
+        dw = _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, ctx.backend, ctx.config),
+                                  ctx.config)
+    return dx, dw, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _pick(x_ND, w_EDF, backend: Optional[str]) -> str:
-    return select_backend(x_ND, w_EDF, backend).name
+def _pick(x_ND, w_EDF, backend: Optional[str], config: Optional[str] = None) -> str:
+    b = select_backend(x_ND, w_EDF, backend)
+    if config is not None and not b.tiled:
+        raise ValueError(f"grouped_mm config= pins the TLX kernels' tile config, but backend {b.name!r} runs these "
+                         f"operands{'' if backend else ' (chosen automatically)'} and has no tiles; pin "
+                         "backend='tlx' or leave config=None")
+    return b.name
 
 
-def _pick_wgrad(x_ND, dy_NF, backend: Optional[str]) -> str:
+def _pick_wgrad(x_ND, dy_NF, backend: Optional[str], config: Optional[str] = None) -> str:
     # The weight-gradient form has the same operand constraints as a forward with w = [1, D, F].
-    return select_backend(x_ND, dy_NF.new_empty(1, x_ND.shape[1], dy_NF.shape[1]), backend).name
+    return _pick(x_ND, dy_NF.new_empty(1, x_ND.shape[1], dy_NF.shape[1]), backend, config)
+
+
+def _config_arg(config) -> Optional[str]:
+    if config is None:
+        return None
+    if not isinstance(config, GroupedGemmConfig):
+        raise TypeError(f"config must be a GroupedGemmConfig or None, got {type(config).__name__}")
+    return config.to_json()
 
 
 # --- public functions ----------------------------------------------------------------------------
 
 
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
-               *, backend: Optional[str] = None) -> torch.Tensor:
+               *, backend: Optional[str] = None, config: Optional[GroupedGemmConfig] = None) -> torch.Tensor:
     """Grouped GEMM over experts, differentiable in ``x_ND`` and ``w_EDF``.
 
     Args:
@@ -168,21 +195,49 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
             ``E >= 1``. Out-of-range values raise on CPU; on a GPU they are clamped on the device
             and flagged (see ``check_offsets``), never read out of bounds.
         backend: ``"tlx" | "triton" | "torch" | "reference"`` to pin one; default automatic.
+        config: the TLX kernels' tile config for this call's forward, dX and dW (the backend that
+            runs must be ``tlx``: a ValueError otherwise); default: each form's own default.
     Returns:
         ``[N, F]`` with ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
     check_grouped_mm_args(x_ND, w_EDF, offsets_E)
-    return _grouped_mm_op(x_ND, w_EDF, offsets_E, _pick(x_ND, w_EDF, backend))
+    cfg = _config_arg(config)
+    return _grouped_mm_op(x_ND, w_EDF, offsets_E, _pick(x_ND, w_EDF, backend, cfg), cfg)
 
 
 def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor,
-                     *, backend: Optional[str] = None) -> torch.Tensor:
+                     *, backend: Optional[str] = None, config: Optional[GroupedGemmConfig] = None) -> torch.Tensor:
     """Per-expert ``x^T @ dy`` over each expert's rows.
 
     Args:
         x_ND: ``[N, D]``; dy_NF: ``[N, F]`` (same dtype and device); offsets_E: ``[E]`` cumulative end rows.
+        backend, config: as in :func:`grouped_mm`.
     Returns:
         ``[E, D, F]`` with ``x_ND.dtype``; an expert with no rows gets zeros.
     """
     check_grouped_mm_wgrad_args(x_ND, dy_NF, offsets_E)
-    return _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, backend))
+    cfg = _config_arg(config)
+    return _grouped_mm_wgrad_op(x_ND, dy_NF, offsets_E, _pick_wgrad(x_ND, dy_NF, backend, cfg), cfg)
+
+
+def tune_grouped_mm(x_ND: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor, *, form: str = "fwd") -> GroupedGemmConfig:
+    """The fastest of the TLX kernels' candidate tile configs for one call on this GPU, timed on these
+    operands (a few hundred ms; never while a CUDA graph is captured): pass it back as ``config=``.
+
+    Args:
+        x_ND: ``[N, D]`` (``"dX"``: the ``[N, F]`` upstream gradient).
+        b: ``w_EDF [E, D, F]`` for ``form="fwd"``, its transposed view ``[E, F, D]`` for ``"dX"``,
+            ``dy_NF [N, F]`` for ``"dW"``.
+        offsets_E: ``[E]`` cumulative end rows.
+    """
+    if form not in ("fwd", "dX", "dW"):
+        raise ValueError(f"form={form!r} must be 'fwd', 'dX' or 'dW'")
+    if form == "dW":
+        check_grouped_mm_wgrad_args(x_ND, b, offsets_E)
+        impl = get_backend(_pick_wgrad(x_ND, b, "tlx"))
+    else:
+        check_grouped_mm_args(x_ND, b, offsets_E)
+        impl = get_backend(_pick(x_ND, b, "tlx"))
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("tune_grouped_mm times kernels: call it outside CUDA-graph capture")
+    return impl.tune(form, x_ND, b, offsets_E)

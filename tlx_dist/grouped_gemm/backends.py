@@ -6,17 +6,17 @@ A backend provides two device functions with one contract (see ``reference.py`` 
 * ``wgrad(x_ND, dy_NF, offsets_E) -> dw_EDF`` -- the varlen-K weight gradient;
 
 and ``supports(x_ND, w_EDF) -> str | None`` -- ``None`` when it can run these operands, else the
-reason it cannot (used in error messages when a backend is forced).
+reason it cannot (used in error messages when a backend is forced). The TLX backends (``tiled``)
+also take ``config=``, a tile config (``config.py``).
 
 Order of preference: ``tlx`` (TLX kernels: sm_90 / sm_100 in ``tlx_backend.py``, gfx942 / gfx950 in
 ``amd_backend.py``) -> ``torch`` (``torch._grouped_mm``, sm_90+ bf16, not on ROCm) -> ``triton``
 (stock-Triton kernel: AMD without TLX and older GPUs, where ``torch._grouped_mm`` cannot run; slower
 than it on Hopper) -> ``reference`` (the loop; any device and dtype). Kernel backends register
-themselves when their modules import; a name may have one implementation per GPU generation
-(``Backend.archs``), and the one for ``tlx.gpu_arch()`` -- detected, or forced with
-``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. ``TLX_DIST_GROUPED_MM_BACKEND=<name>`` or the
-``backend=`` argument pins one, and pinning one that cannot run the operands is an error, not a
-silent fallback.
+themselves (``registry.py``) when this module first imports them; a name may have one implementation
+per GPU generation (``Backend.archs``), and the one for ``tlx.gpu_arch()`` -- detected, or forced with
+``TLX_DIST_FORCE_ARCH`` -- is looked up at each call. The ``backend=`` argument pins one, and pinning
+one that cannot run the operands is an error, not a silent fallback.
 
 Every backend runs on the guarded offsets (``guard.py``): clamped into ``[0, N]`` and made
 non-decreasing on the device, with a device flag recording out-of-range ones.
@@ -24,74 +24,23 @@ non-decreasing on the device, with a device flag recording out-of-range ones.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 import tlx
 
-from .guard import guard_offsets
+from .host import guard_offsets
 from .reference import grouped_mm_ref, grouped_mm_wgrad_ref
+from .registry import Backend, current, register_backend, register_unavailable, registered, unavailable_reason
 
 __all__ = ["Backend", "register_backend", "register_unavailable", "get_backend", "available_backends",
            "select_backend"]
 
-ENV_BACKEND = "TLX_DIST_GROUPED_MM_BACKEND"
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    wgrad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    supports: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
-    priority: int  # lower is preferred
-    # Chosen automatically for CPU tensors? Kernel backends can run on CPU only interpreted
-    # (TRITON_INTERPRET=1), which is for tests: they run there when pinned, never by default.
-    auto_on_cpu: bool = False
-    # The GPU generations (``tlx.ARCHS``) this implementation is for; None: any (or none).
-    archs: Optional[tuple[str, ...]] = None
-
-
-_BACKENDS: dict[str, list[Backend]] = {}
-
-
-def register_backend(backend: Backend) -> None:
-    """Adds an implementation, replacing one of the same name whose ``archs`` overlap."""
-    def overlap(a: Backend) -> bool:
-        return a.archs is None or backend.archs is None or bool(set(a.archs) & set(backend.archs))
-
-    _BACKENDS[backend.name] = [b for b in _BACKENDS.get(backend.name, []) if not overlap(b)] + [backend]
-    _UNAVAILABLE.pop(backend.name, None)
-
-
-def _current() -> list[Backend]:
-    """One implementation per name: the one for the current ``tlx.gpu_arch()``, by priority."""
-    arch = tlx.gpu_arch()
-    found = (next((b for b in impls if b.archs is None or arch in b.archs), None) for impls in _BACKENDS.values())
-    return sorted((b for b in found if b is not None), key=lambda b: b.priority)
-
-
-_UNAVAILABLE: dict[str, str] = {}  # known backend name -> why it cannot run on this machine
-
-
-def register_unavailable(name: str, reason: str) -> None:
-    """Records that backend ``name`` exists but cannot run here (pinning it then says ``reason``)."""
-    if name not in _BACKENDS:
-        _UNAVAILABLE[name] = reason
-
-
 def _load_kernel_backends() -> None:
     # Imported lazily so that `import tlx_dist` never compiles or touches a GPU. Each module
-    # registers its backend only when its compiler is importable.
-    for mod in ("tlx_backend", "amd_backend", "triton_backend"):
-        try:
-            __import__(f"{__package__}.{mod}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{mod}":
-                raise
+    # registers its backend (registry.py) only when its compiler is importable.
+    from . import amd_backend, tlx_backend, triton_backend  # noqa: F401
 
 
 _loaded = False
@@ -120,29 +69,29 @@ def _ensure_loaded() -> None:
 
 def available_backends() -> list[str]:
     _ensure_loaded()
-    return [b.name for b in _current()]
+    return [b.name for b in current()]
 
 
 def get_backend(name: str) -> Backend:
     _ensure_loaded()
-    for b in _current():
+    for b in current():
         if b.name == name:
             return b
-    if name in _BACKENDS:
-        archs = sorted({a for b in _BACKENDS[name] for a in b.archs or ()})
+    if registered(name):
+        archs = sorted({a for b in registered(name) for a in b.archs or ()})
         arch = tlx.gpu_arch()
         raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: it has no implementation for "
                          f"gpu_arch()={arch!r}{' (no GPU found)' if arch == 'none' else ''} (it has them for {archs})")
-    if name in _UNAVAILABLE:
-        raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: {_UNAVAILABLE[name]} "
+    if unavailable_reason(name) is not None:
+        raise ValueError(f"grouped_mm backend={name!r} cannot run on this machine: {unavailable_reason(name)} "
                          f"(available here: {available_backends()})")
     raise ValueError(f"backend={name!r} is not one of {available_backends()}")
 
 
 def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[str] = None) -> Backend:
-    """The backend that runs these operands: the pinned one (argument, then environment) or the
-    first of the preference order that supports them."""
-    name = backend or os.environ.get(ENV_BACKEND) or None
+    """The backend that runs these operands: the pinned one (``backend``) or the first of the
+    preference order that supports them."""
+    name = backend or None
     if name is not None:
         b = get_backend(name)
         why = b.supports(x_ND, w_EDF)
@@ -151,7 +100,7 @@ def select_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: Optional[st
         return b
     _ensure_loaded()
     on_cpu = x_ND.device.type == "cpu"
-    for b in _current():
+    for b in current():
         if on_cpu and not b.auto_on_cpu:
             continue
         if b.supports(x_ND, w_EDF) is None:

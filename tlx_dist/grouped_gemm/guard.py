@@ -3,7 +3,8 @@
 Legend: N rows of the operand, E experts, ``offsets_E`` the caller's cumulative end rows.
 
 Validating offsets on the host would sync, so on an accelerator every backend instead runs on the
-*safe* offsets ``safe_E = min(N, running max(max(0, offsets_E)))`` (int32): in range and
+*safe* offsets (``host.guard_offsets``, or the scheduler's prep kernel inside a kernel backend's
+launch) ``safe_E = min(N, running max(max(0, offsets_E)))`` (int32): in range and
 non-decreasing, equal to ``offsets_E`` when those are valid. No kernel can then touch a row outside
 its operands, whatever the caller passes. What was wrong is ORed into a sticky per-device int32
 flag (bits below), on the device; nothing reads it on the hot path.
@@ -25,10 +26,8 @@ from typing import Optional, Union
 
 import torch
 
-from .reference import check_num_experts, safe_offsets_ref
-
 __all__ = ["OFFSETS_NEGATIVE", "OFFSETS_PAST_END", "OFFSETS_DECREASING", "offsets_flag", "check_offsets",
-           "describe_flag", "guard_offsets", "check_num_experts"]
+           "describe_flag"]
 
 # Same values as tlx/common/scheduler.py (which cannot import torch-side code).
 OFFSETS_NEGATIVE = 1
@@ -84,21 +83,3 @@ def check_offsets(device: Optional[Union[str, torch.device]] = None, *, reset: b
     if faults:
         raise ValueError("grouped_mm got out-of-range offsets_E; the kernels ran on offsets clamped into "
                          "[0, N] and made non-decreasing. " + " | ".join(faults))
-
-
-def guard_offsets(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """``safe_E`` (int32, contiguous, on ``offsets_E``'s device) for a backend, the flag updated; no
-    host sync. On a GPU with Triton one tiny kernel (the scheduler's prep kernel) does it; elsewhere
-    a few torch ops."""
-    check_num_experts(offsets_E.shape[0], "offsets_E")
-    flag = offsets_flag(offsets_E.device)
-    if offsets_E.is_cuda:
-        from tlx import triton_available
-
-        if triton_available():
-            from .host import prep_offsets
-
-            return prep_offsets(offsets_E, n_rows)[0]
-    safe, bits = safe_offsets_ref(offsets_E, n_rows)
-    flag.bitwise_or_(bits)
-    return safe

@@ -8,18 +8,29 @@ Legend: N rows, E experts, ``offsets_E`` cumulative end rows.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from .reference import check_num_experts
+from .guard import offsets_flag
+from .reference import check_num_experts, safe_offsets_ref
 
-__all__ = ["prep_offsets", "prep_tile_cum", "search_steps", "max_m_tiles", "ragged_descriptor", "interpret_mode"]
+__all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
+           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason"]
 
 
 def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors (AMD: compute units) of CUDA device ``index``: the persistent grid."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def search_steps(n_experts: int) -> int:
@@ -45,8 +56,6 @@ def prep_offsets(offsets_E: torch.Tensor, n_rows: int, block_m: int = 0, phase: 
 
     from tlx.common.scheduler import _grouped_tile_prep_kernel
 
-    from .guard import offsets_flag
-
     E = offsets_E.shape[0]
     check_num_experts(E, "offsets_E")
     dev = offsets_E.device
@@ -64,6 +73,22 @@ def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.T
     return prep_offsets(offsets_E, n_rows, block_m)[1]
 
 
+def guard_offsets(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``safe_E`` (int32, contiguous, on ``offsets_E``'s device) for a backend, the offsets flag
+    updated (``guard.py``); no host sync. On a GPU with Triton one tiny kernel (the scheduler's prep
+    kernel) does it; elsewhere a few torch ops."""
+    check_num_experts(offsets_E.shape[0], "offsets_E")
+    flag = offsets_flag(offsets_E.device)
+    if offsets_E.is_cuda:
+        from tlx import triton_available
+
+        if triton_available():
+            return prep_offsets(offsets_E, n_rows)[0]
+    safe, bits = safe_offsets_ref(offsets_E, n_rows)
+    flag.bitwise_or_(bits)
+    return safe
+
+
 def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):
     """A 4-D TMA descriptor over a row-major ``[R, C]`` tensor whose loads/stores can be bounded to
     any row slice (tlx/common/scheduler.py explains the coordinates)."""
@@ -75,3 +100,58 @@ def ragged_descriptor(t_RC: torch.Tensor, block_rows: int, block_cols: int):
         raise ValueError(f"ragged descriptor: {R} rows exceed 2**30")
     big = 0x7FFF0000
     return TensorDescriptor(t_RC, [big, big, 1 << 30, C], [(1 << 34) - s, s, s, 1], [1, 1, block_rows, block_cols])
+
+
+def lpt_order(offsets: torch.Tensor) -> torch.Tensor:
+    """``[E]`` int32 on the device: experts by row count, largest first (ties by index); the dW
+    kernels' longest-first walk (tlx/common/scheduler.py)."""
+    from tlx.common.scheduler import _lpt_order_kernel
+
+    E = offsets.shape[0]
+    order = torch.empty(E, dtype=torch.int32, device=offsets.device)
+    _lpt_order_kernel[(-(-E // 64),)](offsets, order, E, BLOCK=64, num_warps=4)
+    return order
+
+
+def tma_2d_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` cannot be read by TMA (NVIDIA) / 16-byte vector loads (AMD) as a 2-D row-major
+    operand, or None."""
+    esz = t.element_size()
+    if t.stride(-1) != 1:
+        return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
+    # The base address is not traceable (torch.compile, and AOT tracing of a backward or opcheck, where
+    # is_compiling() is False but the tensor is a FakeTensor/FunctionalTensor): there the check moves
+    # into the launcher, which runs eagerly inside the custom op and falls back to the portable kernel.
+    misaligned_base = False
+    if not torch.compiler.is_compiling() and not isinstance(t, FakeTensor):
+        try:
+            misaligned_base = t.data_ptr() % 16 != 0
+        except RuntimeError:  # "Cannot access data pointer of Tensor": traced
+            misaligned_base = False
+    if any((s * esz) % 16 for s in t.stride()[:-1]) or misaligned_base:
+        return f"{name} needs a 16-byte aligned base and row strides for TMA (strides {tuple(t.stride())})"
+    return None
+
+
+def operand_reason(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> Optional[str]:
+    """Why the TLX kernels cannot take these operands (TMA on NVIDIA, 16-byte vector loads on AMD
+    need the same layouts), or None."""
+    if x_ND.device.type != "cuda":
+        return f"operands are on {x_ND.device}, not a CUDA GPU"
+    if x_ND.dtype not in (torch.bfloat16, torch.float16) or w_EDF.dtype != x_ND.dtype:
+        return f"dtype {x_ND.dtype} (the TLX kernels take bfloat16 or float16; float32 runs on 'triton')"
+    D, F = w_EDF.shape[1], w_EDF.shape[2]
+    if D == 0 or F == 0 or w_EDF.shape[0] == 0:
+        return f"empty dimension (E, D, F) = {tuple(w_EDF.shape)}"
+    if (D * 2) % 16 or (F * 2) % 16:
+        return f"D={D} and F={F} must be multiples of 8 for 16-byte aligned TMA rows"
+    why = tma_2d_reason("x_ND", x_ND)
+    if why:
+        return why
+    if w_EDF.stride(2) == 1:
+        w_view = w_EDF
+    elif w_EDF.stride(1) == 1:
+        w_view = w_EDF.transpose(1, 2)
+    else:
+        return f"w_EDF must be contiguous in its last or second-to-last dimension (strides {tuple(w_EDF.stride())})"
+    return tma_2d_reason("w_EDF", w_view)

@@ -15,7 +15,7 @@ import torch
 
 from tlx import triton_available
 
-from .backends import Backend, register_backend, register_unavailable
+from .registry import Backend, register_backend, register_unavailable
 from .host import interpret_mode, max_m_tiles, prep_offsets, search_steps
 from .reference import check_num_experts
 
@@ -90,8 +90,8 @@ def _wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor) -> 
 
 
 if triton_available():
-    # After torch: on the H200 the portable kernel runs at ~0.8x torch._grouped_mm (bench/RESULTS.md),
-    # so it is the automatic choice only where torch._grouped_mm cannot run (AMD, pre-sm_90 GPUs).
+    # After torch: on Hopper the portable kernel is slower than torch._grouped_mm, so it is the
+    # automatic choice only where torch._grouped_mm cannot run (AMD, pre-sm_90 GPUs).
     register_backend(Backend("triton", _mm, _wgrad, _supports, priority=40))
 else:
     register_unavailable("triton", "triton is not importable (pip install -e '.[tlx]')")

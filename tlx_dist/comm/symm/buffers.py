@@ -26,10 +26,14 @@ Backends:
 
 Failures are reported, never hung on: every wait in the kernels gives up after ``timeout_s``
 and records the op and the peer; :meth:`check` raises them, and overflow of the expanded rows.
+
+A buffer set carries the :class:`~tlx_dist.comm.symm.ExchangeConfig` its ops run with (``config``)
+and the modes resolved from it at their first use (``modes``, ``policy.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -37,7 +41,9 @@ from typing import Optional
 
 import torch
 
-from .topology import Topology
+from ..topology import Topology, exchange_ranks_per_node
+from .config import ExchangeConfig
+from .hier_layout import HierLayout, HierState
 
 __all__ = ["SymmLayout", "SymmBuffers", "ExchangeError", "DEFAULT_TIMEOUT_S", "nvshmem_device_library"]
 
@@ -45,7 +51,12 @@ _ALIGN = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DEFAULT_TIMEOUT_S = 30.0
 _OPS = {1: "barrier (op start)", 2: "token rows of a dispatch", 3: "combine partial rows",
-        4: "gate gradients of combine's backward"}
+        4: "gate gradients of combine's backward",
+        # the hierarchical exchange's relays (tlx/comm/hier.py OP_RELAY_ROWS / OP_RELAY_PARTIALS)
+        6: "node count and inter-node rows of a dispatch (at their relay)",
+        7: "node's partial rows of a combine (at the relay)"}
+
+
 _OP_ROUTE = 5  # a block of the dispatch's route kernel waiting for an earlier block (look-back)
 
 
@@ -202,12 +213,33 @@ def _start_protocol(mem: torch.Tensor, layout: SymmLayout) -> None:
     mem[layout.off_flags: layout.off_flags + 8 * W].view(torch.int64).fill_(1)
 
 
-def _timeout_s(timeout_s: Optional[float]) -> float:
+ENV_TIMEOUT_S = "TLX_DIST_EXCHANGE_TIMEOUT_S"  # debug: the waits' timeout where no config sets one
+
+
+def _timeout_s(timeout_s: Optional[float], config: Optional[ExchangeConfig] = None) -> float:
+    """The waits' timeout: ``timeout_s``, else ``config.timeout_s``, else ``TLX_DIST_EXCHANGE_TIMEOUT_S``,
+    else ``DEFAULT_TIMEOUT_S``; the two arguments may not disagree."""
+    if config is not None and config.timeout_s is not None:
+        if timeout_s is not None and float(timeout_s) != float(config.timeout_s):
+            raise ValueError(f"timeout_s={timeout_s!r} differs from config.timeout_s={config.timeout_s!r}: give one")
+        timeout_s = config.timeout_s
     if timeout_s is None:
-        timeout_s = float(os.environ.get("TLX_DIST_EXCHANGE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        env = os.environ.get(ENV_TIMEOUT_S)
+        try:
+            timeout_s = float(env) if env is not None else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{ENV_TIMEOUT_S}={env!r} must be a number of seconds") from None
+        if not 0 < timeout_s < 1e6:
+            raise ValueError(f"{ENV_TIMEOUT_S}={env!r} must be a number of seconds in (0, 1e6)")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < 1e6):
         raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds in (0, 1e6)")
     return float(timeout_s)
+
+
+def _config(config: Optional[ExchangeConfig], timeout: float) -> ExchangeConfig:
+    if config is not None and not isinstance(config, ExchangeConfig):
+        raise TypeError(f"config must be an ExchangeConfig, got {type(config).__name__}")
+    return dataclasses.replace(config if config is not None else ExchangeConfig(), timeout_s=timeout)
 
 
 class SymmBuffers:
@@ -222,20 +254,24 @@ class SymmBuffers:
             ``"local"``.
         device: CUDA device (default: the current one).
         timeout_s: how long any wait in the exchange kernels spins before it gives up and records
-            an error (default 30 s, or ``TLX_DIST_EXCHANGE_TIMEOUT_S``).
+            an error (default ``config.timeout_s``, else ``TLX_DIST_EXCHANGE_TIMEOUT_S``, else 30 s).
         row_regions: per-layer receive regions of the row form (``SymmLayout.build``; default 0).
+        config: the :class:`ExchangeConfig` every op on this set runs with (default
+            ``ExchangeConfig()``, which the first dispatcher that asks for another may replace;
+            given here, every dispatcher must ask for this one: ``policy.adopt``).
     """
 
     def __init__(self, max_tokens: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
                  group=None, *, backend: str = "auto", device=None, timeout_s: Optional[float] = None,
-                 row_regions: int = 0):
+                 row_regions: int = 0, config: Optional[ExchangeConfig] = None):
         import torch.distributed as dist
 
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         if backend not in ("auto", "cuda", "nvshmem", "local"):
             raise ValueError(f"backend={backend!r} is not one of 'auto', 'cuda', 'nvshmem', 'local'")
-        timeout = _timeout_s(timeout_s)
+        timeout = _timeout_s(timeout_s, config)
+        cfg = (_config(config, timeout), config is not None)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if group is None:
             if backend not in ("auto", "local"):
@@ -243,7 +279,7 @@ class SymmBuffers:
             layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype, row_regions=row_regions)
             mem = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
             _start_protocol(mem, layout)
-            self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout)
+            self._init(layout, rank, mem, [mem.data_ptr()], [0], "local", None, timeout, cfg)
             return
         topo = Topology.from_group(group)
         if backend == "auto":
@@ -257,6 +293,8 @@ class SymmBuffers:
         # spanning nodes takes this route, so the layout stays the same on every rank).
         layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world, dtype,
                                   staging=backend == "nvshmem", row_regions=0 if backend == "nvshmem" else row_regions)
+        # the hierarchical exchange (every rank resolves the same from the same config and topology)
+        layout, hier = _with_hier(layout, exchange_ranks_per_node(cfg[0].topology, topo.nodes), backend == "nvshmem")
         from torch.distributed import _symmetric_memory as symm_mem
 
         if backend == "nvshmem":
@@ -277,11 +315,14 @@ class SymmBuffers:
             if any(p == 0 for d, p in enumerate(ptrs) if topo.same_node(d)):
                 raise RuntimeError(f"torch symmetric memory (NVSHMEM) gave no peer pointer for a rank on this node "
                                    f"(peers {ptrs}): the GPUs of one node must reach each other (NVLink or P2P)")
-        self._init(layout, rank, mem, ptrs, list(topo.global_ranks), backend, handle, timeout)
+        self._init(layout, rank, mem, ptrs, list(topo.global_ranks), backend, handle, timeout, cfg)
+        self.nodes = topo.nodes
+        self.hier = HierState(hier, device) if hier is not None else None
         handle.barrier(channel=0)  # every rank's region is zeroed before anyone signals into it
         torch.cuda.synchronize(device)
 
-    def _init(self, layout, rank, mem, ptrs, pes, backend, handle, timeout_s):
+    def _init(self, layout, rank, mem, ptrs, pes, backend, handle, timeout_s, cfg=None):
+        cfg = cfg if cfg is not None else (_config(None, timeout_s), False)
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
@@ -304,15 +345,13 @@ class SymmBuffers:
         if self.use_nvshmem and not layout.staging:
             raise ValueError("peers without a pointer need the NVSHMEM staging regions (SymmLayout staging=True)")
         self._nvshmem_lib = None
-        self._side_stream = None  # the overlapped row form's side stream (symm._on_side), made on first use
-        self._overlap_plans = {}  # region -> the last overlapped dispatch's symm.RowsOverlap there
-        # the send's bulk-copy slots (symm._bulk; SymmDispatcher(bulk_send=), parallel.exchange_bulk):
-        # 0 = TLX_DIST_EXCHANGE_BULK decides (off when unset)
-        self.bulk_send = 0
-        # the copy-engine row form (symm._ce_mode; SymmDispatcher(copy_engine=), parallel.exchange_copy_engine):
-        # "auto" | True | False; None = TLX_DIST_COPY_ENGINE decides (auto when unset)
-        self.copy_engine = None
-        self._ce_sig_stream = None  # its signal kernels' stream (symm._ce_send_partials), made on first use
+        self.config, self._config_claimed = cfg  # (claimed: given explicitly, see policy.adopt)
+        self.modes = {}  # mode name -> its resolved form (policy.py), each fixed at its first use
+        self._side_stream = None  # the overlapped and copy-engine row forms' side stream (launch.on_side)
+        self._overlap_plans = {}  # region -> the last overlapped dispatch's RowsOverlap there
+        self._ce_sig_stream = None  # the copy-engine combine's signal kernels' stream (ce_transport)
+        self.nodes = (0,) * layout.world_size  # the node of each rank (the hierarchy's topology)
+        self.hier = None  # the hierarchical exchange's part (HierState), where the topology asks for it
 
     def nvshmem_meta(self, kernel) -> dict:
         """Extra launch arguments of a kernel that sends to peers (``tlx/comm/exchange.py``): ``{}``
@@ -341,6 +380,32 @@ class SymmBuffers:
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
+    def reconfigure(self, config: ExchangeConfig) -> None:
+        """Runs the ops from now on with ``config`` (its modes resolved again at their next use).
+        Between ops, and on every rank of the group alike (benchmarks and tests sweep settings on
+        one buffer set this way); CUDA graphs captured before keep what they captured. The
+        timeout is fixed when the set is built."""
+        if not isinstance(config, ExchangeConfig):
+            raise TypeError(f"config must be an ExchangeConfig, got {type(config).__name__}")
+        if config.timeout_s is not None and float(config.timeout_s) != self.timeout_s:
+            raise ValueError(f"config.timeout_s={config.timeout_s!r}: this buffer set waits {self.timeout_s:g} s "
+                             "(fixed when it was built)")
+        if config.topology != self.config.topology:
+            self.check_topology(config)
+        self.config = dataclasses.replace(config, timeout_s=self.timeout_s)
+        self._config_claimed = True
+        self.modes.clear()
+
+    def check_topology(self, config: ExchangeConfig) -> None:
+        """ValueError unless ``config.topology`` gives the exchange this set was built for (its
+        regions depend on it: flat, or hierarchical over nodes of L ranks)."""
+        want = exchange_ranks_per_node(config.topology, self.nodes) if self.world_size > 1 else 0
+        have = self.hier.layout.ranks_per_node if self.hier is not None else 0
+        if want != have:
+            name = lambda L: f"hierarchical exchange over nodes of {L}" if L else "flat exchange"  # noqa: E731
+            raise ValueError(f"topology={config.topology!r} asks for the {name(want)}; this buffer set was built "
+                             f"for the {name(have)}: build the buffers with that config")
+
     # ---- sizing ----
     @staticmethod
     def size_hint(max_tokens: int, hidden: int, top_k: int, num_experts: int, world_size: int,
@@ -358,7 +423,7 @@ class SymmBuffers:
         """The route kernel's look-back scratch (``tlx/comm/route.py`` ``_route_kernel``): int64
         ``[n_blocks * (1 + 2 * row_words)]``, this rank's own (not symmetric), zeroed once and kept:
         its status words carry the op's epoch, so no later dispatch resets it. One per layout
-        (``n_blocks``, ``row_words``): with another route block size (``symm.LAUNCH_OVERRIDES``)
+        (``n_blocks``, ``row_words``): with another route block size (``ExchangeConfig.route_block``)
         the status words would sit where an earlier layout left prefix counts, which a look-back
         would read as "ready"; kept for the buffers' life (a captured graph holds its address)."""
         key = (n_blocks, row_words)
@@ -444,7 +509,7 @@ class SymmBuffers:
                 f"symmetric exchange: rank {self.rank} waited {self.timeout_s:g} s for the "
                 f"{_OPS.get(op, f'op {op}')} from rank {peer}, which never arrived (a rank skipped, "
                 f"repeated or died in an op). The exchange state is inconsistent; restart the job. "
-                f"(timeout: TLX_DIST_EXCHANGE_TIMEOUT_S / timeout_s)")
+                f"(timeout: ExchangeConfig.timeout_s, or {ENV_TIMEOUT_S} where it is None)")
         if overflow:
             st[1].zero_()
             raise RuntimeError(
@@ -479,38 +544,66 @@ class SymmBuffers:
     @classmethod
     def emulated(cls, world_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
                  dtype: torch.dtype, *, device=None, timeout_s: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None, row_regions: int = 0) -> list["SymmBuffers"]:
+                 ranks_per_node: Optional[int] = None, row_regions: int = 0,
+                 config: Optional[ExchangeConfig] = None, nvshmem: Optional[bool] = None) -> list["SymmBuffers"]:
         """W virtual ranks in this process: one zeroed allocation of W equal slices, one
         :class:`SymmBuffers` per virtual rank, each with its own peer table. ``device`` may be
-        ``"cpu"`` for the Triton interpreter. ``ranks_per_node`` (interpreter only): virtual ranks
-        ``v // ranks_per_node`` form a node; a rank sees the others' slices as peer pointers 0 and
-        reaches them through the NVSHMEM route, whose calls ``tlx/comm/nvshmem.py`` emulates."""
+        ``"cpu"`` for the Triton interpreter. ``ranks_per_node``: virtual ranks ``v // ranks_per_node``
+        form a node. The flat exchange across them (interpreter only): a rank sees the other nodes'
+        slices as peer pointers 0 and reaches them through the NVSHMEM route, whose calls
+        ``tlx/comm/nvshmem.py`` emulates. The hierarchical one (``config.topology``; ``"auto"``
+        with more than one rank a node): the same in the interpreter; on a GPU every rank keeps its
+        pointers and the inter-node leg is plain stores (same rows, relays and counters).
+        ``nvshmem=False`` (the hierarchical exchange): pointer stores in the interpreter too (the
+        one-GPU form, on CPU)."""
         nodes = ranks_per_node is not None and ranks_per_node < world_size
         if ranks_per_node is not None:
             _pos_int("ranks_per_node", ranks_per_node)
-        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=nodes,
-                                  row_regions=row_regions)
-        timeout = _timeout_s(timeout_s)
+        timeout = _timeout_s(timeout_s, config)
+        cfg = (_config(config, timeout), config is not None)
+        node_of = tuple(v // ranks_per_node if ranks_per_node else 0 for v in range(world_size))
+        L_hier = exchange_ranks_per_node(cfg[0].topology, node_of)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if nodes and device.type != "cpu":
+        if nodes and device.type != "cpu" and not L_hier:
             raise ValueError(f"ranks_per_node={ranks_per_node} emulates NVSHMEM, which only the Triton interpreter "
-                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group")
+                             f"(device='cpu', TRITON_INTERPRET=1) can; on {device} use a real multi-node group, or "
+                             "the hierarchical exchange (ExchangeConfig(topology='hierarchical'))")
+        if nvshmem is not None and not nvshmem and not L_hier and nodes:
+            raise ValueError("nvshmem=False: the flat exchange reaches other nodes only through the NVSHMEM route")
+        if nvshmem and device.type != "cpu":
+            raise ValueError("nvshmem=True emulates NVSHMEM, which only the Triton interpreter (device='cpu') can")
+        far = nodes and device.type == "cpu" and nvshmem is not False  # other nodes by the (emulated) NVSHMEM route
+        layout = SymmLayout.build(max_tokens, hidden, top_k, num_experts, world_size, dtype, staging=far,
+                                  row_regions=row_regions)
+        layout, hier = _with_hier(layout, L_hier, far)
         mem = torch.zeros(world_size * layout.nbytes, dtype=torch.uint8, device=device)
         for v in range(world_size):
             _start_protocol(mem[v * layout.nbytes:(v + 1) * layout.nbytes], layout)
         ptrs = [mem.data_ptr() + v * layout.nbytes for v in range(world_size)]
-        if nodes:
+        if far:
             from tlx.comm.nvshmem import emulate_heaps
             emulate_heaps([(p, layout.nbytes) for p in ptrs])
         out = []
         for v in range(world_size):
             b = cls.__new__(cls)
-            seen = [p if not nodes or d // ranks_per_node == v // ranks_per_node else 0 for d, p in enumerate(ptrs)]
+            seen = [p if not far or node_of[d] == node_of[v] else 0 for d, p in enumerate(ptrs)]
             b._init(layout, v, mem[v * layout.nbytes:(v + 1) * layout.nbytes], seen, list(range(world_size)),
-                    "emulated", None, timeout)
+                    "emulated", None, timeout, cfg)
             b._world_mem = mem  # keeps the shared allocation alive
+            b.nodes = node_of
+            b.hier = HierState(hier, device) if hier is not None else None
             out.append(b)
         return out
+
+
+def _with_hier(layout: SymmLayout, ranks_per_node: int, staging: bool):
+    """``(layout, HierLayout or None)``: with ``ranks_per_node`` > 0 the hierarchical exchange's regions
+    follow the flat ones (the flat offsets do not move; ``nbytes`` grows)."""
+    if not ranks_per_node:
+        return layout, None
+    hier = HierLayout.build(layout.nbytes, layout.world_size, layout.max_tokens, layout.top_k, layout.hidden,
+                            layout.dtype.itemsize, ranks_per_node, staging)
+    return dataclasses.replace(layout, nbytes=hier.nbytes), hier
 
 
 # ---------------------------------------------------------------- NVSHMEM (peers on other nodes)

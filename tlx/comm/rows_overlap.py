@@ -1,0 +1,57 @@
+"""The overlapped row form's kernels (``tlx_dist.comm.symm.RowsOverlap``): the arrival wait on a
+region's counters, and the gate/up GEMM's virtual-expert offsets (``exchange.py`` describes the
+op, the region and the legend)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .protocol import OP_TOKENS, _wait_geq
+
+
+@triton.jit
+def _rows_wait_kernel(want_ptr, peers_ptr, RANK, RCNT_OFF, W: tl.constexpr, OFF_STATE: tl.constexpr,
+                      TIMEOUT_NS: tl.constexpr, CLOCK: tl.constexpr):
+    """The overlapped row form's arrival wait (one program, on the stream of the GEMMs that read
+    the rows): for every source s != RANK, waits (bounded, OP_TOKENS) until this rank's region
+    counter RCNT[s] at ``RCNT_OFF`` holds ``want[s]`` rows (``rows_from``: every row of s landed),
+    then takes them off the counter, so it reads 0 again before the next dispatch into the region
+    (whose senders start adding only after this rank ended a later op)."""
+    my = tl.load(peers_ptr + RANK)
+    ctr = (my + RCNT_OFF).to(tl.pointer_type(tl.int64))
+    err_ptr = (my + OFF_STATE + 16).to(tl.pointer_type(tl.int64))
+    for s in range(W):
+        if s != RANK:
+            want = tl.load(want_ptr + s)
+            _wait_geq(ctr + s, want, err_ptr, OP_TOKENS, s, TIMEOUT_NS, CLOCK)
+            got = tl.atomic_add(ctr + s, 0, sem="acquire", scope="sys")
+            if got >= want:
+                tl.atomic_add(ctr + s, -want, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _phase_offsets_kernel(starts_ptr, counts_ptr, offs_ptr, out_ptr, RANK, CAP, W: tl.constexpr,
+                          E_LOCAL: tl.constexpr, EP: tl.constexpr):
+    """The overlapped gate/up GEMM's virtual experts (one program): for local expert j, three runs
+    of its expert-major rows -- sources before RANK, RANK's own, sources after -- as cumulative
+    ends ``out[3j] = start(RANK, j)``, ``out[3j + 1] = start(RANK, j) + own rows``, ``out[3j + 2] =
+    offs[j]``, each capped at CAP (the capacity; ``offs`` is capped already), int32. ``starts``:
+    ``[W, E_LOCAL]`` first expanded row of (source, expert) (``_await`` STARTS), ``counts``:
+    ``[E_LOCAL]`` rows per expert; the end of (s, j)'s run is the next source's start, or for
+    the last source the expert's first row + its rows."""
+    j = tl.arange(0, EP)
+    jm = j < E_LOCAL
+    lo = tl.load(starts_ptr + RANK * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    if RANK + 1 < W:
+        hi = tl.load(starts_ptr + (RANK + 1) * E_LOCAL + j, mask=jm, other=0).to(tl.int64)
+    else:
+        hi = tl.load(starts_ptr + j, mask=jm, other=0).to(tl.int64) + tl.load(counts_ptr + j, mask=jm,
+                                                                                other=0).to(tl.int64)
+    end = tl.load(offs_ptr + j, mask=jm, other=0).to(tl.int64)
+    if CAP >= 0:
+        lo = tl.minimum(lo, CAP)
+        hi = tl.minimum(hi, CAP)
+    tl.store(out_ptr + 3 * j, lo.to(tl.int32), mask=jm)
+    tl.store(out_ptr + 3 * j + 1, hi.to(tl.int32), mask=jm)
+    tl.store(out_ptr + 3 * j + 2, end.to(tl.int32), mask=jm)

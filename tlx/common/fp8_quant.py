@@ -1,0 +1,198 @@
+"""FP8 block quantization kernels (plain Triton): 1x128 activation tiles, 128x128 weight blocks.
+
+Legend: M rows (tokens, expert-major), C columns (features), E experts, G the group (128), Cb =
+cdiv(C, G) column groups, T a bound on the expert-aligned 128-row tiles (``M // G + E + 1``),
+P = G * T padded token columns. ``offsets_E`` the (guarded, int32) cumulative end row per expert,
+``tile_cum_E1`` the inclusive cumsum of each expert's G-row tiles (tlx/common/scheduler.py's prep
+kernel with BM = G), so expert ``e``'s tiles are ``[tile_cum[e-1], tile_cum[e])``.
+
+Every group of G values shares one fp32 scale ``s = max(amax, AMAX_FLOOR) / FP8_MAX`` (or, with
+POW2, the next power of two up from it, exactly an e8m0 value) and is stored as
+``fp8(clamp(x * inv, -FP8_MAX, FP8_MAX))`` with ``inv = FP8_MAX / max(amax, AMAX_FLOOR)``;
+dequantized it is ``q * s``. The floor keeps an all-zero group at zeros (not 0 * inf = NaN) and
+``inv`` finite. Divisions are ``div_rn`` (IEEE, as torch's), so the kernels and the references in
+tlx_dist/fp8/quant.py agree bit for bit.
+
+Kernels (each stores the FP8 bit patterns through a uint8 view):
+  ``_quant_rows_kernel``   x [M, C] -> q [M, C], s [Cb, M] (M-contiguous: the [M, Cb] operand of
+                           the forward / dX GEMMs, as torch._scaled_mm and DeepGEMM lay it out).
+  ``_quant_cols_kernel``   x [M, C] -> q [C, P], s [T, C]: the transposed, expert-tile-aligned
+                           operand of the weight gradient (K = tokens). Tile t of expert e holds its
+                           rows ``lo + G*j ...`` (j = t - tile_cum[e-1]) at columns ``G*t ...``;
+                           columns past the expert's last row are zeros, so a GEMM k-step over a
+                           tile never reads another expert's rows. Slack tiles past
+                           ``tile_cum[E-1]`` are not written.
+  ``_quant_blocks_kernel`` w [E, R, C] -> q [E, R, C] and its transpose qt [E, C, R], s [E, Rb, Cb]
+                           and st [E, Cb, Rb] (one pass: the forward wants K-contiguous weights,
+                           dX the original layout).
+  ``_dequant_rows_kernel`` q [M, C] (any row stride), s [Cb, M] -> y [M, C] = q * s: the fp32
+                           product rounded once to y's dtype (an FP8 dispatch's receiver, e4m3fn;
+                           compiled only: the interpreter's fp8 casts are not exact).
+
+FMT: 0 = e4m3fn (NVIDIA, max 448), 1 = e4m3fnuz (AMD MI300, max 240). EMULATE (tests, under
+TRITON_INTERPRET=1, whose fp8 casts neither round to nearest-even nor saturate nor keep
+subnormals): the FP8 encoding is computed with integer arithmetic instead of the hardware cast;
+the compiled kernels use the cast (``cvt.rn.satfinite``).
+"""
+
+import triton
+import triton.language as tl
+
+from tlx.common.scheduler import _search_expert, expert_rows
+
+AMAX_FLOOR = tl.constexpr(1e-12)
+E4M3FN_MAX = tl.constexpr(448.0)
+E4M3FNUZ_MAX = tl.constexpr(240.0)
+
+
+@triton.jit
+def fp8_max(FMT: tl.constexpr):
+    if FMT == 0:
+        m: tl.constexpr = E4M3FN_MAX
+    else:
+        m: tl.constexpr = E4M3FNUZ_MAX
+    return m
+
+
+@triton.jit
+def scale_from_amax(amax, FMT: tl.constexpr, POW2: tl.constexpr):
+    """(scale, inv) fp32 for a group's amax (any shape). POW2: scale = 2**ceil(log2(amax / max))."""
+    top = tl.full(amax.shape, fp8_max(FMT), tl.float32)
+    a = tl.maximum(amax, AMAX_FLOOR)
+    if POW2:
+        r = tl.math.div_rn(a, top)
+        bits = r.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        s = tl.math.div_rn(a, top)
+        inv = tl.math.div_rn(top, a)
+    return s, inv
+
+
+@triton.jit
+def _encode_soft(v, FMT: tl.constexpr):
+    # v: fp32 already clamped to the format's range. Round-to-nearest-even on the fp32 bits; an
+    # e4m3 value has 3 mantissa bits, bias 7 (fn) or 8 (fnuz); below the smallest normal the step
+    # is 2**-9 (fn) / 2**-10 (fnuz).
+    if FMT == 0:
+        BIAS: tl.constexpr = 7
+    else:
+        BIAS: tl.constexpr = 8
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag_bits = bits & 0x7FFFFFFF
+    a = mag_bits.to(tl.float32, bitcast=True)
+    rounded = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) >> 20
+    normal = rounded - ((127 - BIAS) << 3)
+    sub_unit = tl.full(v.shape, 2.0 ** (BIAS + 2), tl.float32)
+    magic = tl.full(v.shape, 8388608.0, tl.float32)  # 2**23: adding and subtracting rounds to an integer (RNE)
+    sub = ((a * sub_unit + magic) - magic).to(tl.int32)
+    min_normal = tl.full(v.shape, 2.0 ** (1 - BIAS), tl.float32)
+    mag = tl.where(a >= min_normal, normal, sub)
+    if FMT == 1:
+        sign = tl.where(mag == 0, 0, sign)  # fnuz has no -0 (0x80 is its NaN)
+    return ((sign << 7) | mag).to(tl.uint8)
+
+
+@triton.jit
+def encode_fp8(v, FMT: tl.constexpr, EMULATE: tl.constexpr):
+    """uint8 bit patterns of fp32 ``v`` (clamped to the format's range) as e4m3fn / e4m3fnuz."""
+    if EMULATE:
+        out = _encode_soft(v, FMT)
+    elif FMT == 0:
+        out = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        out = v.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+    return out
+
+
+@triton.jit
+def quantize_block(x, inv, FMT: tl.constexpr, EMULATE: tl.constexpr):
+    top = fp8_max(FMT)
+    return encode_fp8(tl.minimum(tl.maximum(x * inv, -top), top), FMT, EMULATE)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, C, stride_xm, stride_qm, stride_sk,
+                       G: tl.constexpr, BLOCK_M: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """grid (cdiv(M, BLOCK_M), cdiv(C, G)): rows [BLOCK_M] x one group of G columns."""
+    pm = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * G + tl.arange(0, G)
+    ok = (rows < M)[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    s, inv = scale_from_amax(tl.max(tl.abs(x), axis=1), FMT, POW2)
+    tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
+    tl.store(s_ptr + kb.to(tl.int64) * stride_sk + rows, s, mask=rows < M)
+
+
+@triton.jit
+def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_xm, stride_qc,
+                       G: tl.constexpr, BLOCK_C: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
+                       EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, cdiv(C, BLOCK_C)): one expert-aligned tile of G rows x BLOCK_C columns."""
+    t = tl.program_id(0)
+    cb = tl.program_id(1)
+    e = _search_expert(tile_cum_ptr, E, t, SEARCH_STEPS)
+    if e < E:  # tiles of the padding rows and the host bound's slack are not part of any expert
+        first = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
+        first = tl.where(e > 0, first, 0)
+        lo, cnt = expert_rows(offsets_ptr, e, E, M)
+        i = tl.arange(0, G)
+        r_in = (t - first) * G + i
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok_c = cols < C
+        ok = (r_in < cnt)[:, None] & ok_c[None, :]
+        rows = (lo + r_in).to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        s, inv = scale_from_amax(tl.max(tl.abs(x), axis=0), FMT, POW2)
+        q = quantize_block(x, inv[None, :], FMT, EMULATE)  # [G, BLOCK_C]; zeros past the expert's rows
+        dst = q_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + i)[:, None]
+        tl.store(dst, q, mask=ok_c[None, :])
+        tl.store(s_ptr + t.to(tl.int64) * C + cols, s, mask=ok_c)
+
+
+@triton.jit
+def _quant_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, R, C, stride_we, stride_wr,
+                         G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """grid (cdiv(R, G), cdiv(C, G), E): one G x G block of expert e's [R, C] weight. Outputs are
+    contiguous: q [E, R, C], qt [E, C, R], s [E, Rb, Cb], st [E, Cb, Rb]."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    Rb = tl.cdiv(R, G)
+    Cb = tl.cdiv(C, G)
+    rows = rb * G + tl.arange(0, G)
+    cols = cb * G + tl.arange(0, G)
+    ok = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(w_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wr + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    s, inv = scale_from_amax(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMT, POW2)
+    q = quantize_block(x, inv, FMT, EMULATE)
+    base = e * R * C
+    tl.store(q_ptr + base + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=ok)
+    tl.store(qt_ptr + base + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=ok)
+    tl.store(s_ptr + (e * Rb + rb) * Cb + cb, s)
+    tl.store(st_ptr + (e * Cb + cb) * Rb + rb, s)
+
+
+@triton.jit
+def _dequant_rows_kernel(q_ptr, s_ptr, y_ptr, M, C, stride_qm, stride_sk, stride_ym, G: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """grid (cdiv(M, BLOCK_M), cdiv(C, G)): rows [BLOCK_M] x one group of G columns, e4m3fn."""
+    pm = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * G + tl.arange(0, G)
+    rm = rows < M
+    m = rm[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + r64[:, None] * stride_qm + cols[None, :], mask=m, other=0)
+    sc = tl.load(s_ptr + kb * stride_sk + rows, mask=rm, other=0.0)
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+    tl.store(y_ptr + r64[:, None] * stride_ym + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,370 @@
+"""FP8 block quantization: host wrappers of tlx/common/fp8_quant.py and their torch references.
+
+Legend: M rows (tokens, expert-major), C columns, E experts, G = 128 (the group), Cb = cdiv(C, G),
+T = M // G + E + 1 (a bound on the expert-aligned G-row tiles, from shapes only), P = G * T.
+
+The recipe is DeepSeek-V3's: activations in 1 x G tiles along the GEMM's reduction dimension,
+weights in G x G blocks, e4m3 values and one fp32 scale per group,
+
+    s = max(amax, AMAX_FLOOR) / FP8_MAX        (pow2: the next power of two up, an exact e8m0)
+    q = fp8(clamp(x * (FP8_MAX / max(amax, AMAX_FLOOR)), -FP8_MAX, FP8_MAX)),    x ~= q * s
+
+(FP8_MAX = 448 for e4m3fn, 240 for e4m3fnuz). An all-zero group gives zeros and a tiny scale,
+never NaN; a group whose values are all below AMAX_FLOOR is quantized against the floor. C (or
+the weight's dims) need not be multiples of G: the last group is partial and its missing values
+count as zeros. Non-finite inputs give non-finite outputs.
+
+Forms:
+  ``quantize_rows(x_MC)``            -> Fp8Rows: q [M, C], s [M, Cb] (M-contiguous storage):
+                                       the A operand of the forward / dX GEMMs (reduction = C).
+  ``quantize_cols(x_MC, offsets_E)`` -> Fp8Cols: q [C, P], s [T, C], tiles along M that start
+                                       at each expert's first row: the operands of the
+                                       weight gradient (reduction = the expert's rows).
+  ``quantize_weight(w_EDF)``         -> Fp8Weight: G x G blocks, stored twice (K-contiguous
+                                       [E, F, D] for the forward, [E, D, F] for dX) with scales.
+
+Each runs the Triton kernel on a GPU (and on CPU under TRITON_INTERPRET=1, where the FP8 encoding
+is emulated in integer arithmetic), else its ``*_ref``; kernels and references agree bit for bit.
+Nothing here reads device values on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..grouped_gemm.host import interpret_mode, max_m_tiles, search_steps
+from ..grouped_gemm.reference import check_num_experts, safe_offsets_ref
+
+__all__ = ["GROUP", "AMAX_FLOOR", "FORMATS", "Fp8Rows", "Fp8Cols", "Fp8Weight", "quantize_rows", "quantize_cols",
+           "quantize_weight", "quantize_rows_ref", "quantize_cols_ref", "quantize_weight_ref", "dequantize_rows",
+           "dequantize_rows_rounded",
+           "dequantize_cols", "dequantize_weight", "tile_cum_ref", "check_fmt"]
+
+GROUP = 128
+AMAX_FLOOR = 1e-12  # the value of tlx/common/fp8_quant.py's AMAX_FLOOR
+# format name -> (torch dtype, largest finite value, kernel FMT code)
+FORMATS = {"e4m3fn": (torch.float8_e4m3fn, 448.0, 0), "e4m3fnuz": (torch.float8_e4m3fnuz, 240.0, 1)}
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Row-quantized ``[M, C]``: ``q_MC`` fp8 ``[M, C]`` (unit column stride: contiguous from
+    ``quantize_rows``, a view of the packed rows from an FP8 dispatch); ``s_MCb`` fp32 ``[M, Cb]`` with
+    strides ``(1, M)`` (stored ``[Cb, M]``): ``x[m, c] ~= q[m, c] * s[m, c // G]``."""
+
+    q_MC: torch.Tensor
+    s_MCb: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Cols:
+    """Transposed, expert-tile-aligned quantization of ``x_MC`` over ``offsets_E``.
+
+    ``q_CP`` fp8 ``[C, P]`` and ``s_TC`` fp32 ``[T, C]``: tile ``t = tile_cum_E1[e-1] + j`` holds rows
+    ``lo_e + G*j + i`` (``i < G``, below expert e's end) at ``q_CP[:, G*t + i]``, each column's G values
+    sharing the scale ``s_TC[t, c]``; positions past an expert's last row are zero, slack tiles past
+    ``tile_cum_E1[E-1]`` are unwritten. ``tile_cum_E1`` int32 ``[E + 1]`` (entry E counts the padding
+    rows' tiles), ``offsets_E`` int32 ``[E]``, the guarded offsets the tiles were cut from."""
+
+    q_CP: torch.Tensor
+    s_TC: torch.Tensor
+    tile_cum_E1: torch.Tensor
+    offsets_E: torch.Tensor
+    n_rows: int
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """Block-quantized ``w_EDF`` (G x G blocks over (D, F)), in both layouts the GEMMs read.
+
+    ``q_EFD`` fp8 ``[E, F, D]`` (the forward's K-contiguous B operand) with ``s_EFbDb`` fp32
+    ``[E, Fb, Db]``; ``q_EDF`` fp8 ``[E, D, F]`` (dX's, reduction over F) with ``s_EDbFb`` fp32
+    ``[E, Db, Fb]``. ``w[e, d, f] ~= q_EDF[e, d, f] * s_EDbFb[e, d // G, f // G]``."""
+
+    q_EFD: torch.Tensor
+    s_EFbDb: torch.Tensor
+    q_EDF: torch.Tensor
+    s_EDbFb: torch.Tensor
+    fmt: str = "e4m3fn"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q_EDF.shape
+
+
+def check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r} must be one of {sorted(FORMATS)}")
+
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_input(name: str, x: torch.Tensor, dims: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def _use_kernels(t: torch.Tensor, backend: Optional[str]) -> bool:
+    if backend not in (None, "triton", "reference"):
+        raise ValueError(f"backend={backend!r} must be None, 'triton' or 'reference'")
+    if backend == "reference":
+        return False
+    from tlx import triton_available
+
+    ok = triton_available() and (t.is_cuda or interpret_mode())
+    if backend == "triton" and not ok:
+        raise ValueError(f"backend='triton' needs a GPU tensor or TRITON_INTERPRET=1 (got a {t.device} tensor)")
+    return ok
+
+
+# --- torch references ------------------------------------------------------------------------------
+
+
+def _scales_ref(amax: torch.Tensor, fmt: str, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    top = torch.tensor(FORMATS[fmt][1], dtype=torch.float32, device=amax.device)
+    a = amax.float().clamp_min(AMAX_FLOOR)
+    if pow2:
+        bits = (a / top).view(torch.int32)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        return (e << 23).view(torch.float32), ((254 - e) << 23).view(torch.float32)
+    return a / top, top / a
+
+
+def _encode_ref(x: torch.Tensor, inv: torch.Tensor, fmt: str) -> torch.Tensor:
+    dtype, top, _ = FORMATS[fmt]
+    return (x * inv).clamp(-top, top).to(dtype)
+
+
+def quantize_rows_ref(x_MC: torch.Tensor, fmt: str = "e4m3fn", pow2: bool = False) -> Fp8Rows:
+    """Reference of :func:`quantize_rows` (torch ops, any device)."""
+    M, C = x_MC.shape
+    Cb = -(-C // GROUP)
+    xf = torch.nn.functional.pad(x_MC.float(), (0, Cb * GROUP - C)).view(M, Cb, GROUP)
+    s, inv = _scales_ref(xf.abs().amax(-1) if M else xf.new_zeros(0, Cb), fmt, pow2)
+    q = _encode_ref(xf, inv[..., None], fmt).view(M, Cb * GROUP)[:, :C].contiguous()
+    return Fp8Rows(q, s.t().contiguous().t())
+
+
+def tile_cum_ref(offsets_E: torch.Tensor, n_rows: int, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(safe offsets ``[E]`` int32, ``tile_cum_E1`` ``[E + 1]`` int32): what the scheduler's prep
+    kernel computes with BM = group (torch ops, no host sync)."""
+    safe = safe_offsets_ref(offsets_E, n_rows)[0].to(torch.int64)
+    bounds = torch.cat([safe, safe.new_full((1,), n_rows)])
+    cnt = bounds - torch.cat([safe.new_zeros(1), bounds[:-1]])
+    return safe.to(torch.int32), torch.cumsum((cnt + group - 1) // group, 0).to(torch.int32)
+
+
+def quantize_cols_ref(x_MC: torch.Tensor, offsets_E: torch.Tensor, fmt: str = "e4m3fn",
+                      pow2: bool = False) -> Fp8Cols:
+    """Reference of :func:`quantize_cols` (torch ops; reads the offsets on the host)."""
+    M, C = x_MC.shape
+    E = offsets_E.shape[0]
+    T = max_m_tiles(M, E, GROUP)
+    safe, tile_cum = tile_cum_ref(offsets_E, M)
+    q = torch.zeros(C, GROUP * T, dtype=FORMATS[fmt][0], device=x_MC.device)
+    s = torch.zeros(T, C, dtype=torch.float32, device=x_MC.device)
+    ends = safe.tolist()
+    first = [0] + tile_cum.tolist()[:-1]
+    for e in range(E):
+        lo, hi = (ends[e - 1] if e else 0), ends[e]
+        n_t = -(-(hi - lo) // GROUP)
+        if n_t == 0:
+            continue
+        xe = torch.nn.functional.pad(x_MC[lo:hi].float(), (0, 0, 0, n_t * GROUP - (hi - lo)))
+        xe = xe.view(n_t, GROUP, C)
+        se, inv = _scales_ref(xe.abs().amax(1), fmt, pow2)
+        qe = _encode_ref(xe, inv[:, None, :], fmt)  # [n_t, G, C]
+        t0 = first[e]
+        s[t0:t0 + n_t] = se
+        q[:, GROUP * t0:GROUP * (t0 + n_t)] = qe.reshape(n_t * GROUP, C).t()
+    return Fp8Cols(q, s, tile_cum, safe, M)
+
+
+def quantize_weight_ref(w_EDF: torch.Tensor, fmt: str = "e4m3fn", pow2: bool = False) -> Fp8Weight:
+    """Reference of :func:`quantize_weight` (torch ops, any device)."""
+    E, D, F = w_EDF.shape
+    Db, Fb = -(-D // GROUP), -(-F // GROUP)
+    wf = torch.nn.functional.pad(w_EDF.float(), (0, Fb * GROUP - F, 0, Db * GROUP - D))
+    wf = wf.view(E, Db, GROUP, Fb, GROUP)
+    amax = wf.abs().amax(dim=(2, 4)) if E * D * F else wf.new_zeros(E, Db, Fb)
+    s, inv = _scales_ref(amax, fmt, pow2)  # [E, Db, Fb]
+    q = _encode_ref(wf, inv[:, :, None, :, None], fmt).view(E, Db * GROUP, Fb * GROUP)[:, :D, :F]
+    return Fp8Weight(q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous(), q.contiguous(), s, fmt)
+
+
+# --- dequantization (tests, the reference GEMMs) ----------------------------------------------------
+
+
+def dequantize_rows(r: Fp8Rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[M, C]`` in ``dtype``: ``q * s`` (exact in float64; one rounding in float32)."""
+    C = r.q_MC.shape[1]
+    return r.q_MC.to(dtype) * r.s_MCb.to(dtype).repeat_interleave(GROUP, dim=1)[:, :C]
+
+
+def dequantize_rows_rounded(r: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
+    """``[M, C]`` in ``dtype`` (bf16 / fp16 / fp32): the fp32 product ``q * s`` rounded once --
+    ``dequantize_rows(r, float32).to(dtype)`` bit for bit, in one kernel on a GPU (e4m3fn) instead
+    of an fp32 ``[M, C]`` temporary."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    q = r.q_MC
+    from tlx import triton_available
+
+    if not (q.is_cuda and q.dtype == torch.float8_e4m3fn and triton_available()) or interpret_mode():
+        return dequantize_rows(r, torch.float32).to(dtype)
+    from tlx.common.fp8_quant import _dequant_rows_kernel
+
+    M, C = q.shape
+    y = torch.empty(M, C, dtype=dtype, device=q.device)
+    s = r.s_MCb.t()
+    if not s.is_contiguous():
+        s = s.contiguous()
+    if M and C:
+        block_m = 32
+        _dequant_rows_kernel[(-(-M // block_m), -(-C // GROUP))](q.view(torch.uint8), s, y, M, C, q.stride(0), M, C,
+                                                                G=GROUP, BLOCK_M=block_m, num_warps=4)
+    return y
+
+
+def dequantize_cols(c: Fp8Cols, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[M, C]`` in ``dtype`` from an :class:`Fp8Cols` (rows outside every expert are zero)."""
+    C = c.q_CP.shape[0]
+    x = torch.zeros(c.n_rows, C, dtype=dtype, device=c.q_CP.device)
+    ends = c.offsets_E.tolist()
+    first = [0] + c.tile_cum_E1.tolist()[:-1]
+    for e in range(len(ends)):
+        lo, hi = (ends[e - 1] if e else 0), ends[e]
+        if hi <= lo:
+            continue
+        n_t = -(-(hi - lo) // GROUP)
+        t0 = first[e]
+        q = c.q_CP[:, GROUP * t0:GROUP * (t0 + n_t)].to(dtype).t()  # [n_t * G, C]
+        sc = c.s_TC[t0:t0 + n_t].to(dtype).repeat_interleave(GROUP, dim=0)
+        x[lo:hi] = (q * sc)[:hi - lo]
+    return x
+
+
+def dequantize_weight(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[E, D, F]`` in ``dtype`` from the dX layout (``q_EDF``, ``s_EDbFb``)."""
+    E, D, F = w.q_EDF.shape
+    s = w.s_EDbFb.to(dtype).repeat_interleave(GROUP, dim=1).repeat_interleave(GROUP, dim=2)[:, :D, :F]
+    return w.q_EDF.to(dtype) * s
+
+
+# --- kernels -----------------------------------------------------------------------------------------
+
+
+def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
+                  backend: Optional[str] = None) -> Fp8Rows:
+    """Quantize each row in 1 x 128 tiles along the columns.
+
+    Args:
+        x_MC: ``[M, C]`` bf16 / fp16 / fp32, unit column stride on the kernel path (else copied).
+        fmt: ``"e4m3fn"`` (NVIDIA) or ``"e4m3fnuz"`` (AMD MI300).
+        pow2: power-of-two scales (exact e8m0; MXFP8-compatible).
+        backend: None (kernel where it runs, else the reference), ``"triton"`` or ``"reference"``.
+    Returns:
+        :class:`Fp8Rows` (q ``[M, C]`` fp8, s ``[M, Cb]`` fp32, M-contiguous).
+    """
+    _check_input("x_MC", x_MC, 2)
+    check_fmt(fmt)
+    if not _use_kernels(x_MC, backend):
+        return quantize_rows_ref(x_MC, fmt, pow2)
+    from tlx.common.fp8_quant import _quant_rows_kernel
+
+    if x_MC.stride(1) != 1:
+        x_MC = x_MC.contiguous()
+    M, C = x_MC.shape
+    Cb = -(-C // GROUP)
+    q = torch.empty(M, C, dtype=FORMATS[fmt][0], device=x_MC.device)
+    s = torch.empty(Cb, M, dtype=torch.float32, device=x_MC.device)
+    if M and C:
+        block_m = 32
+        _quant_rows_kernel[(-(-M // block_m), Cb)](x_MC, q.view(torch.uint8), s, M, C, x_MC.stride(0), C, M,
+                                                  G=GROUP, BLOCK_M=block_m, FMT=FORMATS[fmt][2], POW2=pow2,
+                                                  EMULATE=interpret_mode(), num_warps=4)
+    return Fp8Rows(q, s.t())
+
+
+def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
+                  backend: Optional[str] = None) -> Fp8Cols:
+    """Quantize ``x_MC`` transposed, in tiles of 128 rows that start at each expert's first row.
+
+    Args:
+        x_MC: ``[M, C]`` rows in expert-major order (bf16 / fp16 / fp32).
+        offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device like the grouped
+            GEMM's: clamped into ``[0, M]`` and made non-decreasing; see grouped_gemm/guard.py).
+        fmt, pow2, backend: as :func:`quantize_rows`.
+    Returns:
+        :class:`Fp8Cols` (q ``[C, P]`` fp8, s ``[T, C]`` fp32, the tile cumsum and the safe offsets).
+    """
+    _check_input("x_MC", x_MC, 2)
+    check_fmt(fmt)
+    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1 or offsets_E.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError("offsets_E must be a 1-D int32 / int64 tensor of cumulative end rows")
+    check_num_experts(offsets_E.shape[0], "offsets_E")
+    if offsets_E.device != x_MC.device:
+        raise ValueError(f"x_MC is on {x_MC.device} but offsets_E on {offsets_E.device}")
+    if not _use_kernels(x_MC, backend):
+        return quantize_cols_ref(x_MC, offsets_E, fmt, pow2)
+    from tlx.common.fp8_quant import _quant_cols_kernel
+
+    from ..grouped_gemm.host import prep_offsets
+
+    if x_MC.stride(1) != 1:
+        x_MC = x_MC.contiguous()
+    M, C = x_MC.shape
+    E = offsets_E.shape[0]
+    T = max_m_tiles(M, E, GROUP)
+    safe, tile_cum = prep_offsets(offsets_E, M, GROUP)  # clamped on the device, flagged (guard.py)
+    q = torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=x_MC.device)
+    s = torch.empty(T, C, dtype=torch.float32, device=x_MC.device)
+    if C:
+        block_c = 64
+        _quant_cols_kernel[(T, -(-C // block_c))](x_MC, q.view(torch.uint8), s, safe, tile_cum, E, M, C,
+                                                 x_MC.stride(0), GROUP * T, G=GROUP, BLOCK_C=block_c,
+                                                 FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+                                                 SEARCH_STEPS=search_steps(E), num_warps=4)
+    return Fp8Cols(q, s, tile_cum, safe, M)
+
+
+def quantize_weight(w_EDF: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
+                    backend: Optional[str] = None) -> Fp8Weight:
+    """Quantize per-expert weights in 128 x 128 blocks, in both GEMM layouts.
+
+    Args:
+        w_EDF: ``[E, D, F]`` (bf16 / fp16 / fp32; unit last stride on the kernel path, else copied).
+        fmt, pow2, backend: as :func:`quantize_rows`.
+    Returns:
+        :class:`Fp8Weight`.
+    """
+    _check_input("w_EDF", w_EDF, 3)
+    check_num_experts(w_EDF.shape[0], f"w_EDF of shape {tuple(w_EDF.shape)}")
+    check_fmt(fmt)
+    if not _use_kernels(w_EDF, backend):
+        return quantize_weight_ref(w_EDF, fmt, pow2)
+    from tlx.common.fp8_quant import _quant_blocks_kernel
+
+    if w_EDF.stride(2) != 1:
+        w_EDF = w_EDF.contiguous()
+    E, D, F = w_EDF.shape
+    Db, Fb = -(-D // GROUP), -(-F // GROUP)
+    dt = FORMATS[fmt][0]
+    q = torch.empty(E, D, F, dtype=dt, device=w_EDF.device)
+    qt = torch.empty(E, F, D, dtype=dt, device=w_EDF.device)
+    s = torch.empty(E, Db, Fb, dtype=torch.float32, device=w_EDF.device)
+    st = torch.empty(E, Fb, Db, dtype=torch.float32, device=w_EDF.device)
+    if D and F:
+        _quant_blocks_kernel[(Db, Fb, E)](w_EDF, q.view(torch.uint8), qt.view(torch.uint8), s, st, D, F,
+                                         w_EDF.stride(0), w_EDF.stride(1), G=GROUP, FMT=FORMATS[fmt][2], POW2=pow2,
+                                         EMULATE=interpret_mode(), num_warps=8)
+    return Fp8Weight(qt, st, q, s, fmt)
