@@ -38,7 +38,8 @@ ranks' launch skew is not counted), with its own ratio. ``disp ss`` / ``comb ss`
 state for one op alone (``--pair-reps`` of it back to back): its latency once the GPU never waits for
 the host to launch the next replay (which the per-op medians, one event pair per op, count). ``--profile`` prints rank 0's per-kernel GPU
 time per pair for the symm providers (where the time goes: layout, barrier, send, expand, reduce).
-NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (``scripts/device/x2_exchange.sh``).
+NVSHMEM route: launch one process per GPU with ``LOCAL_WORLD_SIZE=1`` (as the ``per-gpu-node`` checks of
+scripts/gpu_checks.toml do).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import sys
 
 import torch
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
 from _profile import kernel_profile  # bench/_profile.py (the script's directory is on sys.path)
 
 K = 8
@@ -181,9 +183,12 @@ def main() -> int:
     ap.add_argument("--no-regions", action="store_true",
                     help="skip the row form into a per-layer receive region (regions_graph; W > 1)")
     ap.add_argument("--json", default="bench_dispatch.json")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("exchange", args, enabled=os.environ.get("RANK", "0") == "0",
+                            world=_results.env_world())
     if args.emulate:
-        return emulated(args)
+        return emulated(args, rec)
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -292,11 +297,25 @@ def main() -> int:
         _print(rows, f"W={W} ({'torchrun' if W > 1 else 'one process'}, symm backend: {route})")
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        _record(rec, rows)
     dist.destroy_process_group()
     return 0
 
 
-def emulated(args) -> int:
+def _record(rec, rows) -> None:
+    """Each provider's dispatch, combine and back-to-back pair times (medians; no spread kept)."""
+    for v in rows:
+        shape = {k: v[k] for k in ("W", "T", "D", "E", "K")}
+        for op in ("dispatch", "combine"):
+            rec.row(op, v["provider"], shape, v[f"{op}_us"], unit="us", link_GBps=v[f"{op}_link_GBps"],
+                    aligned_us=v.get(f"{op}_aligned_us"), stream_us=v.get(f"{op}_stream_us"),
+                    link_rows=v["link_rows"], pair_vs_anchor=v["ratio_vs_anchor"])
+        if "pair_us" in v:
+            rec.row("pair", v["provider"], shape, v["pair_us"], unit="us", vs_anchor=v["pair_ratio_vs_anchor"])
+    rec.write()
+
+
+def emulated(args, rec) -> int:
     from tlx_dist.comm.emulated import EmulatedWorld
 
     W, rows = args.emulate, []
@@ -335,6 +354,7 @@ def emulated(args) -> int:
     _print(rows, f"emulated W={W} on one GPU (rows 'sent' are local HBM stores)")
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
+    _record(rec, rows)
     return 0
 
 

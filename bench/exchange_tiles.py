@@ -32,6 +32,7 @@ import torch
 from tlx_dist.comm import ExchangeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 from _profile import gpu_timeline  # noqa: E402
 from dispatch import K, _aligned_sync, _graphs_rows, _median_ms, rows_check  # noqa: E402
 
@@ -116,9 +117,12 @@ def main() -> int:
     ap.add_argument("--json", default="bench_exchange_tiles.json")
     ap.add_argument("--timeline", action="store_true",
                     help="print rank 0's GPU timeline (every stream) of one dispatch and one combine per config")
+    _results.add_args(ap)
     args = ap.parse_args()
     specs = args.configs.split(";")
     configs = [parse(s) for s in specs]  # bad specs fail before any process group exists
+    rec = _results.Recorder("exchange", args, enabled=os.environ.get("RANK", "0") == "0",
+                            world=_results.env_world())
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -173,6 +177,12 @@ def main() -> int:
                   f"{v['combine_us']:.1f} | {v['combine_GBps']:.1f} | {v['pair_vs_first']:.3f} |")
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        for v in rows:  # medians over --iters replays: no spread kept; provider = the launch-shape spec
+            shape = {k: v[k] for k in ("W", "T", "D", "E", "K")}
+            for op in ("dispatch", "combine"):
+                rec.row(op, v["config"], shape, v[f"{op}_us"], unit="us", link_GBps=v[f"{op}_GBps"],
+                        pair_vs_first=v["pair_vs_first"])
+        rec.write()
     dist.destroy_process_group()
     return 0
 

@@ -46,6 +46,7 @@ import torch
 from tlx_dist.fused import expert_major_slots
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 from moe_layer import SHAPES  # noqa: E402  name: (D, F, E, K), one table for the benches
 
 
@@ -149,7 +150,9 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=JSON: time the fused kernels under FusedConfig.from_dict(JSON) (repeatable)")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("fused_forms", args)
     variants = [v.partition("=")[::2] for v in args.variant] or [("", "")]
     if not torch.cuda.is_available():
         print("bench/fused_forms.py needs a CUDA GPU with TLX (Hopper)", file=sys.stderr)
@@ -206,6 +209,16 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, wgrad_check_rel_err=err), f, indent=1)
+    for r in rows:  # fused: median / p20 / p80 over --rounds do_bench medians; the anchor: its median
+        shape = dict(shape=r["shape"], T=r["T"], D=SHAPES[r["shape"]][0], F=SHAPES[r["shape"]][1],
+                     E=SHAPES[r["shape"]][2], K=SHAPES[r["shape"]][3])
+        q = _results.spread(r["rounds_ms"])
+        rec.row(r["form"], "fused" + (f":{r['variant']}" if r["variant"] else ""), shape, r["fused_ms"], q["p20"],
+                q["p80"], unit="ms", spec=r["spec"], tflops=r["fused_tflops"], vs_anchor=r["ratio"],
+                rel_diff=r["rel_diff"], rounds_ms=r["rounds_ms"], wgrad_check_rel_err=err)
+        if r["variant"] == variants[0][0]:  # one anchor row per (shape, T, form)
+            rec.row(r["form"], "grouped_mm:tlx", shape, r["anchor_ms"], unit="ms", tflops=r["anchor_tflops"])
+    rec.write()
     return 0 if err < 1e-2 else 1  # two results of one fp32 sum round at most one bf16 ulp (2**-7 of the max) apart
 
 

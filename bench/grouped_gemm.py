@@ -8,7 +8,8 @@ triton.testing.do_bench; ratios vs torch._grouped_mm are taken in the same proce
 Also checks each provider against torch._grouped_mm on the benchmarked operands (max rel error).
 
     python bench/grouped_gemm.py [--json out.json] [--shapes olmoe,qwen3] [--providers tlx,triton,torch,cublas]
-    python bench/grouped_gemm.py --precision fp8 [--fp8-configs 128x128,256x64]   (bench/grouped_gemm_fp8.py)
+    python bench/grouped_gemm.py --precision fp8 [--fp8-configs 128x128,128x128pp,...] [--routings balanced]
+                                 (bench/grouped_gemm_fp8.py)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import time
 
 import torch
+
+import _results  # bench/_results.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
     "olmoe": (2048, 1024, 64, 8),
@@ -55,8 +58,12 @@ def main() -> int:
     ap.add_argument("--providers", default="tlx,triton,torch,cublas")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--fp8-configs", default="128x128,256x64", help="FP8 tile configs (the first is the default)")
+    ap.add_argument("--fp8-configs", default="128x128,128x128pp,128x128s64pp,256x64",
+                    help="FP8 tile configs (bench/grouped_gemm_fp8.py CONFIG_NAMES; the first is the default)")
+    ap.add_argument("--routings", default="balanced,zipf", help="fp8: expert loads to time (balanced, zipf)")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("grouped_gemm", args)
     if args.precision == "fp8":
         import os
 
@@ -150,6 +157,12 @@ def main() -> int:
     with open(args.json, "w") as fh:
         json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "T": T,
                    "rows": rows, "summary": summary}, fh, indent=1)
+    for r in rows:  # TFLOP/s of do_bench's median time: no spread kept
+        shape = {k: r[k] for k in ("shape", "routing", "N", "D", "F", "E")}
+        for p in providers:
+            rec.row(r["form"], p, shape, r[p], unit="TFLOP/s", vs_torch=r.get(f"{p}_vs_torch"),
+                    rel_err=r.get(f"{p}_relerr"), first_call_s=r.get(f"{p}_first_s"))
+    rec.write()
     return 0
 
 

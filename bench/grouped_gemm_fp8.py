@@ -3,8 +3,9 @@
 Per shape, routing and form (fwd y = x @ w[e], dX = dy @ w[e]^T, dW[e] = x[e]^T @ dy[e]), in one
 process, medians of triton.testing.do_bench, TFLOP/s at 2 * N * D * F:
   tlx_fp8      the TLX FP8 grouped GEMM on pre-quantized operands (weights quantized once per
-               optimizer step; activations as a fused producer would deliver them), one row per
-               ``--fp8-configs`` config (the first is the host's default);
+               optimizer step; activations as a fused producer would deliver them), one column per
+               ``--fp8-configs`` config (tlx_dist/fp8/tlx_gemm.py CANDIDATES; the first is the host's
+               default), each with the default tile walk for its form and width;
   tlx_fp8+q    the same plus the activation quantization the unfused op runs (fwd / dX: the rows
                of x / dy; dW: the column tiles of x and dy);
   scaled_mm    dense ``torch._scaled_mm`` on the shape of equal FLOPs (tensorwise scales, bf16 out,
@@ -22,7 +23,9 @@ import statistics
 
 import torch
 
-CONFIG_NAMES = {"128x128": (128, 128, 5), "256x64": (256, 64, 3)}
+# name: (BN, SUBN, STAGES, PINGPONG); "pp": the consumer groups take turns to issue
+CONFIG_NAMES = {"128x128": (128, 128, 5, False), "256x64": (256, 64, 3, False), "128x128pp": (128, 128, 5, True),
+                "128x128s64pp": (128, 64, 5, True)}
 
 
 def _configs(spec: str):
@@ -32,7 +35,8 @@ def _configs(spec: str):
     for name in spec.split(","):
         if name not in CONFIG_NAMES:
             raise SystemExit(f"--fp8-configs: {name!r} is not one of {sorted(CONFIG_NAMES)}")
-        out.append((name, Fp8GemmConfig(*CONFIG_NAMES[name])))
+        BN, SUBN, STAGES, pp = CONFIG_NAMES[name]
+        out.append((name, Fp8GemmConfig(BN, SUBN, STAGES, PINGPONG=pp)))
     return out
 
 
@@ -40,7 +44,7 @@ def run(args, shapes: dict, T: int, counts_for) -> tuple[list, dict]:
     import triton
 
     from tlx_dist import fp8
-    from tlx_dist.fp8.tlx_gemm import default_config, mm_fp8_tlx, wgrad_fp8_tlx
+    from tlx_dist.fp8.tlx_gemm import default_config, mm_fp8_tlx, wgrad_fp8_tlx, with_default_raster
     from tlx_dist.grouped_gemm.backends import available_backends, get_backend
 
     dev = "cuda"
@@ -61,7 +65,7 @@ def run(args, shapes: dict, T: int, counts_for) -> tuple[list, dict]:
         w0 = w[0].to(torch.float8_e4m3fn)  # [D, F]
         dense = {"fwd": (xd, w0.t().contiguous().t()), "dX": (dyd, w0.contiguous().t()),
                  "dW": (xd.t().contiguous(), dyd.t().contiguous().t())}
-        for routing in ("balanced", "zipf"):
+        for routing in args.routings.split(","):
             off = torch.tensor(counts_for(N, E, routing), device=dev).cumsum(0).to(torch.int32)
             xc, dyc = fp8.quantize_cols(x, off), fp8.quantize_cols(dy, off)
             flops = 2.0 * N * D * F
@@ -70,6 +74,7 @@ def run(args, shapes: dict, T: int, counts_for) -> tuple[list, dict]:
                        "precision": "fp8"}
                 fns = {}
                 for cname, cfg in cfgs:
+                    cfg = with_default_raster(cfg, "dW" if form == "dW" else "mm", D if form == "dX" else F)
                     if form == "fwd":
                         fns[f"tlx_fp8[{cname}]"] = lambda cfg=cfg: mm_fp8_tlx(xr.q_MC, xr.s_MCb, wq.q_EFD, wq.s_EFbDb,
                                                                              off, cfg=cfg)
@@ -98,12 +103,15 @@ def run(args, shapes: dict, T: int, counts_for) -> tuple[list, dict]:
                                      "dX": lambda: torch._grouped_mm(dy, w.transpose(1, 2), off),
                                      "dW": lambda: torch._grouped_mm(x.t(), dy, off)}[form]
                 first = f"tlx_fp8[{cfgs[0][0]}]"
-                ours = fns[first]()
                 ref = {"fwd": lambda: fp8.mm_fp8_torch(xr, wq.q_EFD, wq.s_EFbDb, off),
                        "dX": lambda: fp8.mm_fp8_torch(dyr, wq.q_EDF, wq.s_EDbFb, off),
                        "dW": lambda: fp8.wgrad_fp8_torch(xc, dyc)}[form]().float()
-                row["fp8_relerr"] = ((ours.float() - ref).norm() / ref.norm()).item()
-                del ours, ref
+                for cname, _ in cfgs:  # every config against torch's FP8 path (a sanity check)
+                    ours = fns[f"tlx_fp8[{cname}]"]()
+                    row[f"fp8_relerr[{cname}]"] = ((ours.float() - ref).norm() / ref.norm()).item()
+                    del ours
+                row["fp8_relerr"] = max(row[f"fp8_relerr[{c}]"] for c, _ in cfgs)
+                del ref
                 for p, f in fns.items():
                     ms = triton.testing.do_bench(f, warmup=25, rep=args.rep, return_mode="median")
                     row[p] = flops / ms * 1e-9

@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
+
 D, F, E, K = 2048, 768, 128, 8
 
 
@@ -79,11 +81,13 @@ def main() -> int:
     ap.add_argument("--json", default="bench_hf_block.json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="ms per do_bench measurement")
+    _results.add_args(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    rec = _results.Recorder("hf_block", args)
     impls = [i for i in args.hf_impls.split(",") if i]
     models = {f"hf:{i}": make_block(i) for i in impls}
     base = models[f"hf:{impls[0]}"]
@@ -154,6 +158,14 @@ def main() -> int:
         json.dump({"device": dev_name, "torch": torch.__version__, "shape": dict(D=D, F=F, E=E, K=K),
                    "anchor": anchor, "rows": rows}, fh, indent=1)
     print(f"\nwrote {args.json}")
+    for r in rows:  # median / p20 / p80 over the rounds' do_bench medians
+        for op in ("fwd", "fwd_bwd"):
+            q = _results.spread(r[f"{op}_rounds_ms"])
+            rec.row(op, r["provider"], dict(block="qwen3_moe", T=r["T"], D=D, F=F, E=E, K=K), r[f"{op}_ms"],
+                    q["p20"], q["p80"], unit="ms", tflops=r[f"{op}_tflops"], vs_anchor=r[f"{op}_vs_{anchor}"],
+                    anchor=anchor, rounds_ms=r[f"{op}_rounds_ms"], peak_gib=r["peak_gib"],
+                    routing_flips=r["routing_flips"], rel_diff=r["rel_diff"])
+    rec.write()
     return 0
 
 

@@ -7,6 +7,11 @@ Providers (all share one router and one set of expert weights; no shared experts
   separate    MoELayer(pipeline="separate"): LocalDispatcher permute -> grouped_mm -> SwiGLU ->
               grouped_mm -> combine -> gate-weighted k-sum.
   torchtitan  router -> argsort -> gather -> torch._grouped_mm x2 with SwiGLU -> gate scale -> index_add.
+With ``--precision fp8`` (default providers fused,fp8,scaled_grouped_mm; same weights, same process):
+  fp8         MoELayer(precision="fp8"): the separate pipeline with the FP8 grouped GEMMs
+              (tlx_dist.fp8; weights quantized once, as once per optimizer step in training).
+  scaled_grouped_mm  the torchtitan layer with rowwise-FP8 torch._scaled_grouped_mm GEMMs
+              (bench/_scaled_grouped_mm.py; skipped with a one-line note where torch lacks it).
 Each step is forward + backward (dx and every parameter gradient). fwd+bwd TFLOP/s = 18*T*K*D*F /
 median step time (eager, one sync per step). Latency: median eager and CUDA-graph-replayed step time
 at the --latency-tokens sizes (each graph captured in a child process: an invalidated capture leaves
@@ -17,7 +22,7 @@ operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproduci
 
     python bench/moe_layer.py [--shapes olmoe,...] [--tokens 4096,16384] [--latency-tokens 1024,4096]
                               [--providers fused,separate,torchtitan] [--reps 10] [--interleave 10]
-                              [--json out.json]
+                              [--precision fp8] [--json out.json]
 
 The fused/separate and fused/torchtitan ratios: with ``--interleave ROUNDS`` (default 10) the
 median (and min-max) over rounds that time each provider once, the order rotating (each round's
@@ -56,6 +61,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
 from _profile import gap_profile, host_profile, interleaved_times, kernel_profile, round_ratios  # bench/_profile.py (the script's directory is on sys.path)
 
 SHAPES = {  # name: (D, F, E, K)
@@ -106,11 +112,29 @@ def build(name: str, device: str):
     return layer
 
 
-def provider_fn(layer, provider: str):
+def fp8_twin(layer):
+    """An FP8 MoELayer holding ``layer``'s router and expert parameters (the same tensors)."""
+    from tlx_dist import MoELayer
+
+    with mock.patch.object(MoELayer, "reset_parameters", lambda self, seed=None: None):
+        twin = MoELayer(layer.cfg, device="cuda", precision="fp8", pipeline="separate")
+    twin.router, twin.w13, twin.w2 = layer.router, layer.w13, layer.w2
+    return twin
+
+
+def provider_fn(layer, provider: str, twin=None):
     if provider in ("fused", "separate"):
         def fn(x):
             layer.pipeline = provider
             return layer(x)
+    elif provider == "fp8":
+        fn = twin
+    elif provider == "scaled_grouped_mm":
+        from _scaled_grouped_mm import scaled_grouped_mm_experts
+
+        def fn(x):
+            r = layer.router(x)
+            return scaled_grouped_mm_experts(x, r.idx_TK, r.gate_TK, layer.w13, layer.w2)
     else:
         def fn(x):
             r = layer.router(x)
@@ -149,7 +173,7 @@ def capture(step, capture_mode: str = "global") -> "torch.cuda.CUDAGraph":
     """``step()`` in a CUDA graph, replayed once: warmed up twice on a side stream, run once more
     with host syncs made errors (a syncing op is named by its traceback instead of surfacing as an
     invalidated capture), then captured; the first error inside the capture is printed with its
-    frames (capture_end's own error only follows it). Also scripts/device/graph_bisect.py's."""
+    frames (capture_end's own error only follows it)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -209,7 +233,7 @@ def _graph_in_child(shape: str, provider: str, T: int, reps: int, capture_mode: 
         cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--providers", provider,
                "--tokens", "", "--latency-tokens", str(T), "--reps", str(reps), "--graph-in-process",
                "--capture-mode", capture_mode,
-               "--json", out]
+               "--json", out, "--no-results"]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
@@ -229,8 +253,8 @@ def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def ep_main(args) -> int:
-    """The torchrun mode (module docstring)."""
+def ep_main(args, rec) -> int:
+    """The torchrun mode (module docstring); ``rec``: rank 0's :class:`_results.Recorder`."""
     import os
 
     import torch.distributed as dist
@@ -349,6 +373,14 @@ def ep_main(args) -> int:
                   + " |")
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "world": W, "rows": rows}, fh, indent=1)
+        for v in rows:  # the median over --reps steps: no spread kept
+            shape = {k: v[k] for k in ("shape", "W", "T", "D", "F", "E", "K")}
+            for p in providers:
+                if f"{p}_ms" in v:
+                    rec.row("fwd_bwd", p, shape, v[f"{p}_ms"], unit="ms", tflops=v[f"{p}_tflops"],
+                            vs_all_to_all=v.get(f"{p}/all_to_all"), out_rel_err=v.get(f"{p}_out_relerr"),
+                            dx_rel_err=v.get(f"{p}_dx_relerr"))
+        rec.write()
     dist.destroy_process_group()
     return 0
 
@@ -375,13 +407,18 @@ def main() -> int:
                     help="print where the GPU idles waiting for the host in one eager fwd+bwd per provider")
     ap.add_argument("--host-profile", action="store_true",
                     help="print where the host spends one eager fwd+bwd per provider (cProfile, cumulative)")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the FP8 layer and the rowwise-FP8 anchor beside the bf16 fused layer")
     ap.add_argument("--json", default="bench_moe_layer.json")
     ap.add_argument("--capture-mode", default="global", choices=("global", "thread_local", "relaxed"),
                     help="torch.cuda.graph's capture_error_mode (a capture that passes only with thread_local / "
                          "relaxed was invalidated by an unsafe CUDA call on another thread)")
     ap.add_argument("--graph-in-process", action="store_true",
                     help="capture the CUDA graphs in this process (default: one child process per capture)")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("moe_layer", args, enabled=os.environ.get("RANK", "0") == "0",
+                            world=_results.env_world())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if args.providers == ",".join(PROVIDERS):
             args.providers = ",".join(EP_PROVIDERS)
@@ -389,8 +426,17 @@ def main() -> int:
             args.shapes = "olmoe"
         if args.tokens == "4096,16384":
             args.tokens = "16384"
-        return ep_main(args)
+        return ep_main(args, rec)
+    if args.precision == "fp8" and args.providers == ",".join(PROVIDERS):
+        args.providers = "fused,fp8,scaled_grouped_mm"
     providers = args.providers.split(",")
+    if "scaled_grouped_mm" in providers:
+        from _scaled_grouped_mm import available
+
+        why = available()
+        if why:
+            print(f"scaled_grouped_mm skipped: {why}", flush=True)
+            providers.remove("scaled_grouped_mm")
     ints = lambda v: {int(t) for t in v.split(",") if t.strip()}  # noqa: E731
     lat_tokens, tflops_tokens = ints(args.latency_tokens), ints(args.tokens)
     tokens = sorted(tflops_tokens | lat_tokens)
@@ -398,6 +444,7 @@ def main() -> int:
     for name in args.shapes.split(","):
         D, Fe, E, K = SHAPES[name]
         layer = build(name, "cuda")
+        twin = fp8_twin(layer) if "fp8" in providers else None
         params = [p for p in layer.parameters()]
         probe = torch.empty(1, D, device="cuda", dtype=torch.bfloat16)
         print(f"{name}: fused pipeline on its TLX kernels = {layer._fused(probe)}", flush=True)
@@ -410,7 +457,7 @@ def main() -> int:
             flops = 18.0 * T * K * D * Fe
             results = {}
             for p in providers:
-                fn = provider_fn(layer, p)
+                fn = provider_fn(layer, p, twin)
                 try:
                     t0 = time.time()
                     out = fn(x)
@@ -461,14 +508,14 @@ def main() -> int:
                         row[f"{p}/{q}"] = row[f"{p}_tflops"] / row[f"{q}_tflops"]
             timed = [p for p in providers if f"{p}_tflops" in row]
             if args.interleave > 0 and "fused" in timed and len(timed) > 1 and T in tflops_tokens:
-                times = interleaved_times({p: eager_step(provider_fn(layer, p), x, g, params) for p in timed},
+                times = interleaved_times({p: eager_step(provider_fn(layer, p, twin), x, g, params) for p in timed},
                                           args.interleave, time_once_ms)
                 for q in timed:
                     if q != "fused":
                         med, lo, hi = round_ratios(times, "fused", q)
                         row[f"fused/{q} (blocks)"] = row[f"fused/{q}"]
                         row[f"fused/{q}"], row[f"fused/{q} range"] = med, [lo, hi]
-            for p, q in (("fused", "separate"), ("fused", "torchtitan")):
+            for p, q in (("fused", "separate"), ("fused", "torchtitan"), ("fp8", "fused"), ("scaled_grouped_mm", "fused")):
                 if p in results and q in results:
                     row[f"{p}_vs_{q}_out_relerr"] = rel_err(results[p][0], results[q][0])
                     row[f"{p}_vs_{q}_dw13_relerr"] = rel_err(results[p][1], results[q][1])
@@ -480,7 +527,7 @@ def main() -> int:
                               for p in providers)
             print(f"{name:17s} T={T:6d}  {cells}", flush=True)
             del x, g
-        del layer, params
+        del layer, twin, params
         torch.cuda.empty_cache()
 
     def ratio(r, q):
@@ -505,17 +552,37 @@ def main() -> int:
             print(f"| {r['shape']} | {r['T']} | " + " | ".join(
                 f"{r.get(p + '_eager_ms', float('nan')):.2f} / {r.get(p + '_graph_ms', float('nan')):.2f}"
                 for p in providers) + " |")
+    if "fp8" in providers:  # fp8 / q: ratios of medians (or fused's interleaved rounds, inverted)
+        others = [q for q in ("fused", "scaled_grouped_mm", "separate") if q in providers]
+        print("\n| shape | T | " + " | ".join(f"fp8/{q}" for q in others) + " | fp8 vs fused out relerr |")
+        print("|" + "---|" * (3 + len(others)))
+        for r in rows:
+            if r["T"] in tflops_tokens:
+                print(f"| {r['shape']} | {r['T']} | " + " | ".join(f"{r.get(f'fp8/{q}', float('nan')):.2f}" for q in others)
+                      + f" | {r.get('fp8_vs_fused_out_relerr', float('nan')):.1e} |")
     summary = {}
     for T in sorted(tflops_tokens):
-        for q in ("separate", "torchtitan"):
-            v = [r[f"fused/{q}"] for r in rows if r["T"] == T and f"fused/{q}" in r]
+        for key in ("fused/separate", "fused/torchtitan", "fp8/fused", "fp8/scaled_grouped_mm"):
+            v = [r[key] for r in rows if r["T"] == T and key in r]
             if v:
-                summary[f"fused/{q} median at T={T}"] = statistics.median(v)
+                summary[f"{key} median at T={T}"] = statistics.median(v)
     for k, v in summary.items():
         print(f"{k}: {v:.3f}")
     with open(args.json, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "rows": rows, "summary": summary}, fh, indent=1)
+    for r in rows:  # medians over --reps steps: no spread kept; fused/q: see the table's note above
+        shape = {k: r[k] for k in ("shape", "T", "D", "F", "E", "K")}
+        for p in providers:
+            ratios = {f"fused/{q}": r.get(f"fused/{q}") for q in providers if p == "fused" and q != p}
+            ranges = {f"fused/{q} range": r[f"fused/{q} range"] for q in providers if f"fused/{q} range" in r
+                      and p == "fused"}
+            if f"{p}_eager_ms" in r:
+                rec.row("fwd_bwd", p, shape, r[f"{p}_eager_ms"], unit="ms", tflops=r[f"{p}_tflops"],
+                        fused_backend=r["fused_backend"], **ratios, **ranges)
+            if f"{p}_graph_ms" in r:
+                rec.row("fwd_bwd_graph", p, shape, r[f"{p}_graph_ms"], unit="ms")
+    rec.write()
     return 0
 
 

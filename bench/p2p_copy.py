@@ -42,6 +42,8 @@ import statistics
 
 import torch
 
+import _results  # bench/_results.py (the script's directory is on sys.path)
+
 try:
     import triton
     import triton.language as tl
@@ -122,7 +124,9 @@ def main() -> int:
                          "at once, at several copy-engine shares")
     ap.add_argument("--sm-variants", action="store_true",
                     help="also other SM push kernels (wider blocks, 4-block unrolled, one program per SM)")
+    _results.add_args(ap)
     args = ap.parse_args()
+    rec = _results.Recorder("p2p_link", args, world=2)  # GPUs 0 and 1 of this host, one process
     if (args.sm or args.sm_variants or args.mixed) and triton is None:
         print("--sm, --sm-variants and --mixed need triton")
         return 1
@@ -160,6 +164,8 @@ def main() -> int:
         assert torch.equal(dst[0], src[1].to("cuda:0")) and torch.equal(dst[1], src[0].to("cuda:1"))
         gb = n * 2 / 1e9
         print(f"| {mb} | {t1:.3f} | {gb / t1 * 1e3:.1f} | {t2:.3f} | {gb / t2 * 1e3:.1f} |")
+        for op, t in (("one_way", t1), ("both_ways", t2)):  # medians of --reps runs, GB/s per direction
+            rec.row(op, "torch_copy", {"MB": mb}, gb / t * 1e3, unit="GB/s", ms=t)
         if args.sm:
             sm_rows.append((mb, _sm_rows(src, dst, streams, n, args)))
         if args.ce_raw:
@@ -198,6 +204,23 @@ def main() -> int:
         for mb, rows in var_rows:
             for label, g1, g2 in rows:
                 print(f"| {mb} | {label} | {g1:.1f} | {g2:.1f} |")
+    for mb, r in sm_rows:  # medians of --reps runs, GB/s per direction (no spread kept)
+        for k, (op, prov) in {"push1": ("one_way", "sm_push"), "push2": ("both_ways", "sm_push"),
+                              "pull1": ("one_way", "sm_pull"), "pull2": ("both_ways", "sm_pull")}.items():
+            rec.row(op, prov, {"MB": mb}, r[k], unit="GB/s", programs_per_sm=args.programs)
+    for mb, r in ce_rows:
+        for k, (op, prov) in {"write1": ("one_way", "ce_write"), "write2": ("both_ways", "ce_write"),
+                              "read1": ("one_way", "ce_read"), "read2": ("both_ways", "ce_read")}.items():
+            rec.row(op, prov, {"MB": mb}, r[k], unit="GB/s")
+    for mb, rows in mix_rows:
+        for share, g1, g2 in rows:
+            for op, g in (("one_way", g1), ("both_ways", g2)):
+                rec.row(op, "ce+sm_push", {"MB": mb}, g, unit="GB/s", ce_share=share, programs_per_sm=args.programs)
+    for mb, rows in var_rows:
+        for label, g1, g2 in rows:
+            for op, g in (("one_way", g1), ("both_ways", g2)):
+                rec.row(op, f"sm_push:{label}", {"MB": mb}, g, unit="GB/s")
+    rec.write()
     return 0
 
 

@@ -63,8 +63,8 @@ for p in (str(ROOT), str(HERE)):   # this checkout's train/ and tlx_dist/, and s
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import _results  # noqa: E402
 import torch  # noqa: E402
-
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -489,6 +489,7 @@ def run_benchmark(args) -> int:
     device = init_distributed()
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        rec = _results.Recorder("scaling", args, enabled=rank == 0, world=world)
         lws = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         nnodes = max(1, world // lws)
         if device.type == "cpu":
@@ -530,6 +531,16 @@ def run_benchmark(args) -> int:
         if rank == 0 and args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
             print(f"wrote {args.json}", flush=True)
+        for mode in ("step", "layer"):  # median of the rounds (the slowest rank's); spread: one rank's rounds
+            for p, r in result.get(mode, {}).get("paths", {}).items():
+                q = _results.spread(r["rounds_ms"]) if world == 1 else {"p20": None, "p80": None}
+                shape = dict(config=Path(str(args.config)).stem, overrides=args.override, world=world, nnodes=nnodes,
+                             ep=result[mode]["ep"], tokens_per_gpu=result[mode]["tokens_per_gpu"])
+                rec.row(mode, p, shape, r["step_ms"], q["p20"], q["p80"], unit="ms",
+                        dispatcher=r["dispatcher"], pipeline=r["pipeline"], fused_pipeline=r["fused_pipeline"],
+                        tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"], phases_ms=r["phases_ms"],
+                        rounds_ms=r["rounds_ms"], device=device.type)
+        rec.write()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -555,6 +566,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=0, help="layer mode: tokens per GPU (default: the recipe's)")
     ap.add_argument("--symm-capacity", default="exact", help="SymmDispatcher capacity: exact, worst, or a float")
     ap.add_argument("--json", default="", help="write the results here (rank 0)")
+    _results.add_args(ap)
     args = ap.parse_args(argv)
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
@@ -571,7 +583,10 @@ def main(argv=None) -> int:
             ap.error(f"--symm-capacity={args.symm_capacity!r} must be exact, worst or a float")
     if args.project:
         from scaling_report import project_main
-        return project_main(args)
+        rec = _results.Recorder("scaling", args, gpu="none", machine="projected")
+        rc = project_main(args, rec)
+        rec.write()
+        return rc
     if args.plot or args.measured:
         ap.error("--plot and --measured go with --project")
     return run_benchmark(args)

@@ -688,7 +688,8 @@ def project(cfg, sc: Scenario, cal: Calibration) -> Projection:
         raise ValueError(f"preset={sc.preset!r} is not one of {sorted(PRESETS)}")
     if not isinstance(sc.gpus, int) or sc.gpus < 1 or not isinstance(sc.ep, int) or sc.ep < 1 or sc.gpus % sc.ep:
         raise ValueError(f"gpus={sc.gpus!r} must be a positive multiple of ep={sc.ep!r}")
-    exchange = sc.exchange or _recipe_default(cfg, "parallel", "exchange", "auto")
+    # The recipe's [parallel.exchange] table is an ExchangeConfig; its topology picks the legs.
+    exchange = sc.exchange or getattr(_recipe_default(cfg, "parallel", "exchange", None), "topology", "auto")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
     sharding = sc.sharding or _recipe_default(cfg, "parallel", "sharding", "full")

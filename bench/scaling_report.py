@@ -354,8 +354,9 @@ def plot_projection(cal: Calibration, path: str, series: dict, measured: Optiona
     plt.close(fig)
 
 
-def project_main(args) -> int:
-    """``bench/scaling.py --project``: inputs, measured vs projected, targets, choices, traffic, plot."""
+def project_main(args, rec=None) -> int:
+    """``bench/scaling.py --project``: inputs, measured vs projected, targets, choices, traffic, plot;
+    ``rec`` (a ``_results.Recorder``) gets one row per projected point of each target's series."""
     cal = load_calibration(args.calibration)
     extra = [row for p in args.measured for row in measured_from_harness(p)]
     print("# Scaling projection (bench/scaling_model.py)\n\nEvery number below is PROJECTED unless marked measured.\n")
@@ -385,6 +386,13 @@ def project_main(args) -> int:
     if args.plot:
         plot_projection(cal, args.plot, series, checks)
         print(f"wrote {args.plot}")
+    for t in TARGETS if rec is not None else ():
+        for kind, points in series[t.hardware].items():
+            for p in points:  # projected, not measured: no spread
+                sc = p.scenario
+                rec.row("step", f"{kind}:{sc.preset}", dict(recipe=t.recipe, hardware=sc.hardware, gpus=sc.gpus, ep=sc.ep),
+                        p.step_ms, unit="ms", projected=True, tokens_per_s_per_gpu=p.tokens_per_s_per_gpu, mfu=p.mfu,
+                        exchange_gb=p.exchange_gb, bottleneck=p.bottleneck, phases_ms=p.phases_ms)
     if args.json:
         out = {"checks": [{k: v for k, v in r.items() if k != "projection"} | {"predicted_phases_ms": r["projection"].phases_ms}
                           for r in checks], "memory": memory,

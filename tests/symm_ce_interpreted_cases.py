@@ -74,8 +74,11 @@ def _run(world, ops, w13, w2, e, overlap, backend, dt):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5], "random"), ([4, 0, 6, 2], "random"),
-                                     ([3, 5, 2, 4], "heavy_imbalance"), ([6, 6], "zero_token_experts")])
+# the 4-rank worlds in the release tier (4-rank chunked combines stay fast: test_ce_combine_in_chunks_...)
+@pytest.mark.parametrize("Ts,kind", [([5, 3], "random"), ([3, 5], "random"),
+                                     pytest.param([4, 0, 6, 2], "random", marks=pytest.mark.release),
+                                     pytest.param([3, 5, 2, 4], "heavy_imbalance", marks=pytest.mark.release),
+                                     ([6, 6], "zero_token_experts")])
 def test_ce_row_form_matches_the_sm_row_form(Ts, kind, overlap):
     """Two ops in a row into two regions, fwd and both backward ops: bit for bit the SM row form
     (fp64, the reference expert math). Unequal T covers a source with more tokens than the owner

@@ -118,8 +118,10 @@ _KINDS = ["random", "one_expert", "zero_token_experts", "heavy_imbalance"]
 
 # W = 8 runs two kinds here (the interpreter takes seconds per W = 8 world); the GPU tests run all.
 # W = 12: more ranks than the kernels unroll (their W > 8 loops) and not a power of two (WP = 16 masks).
+# The W >= 8 worlds are the release tier's (the slowest cases under the interpreter).
 @pytest.mark.parametrize("W,kind", [(w, k) for w in (2, 4) for k in _KINDS]
-                         + [(8, "random"), (8, "heavy_imbalance"), (12, "random")])
+                         + [pytest.param(w, k, marks=pytest.mark.release)
+                            for w, k in ((8, "random"), (8, "heavy_imbalance"), (12, "random"))])
 def test_emulated_world_matches_oracles(W, kind):
     """Kinds: random top-K; every token's first choice is the last expert (one expert holds a row of
     every token of the world); only even experts used (zero-token experts on every rank);
@@ -156,14 +158,15 @@ def test_tiles_widen_only_for_few_rows():
     assert _tiles(7168, 2 * 16384, 1024) == (4, 1024) and _tiles(7168, 128, 1024) == (2, 2048)
 
 
-def test_emulated_world_short_wide_tiles(monkeypatch):
+# 2-row tiles in the fast tier; 1-row tiles (twice the programs under the interpreter) in the release tier
+@pytest.mark.parametrize("tiles", [(2, 16), pytest.param((1, 32), marks=pytest.mark.release)], ids=["2x16", "1x32"])
+def test_emulated_world_short_wide_tiles(monkeypatch, tiles):
     """The row-moving kernels with 2-row, 1-row and multi-chunk tiles whose last column chunk is
     ragged (what tuning._tiles picks for few rows at large D, here forced at a small D)."""
     from tlx_dist.comm.symm import tuning
-    for tiles in ((2, 16), (1, 32)):
-        monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
-        _check_world(2, 8, 3, [5, 4], 40, "random")
-        _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
+    monkeypatch.setattr(tuning, "_tiles", lambda D, rows=None, cols=512, t=tiles: t)
+    _check_world(2, 8, 3, [5, 4], 40, "random")
+    _check_world(4, 8, 2, [3, 0, 4, 2], 40, "heavy_imbalance", torch.bfloat16)
 
 
 def test_expanded_form_reads_own_rows_from_x(monkeypatch):

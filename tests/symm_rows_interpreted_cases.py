@@ -480,8 +480,11 @@ def _check_phase_runs(h, recv_rows_of, r, T_max, what):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("Ts,kind,capacity", [([5, 3], "random", "worst"), ([4, 0, 6, 2], "random", "worst"),
-                                              ([3, 5, 2, 4], "heavy_imbalance", "worst"),
+# the two 4-rank worlds of full capacity in the release tier
+@pytest.mark.parametrize("Ts,kind,capacity", [([5, 3], "random", "worst"),
+                                              pytest.param([4, 0, 6, 2], "random", "worst", marks=pytest.mark.release),
+                                              pytest.param([3, 5, 2, 4], "heavy_imbalance", "worst",
+                                                           marks=pytest.mark.release),
                                               ([6, 2], "zero_token_experts", 1.0), ([7, 7], "random", 0.5)])
 def test_overlapped_rows_match_the_plain_row_form(Ts, kind, capacity, backend):
     """``overlap=True``: the same rows in the same regions, index maps, gates and layout as the plain
@@ -762,8 +765,10 @@ def _comb_world(Ts, D, K, E, monkeypatch, comb_mode=None):
     return world
 
 
-@pytest.mark.parametrize("Ts,kind,rows", [([7, 5], "random", True), ([4, 0, 6, 2], "random", False),
-                                          ([5, 3, 6, 2], "heavy_imbalance", True),
+# the 4-rank worlds in the release tier; both row modes stay in the fast tier at W = 2
+@pytest.mark.parametrize("Ts,kind,rows", [([7, 5], "random", True),
+                                          pytest.param([4, 0, 6, 2], "random", False, marks=pytest.mark.release),
+                                          pytest.param([5, 3, 6, 2], "heavy_imbalance", True, marks=pytest.mark.release),
                                           ([6, 6], "zero_token_experts", False)])
 def test_combine_counts_partial_rows_per_token_block(monkeypatch, Ts, kind, rows):
     """The combine's per-token-block arrival counters (CBLK; ``policy.comb_mode`` "blocks" in the

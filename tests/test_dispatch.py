@@ -114,7 +114,7 @@ def _a2a_worker(rank, world, T, K, E):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.release)])
 def test_all_to_all_matches_brute_force(world):
     """Kinds: random routing; every token's first choice on the last rank (one expert holds T*W
     rows); only the first half of the ranks' experts used (the others receive zero rows)."""

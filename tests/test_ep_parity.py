@@ -52,7 +52,7 @@ def _ep_worker(rank, world):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.release)])
 def test_ep_matches_single_rank(world):
     all_res = run_world(_ep_worker, world)
     for name in CFGS:

@@ -75,17 +75,35 @@ def _spills_in_mma_loops(sass: str) -> list[str]:
     return [ln for a, ln in ins if re.search(r"\b(STL|LDL)\b", ln) and any(lo <= a <= hi for lo, hi in inner)]
 
 
+def _serialized_wgmmas(sass: str) -> bool:
+    """A wgmma that accumulates onto the previous one's result but waits for it first
+    (``WARPGROUP.DEPBAR`` in between): what ptxas emits when it serializes a kernel's wgmmas."""
+    waited = False
+    for ln in sass.splitlines():
+        if "WARPGROUP.DEPBAR" in ln:
+            waited = True
+        elif "GMMA" in ln:
+            if waited and not re.search(r"gdesc\[UR\d+\], RZ", ln):
+                return True
+            waited = False
+    return False
+
+
 def _configs():
-    from tlx_dist.fp8.tlx_gemm import CANDIDATES, default_config
+    from tlx_dist.fp8.tlx_gemm import CANDIDATES, default_config, with_default_raster
 
     # (form, config, spill-free everywhere?)
     yield "mm", default_config("mm", 14336), True
     yield "dW", default_config("dW", 14336), True
-    yield "mm", CANDIDATES[1], False
+    yield "mm", CANDIDATES[1], False  # 128 x 256 in 64-column slices: forward / dX only (its dW spills)
+    for cfg in CANDIDATES[2:]:  # the PINGPONG variants, both forms
+        yield "mm", with_default_raster(cfg, "mm", 14336), True
+        yield "dW", cfg, True
 
 
 @pytest.mark.parametrize("form,cfg,no_spills", list(_configs()) if tlx.tlx_available() else [],
-                         ids=lambda v: f"BN{v.BN}_SUBN{v.SUBN}_S{v.STAGES}_G{v.GROUP_M}" if hasattr(v, "BN") else str(v))
+                         ids=lambda v: (f"BN{v.BN}_SUBN{v.SUBN}_S{v.STAGES}_G{v.GROUP_M}" + ("_PP" if v.PINGPONG else "")
+                                        if hasattr(v, "BN") else str(v)))
 def test_hopper_fp8_compiles(form, cfg, no_spills):
     k = _hopper(form == "dW", cfg)
     ptx = k.asm["ptx"]
@@ -95,6 +113,12 @@ def test_hopper_fp8_compiles(form, cfg, no_spills):
     assert "cp.async.bulk.tensor.4d.global.shared" in ptx or form == "dW", "no ragged TMA store"
     assert "setmaxnreg" in ptx, "no register reallocation between producer and consumers"
     sass = _cuobjdump(k, "-sass")
+    assert not _serialized_wgmmas(sass), "ptxas serialized the wgmmas of a k-step (C7514)"
+    turns = re.findall(r"BAR\.(SYNC\.DEFER_BLOCKING|ARV) 0x(9|a), 0x100", sass)
+    if cfg.PINGPONG:  # the consumer groups take turns: each waits on one named barrier, arrives at the other
+        assert {("SYNC.DEFER_BLOCKING", "9"), ("ARV", "a"), ("SYNC.DEFER_BLOCKING", "a"), ("ARV", "9")} <= set(turns)
+    else:
+        assert not turns
     assert re.search(r"GMMA\.64x\d+x32\.F32\.E4M3\.E4M3 R\d+, gdesc\[UR\d+\], RZ, !UPT", sass), \
         "the k-step's first wgmma does not start from a zero partial"
     ring = cfg.STAGES * (128 + cfg.BN) * 128
@@ -118,6 +142,8 @@ def test_config_validation():
         Fp8GemmConfig(256, 64, 4)
     with pytest.raises(ValueError, match="BN=96"):
         Fp8GemmConfig(96, 64, 3)
+    with pytest.raises(TypeError, match="PINGPONG=1 must be a bool"):
+        Fp8GemmConfig(128, 128, 5, PINGPONG=1)
     assert Fp8GemmConfig(128, 128, 5).smem_bytes() <= SMEM_LIMIT
 
 
@@ -179,3 +205,22 @@ def test_amd_fp8_compiles(target, form):
     waves_per_simd = -(-k.metadata.num_warps // 4)
     assert _amd_meta(asm, "vgpr_count") <= 512 // waves_per_simd
     assert _amd_meta(asm, "vgpr_spill_count") == 0 and _amd_meta(asm, "private_segment_fixed_size") == 0
+
+
+# --- the FP8 dispatch's receiver: dequantization (plain Triton) ----------------------------------
+
+
+@pytest.mark.parametrize("out", ["bf16", "fp16", "fp32"])
+def test_dequant_rows_kernel_compiles_with_the_hardware_decode(out):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _dequant_rows_kernel
+
+    sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{out}", "M": "i32", "C": "i32", "stride_qm": "i32",
+           "stride_sk": "i32", "stride_ym": "i32", "G": "constexpr", "BLOCK_M": "constexpr"}
+    k = triton.compile(ASTSource(_dequant_rows_kernel, sig, constexprs={"G": 128, "BLOCK_M": 32}), target=_cuda(90),
+                       options={"num_warps": 4})
+    # e4m3 -> f16 is exact (every e4m3 value is an f16), then the fp32 product, rounded once
+    assert "cvt.rn.f16x2.e4m3x2" in k.asm["ptx"]
+    assert re.search(r"mul(\.rn)?\.f32", k.asm["ptx"])

@@ -93,6 +93,19 @@ def test_quant_kernels_match_references(pow2):
         assert torch.equal(_bits(getattr(a, f)), _bits(getattr(b, f))), f
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequant_kernel_matches_reference_on_packed_rows(dtype):
+    # the FP8 dispatch's receiver: q a strided view of packed rows, scales in [Cb, N]
+    from tlx_dist.fp8.dispatch import pack_rows, unpack_rows
+
+    x, _, _, _ = _data([300, 0, 129, 1, 70], 500, 400, 272, adversarial=True)
+    rows = unpack_rows(pack_rows(Q.quantize_rows(x), torch.bfloat16), 400)
+    assert rows.q_MC.stride(0) != 400  # strided
+    got = Q.dequantize_rows_rounded(rows, dtype)
+    want = Q.dequantize_rows(rows, torch.float32).to(dtype)
+    assert torch.equal(got, want)
+
+
 # --- GEMMs --------------------------------------------------------------------------------------
 
 # (counts, N, D, F, adversarial, why)
@@ -121,8 +134,12 @@ def _mm_check(a, b_q, b_s, off, cfg, what):
     assert (y[int(off[-1]):] == 0).all(), f"{what}: padding rows must be zero"
 
 
+def _cfg_id(c):
+    return "default" if c is None else f"BN{c.BN}_SUBN{c.SUBN}" + ("_pingpong" if c.PINGPONG else "")
+
+
 @needs_tlx
-@pytest.mark.parametrize("cfg", [None, CANDIDATES[1]], ids=["default", "BN256_SUBN64"])
+@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[1:]), ids=_cfg_id)
 @pytest.mark.parametrize("counts,N,D,F,adv,why", CASES, ids=[c[5] for c in CASES])
 def test_mm_forward_and_dgrad(counts, N, D, F, adv, why, cfg):
     x, w, dy, off = _data(counts, N, D, F, adversarial=adv)
@@ -132,12 +149,13 @@ def test_mm_forward_and_dgrad(counts, N, D, F, adv, why, cfg):
 
 
 @needs_tlx
+@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[2:]), ids=_cfg_id)  # (CANDIDATES[1]: forward / dX only)
 @pytest.mark.parametrize("counts,N,D,F,adv,why", CASES, ids=[c[5] for c in CASES])
-def test_wgrad(counts, N, D, F, adv, why):
+def test_wgrad(counts, N, D, F, adv, why, cfg):
     x, w, dy, off = _data(counts, N, D, F, adversarial=adv)
     xc, dyc = fp8.quantize_cols(x, off), fp8.quantize_cols(dy, off)
     _poison(len(counts) * D * F * 2)
-    dw = wgrad_fp8_tlx(xc, dyc)
+    dw = wgrad_fp8_tlx(xc, dyc, cfg=cfg)
     _close(dw, fp8.wgrad_fp8_torch(xc, dyc), fp8.wgrad_fp8_ref(xc, dyc, torch.float64), f"dW ({why})")
     for e, n in enumerate(counts):
         if n == 0:

@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.release  # every case through six launches in the interpreter; the GPU check runs it for real
 def test_memcheck_fused_dry_run_on_cpu():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "memcheck_fused.py"), "--device", "cpu"],

@@ -36,7 +36,7 @@ SCRIPT = str(ROOT / "bench" / "scaling.py")
 # The tiny training-test model (tests/_train.py), 2 sequences per rank, few timed steps.
 HARNESS_ARGS = ["--config", str(ROOT / "configs" / "debug_cpu.toml")] + \
     [a for o in TINY + ["data.batch_size=2"] for a in ("--override", o)] + \
-    ["--steps", "2", "--rounds", "1", "--warmup", "1"]
+    ["--steps", "2", "--rounds", "1", "--warmup", "1", "--no-results"]
 
 
 # ------------------------------------------------------------------------------ phase attribution
@@ -683,8 +683,8 @@ def test_measured_from_harness(cal, tmp_path):
 def test_project_cli_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png, js = tmp_path / "scaling.png", tmp_path / "proj.json"
-    p = subprocess.run([sys.executable, SCRIPT, "--project", "--plot", str(png), "--json", str(js)],
-                       cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, SCRIPT, "--project", "--plot", str(png), "--json", str(js), "--results-dir",
+                        str(tmp_path / "results")], cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
     assert "PROJECTED unless marked measured" in out and "[measured]" in out and "[assumed" in out
@@ -699,6 +699,11 @@ def test_project_cli_and_plot(tmp_path):
     assert len(d["checks"]) == len(cal.measurements)
     assert set(d["targets"]) == {t.hardware for t in rep.TARGETS}
     assert {s["scenario"]["gpus"] for s in d["targets"]["H200"]["chosen"]} == set(sm.GPU_COUNTS)
+    md, = (tmp_path / "results").glob("scaling_projected_*.md")   # bench/_results.py: the printed report ...
+    assert "PROJECTED unless marked measured" in md.read_text()
+    rows = [json.loads(l) for l in md.with_suffix(".jsonl").read_text().splitlines()]   # ... and its rows
+    n_points = sum(len(v) for t in d["targets"].values() for v in t.values())
+    assert len(rows) == n_points and {r["machine"] for r in rows} == {"projected"}
 
 
 # ------------------------------------------------------------------------------ harness (T1)
@@ -723,10 +728,15 @@ def test_harness_one_process(tmp_path):
     """One rank on CPU: the fast path is the one-rank path (LocalDispatcher), the reference the
     all-to-all dispatcher on a one-rank gloo group; both for the step and the layer."""
     out = tmp_path / "one.json"
-    p = subprocess.run([sys.executable, SCRIPT, *HARNESS_ARGS, "--json", str(out)], cwd=ROOT, env=_env(1),
+    args = [a for a in HARNESS_ARGS if a != "--no-results"] + ["--results-dir", str(tmp_path / "results")]
+    p = subprocess.run([sys.executable, SCRIPT, *args, "--json", str(out)], cwd=ROOT, env=_env(1),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.loads(out.read_text())
+    jsonl, = (tmp_path / "results").glob("scaling_cpu_*.jsonl")   # bench/_results.py's rows: one per mode and path
+    rows = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert sorted((r["op"], r["provider"]) for r in rows) == sorted((m, p) for m in ("step", "layer") for p in d[m]["paths"])
+    assert all(r["median"] == d[r["op"]]["paths"][r["provider"]]["step_ms"] and r["unit"] == "ms" for r in rows)
     assert d["meta"]["world"] == 1 and d["meta"]["timer"] == "wall_clock"
     tokens = 2 * 32
     for mode, expected in (("step", EXPECTED_STEP), ("layer", EXPECTED_LAYER)):
@@ -748,6 +758,7 @@ def test_harness_bad_args():
     assert p.returncode == 2 and "--steps=0" in p.stderr
 
 
+@pytest.mark.release  # the training loop's own 2-node loopback test stays in the fast tier
 def test_harness_two_nodes_two_procs_loopback(tmp_path):
     """Two torchrun 'nodes' on 127.0.0.1 with 2 processes each (gloo): the step at EP=2 x DP=2,
     the layer at EP=4 across both nodes; the fast path is skipped on CPU and says why."""

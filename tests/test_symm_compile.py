@@ -261,7 +261,11 @@ def _compile_all(arch: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["90", "100", "gfx942"], ids=["sm_90", "sm_100", "gfx942"])
+# sm_90 in the fast tier; the other targets (the same kernels and checks) in the release tier: a cold
+# compile of every exchange kernel for one target takes most of a minute
+@pytest.fixture(scope="module", params=["90", pytest.param("100", marks=pytest.mark.release),
+                                        pytest.param("gfx942", marks=pytest.mark.release)],
+                ids=["sm_90", "sm_100", "gfx942"])
 def compiled(request):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])

@@ -276,7 +276,11 @@ def _bitcode(arch: int) -> str:
         pytest.skip(f"no NVSHMEM device bitcode ({err}); pip install -e '.[nvshmem-bitcode]'")
 
 
-@pytest.fixture(scope="module", params=["90", "100"], ids=["sm_90", "sm_100"])
+# Both targets in the release tier (a cold compile and link of every NVSHMEM kernel takes minutes);
+# the PTX analysis itself is checked in the fast tier (test_ptx_analysis_catches_...), and the
+# peer-pointer kernels' compile by tests/test_symm_compile.py.
+@pytest.fixture(scope="module", params=[pytest.param("90", marks=pytest.mark.release),
+                                        pytest.param("100", marks=pytest.mark.release)], ids=["sm_90", "sm_100"])
 def compiled(request):
     lib = _bitcode(int(request.param))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -173,3 +173,35 @@ def test_plot_failures_are_reported_truthfully(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import fails as if not installed
     assert plot_run(str(tmp_path)) == 0
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("what", ["missing", "folder", "no fields"])
+def test_plot_cli_errors_are_one_line_naming_the_path(tmp_path, capsys, what):
+    """``python -m train.plot`` on a bad path: one ``error:`` line naming it, no traceback."""
+    from train.plot import main as plot_main
+    path = {"missing": tmp_path / "nope.jsonl", "folder": tmp_path, "no fields": tmp_path / "m.jsonl"}[what]
+    if what == "no fields":
+        pytest.importorskip("matplotlib")
+        path.write_text(json.dumps({"step": 1}) + "\n")
+    assert plot_main([str(path)]) == (1 if what == "no fields" else 2)
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and str(path) in err, err
+    assert {"missing": "does not exist", "folder": "is not a file", "no fields": "KeyError"}[what] in err
+
+
+@pytest.mark.parametrize("after_s", [0.5, 2.0])
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(after_s):
+    """SIGINT while torch imports (0.5 s) or while the run starts (2 s; later on a slow machine):
+    stderr is the one line 'interrupted', the status 130, whatever the phase it lands in."""
+    import os
+    import signal
+    import subprocess
+    import time
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "train.pretrain", "--config", str(DEBUG), "--override",
+                          "train.steps=100000", "--override", "metrics.out_dir=''"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err == "interrupted\n", (p.returncode, err[-3000:])

@@ -230,6 +230,7 @@ def test_kernel_compiles(target, grad):
         assert len(k.asm["hsaco"]) > 0
 
 
+@pytest.mark.release  # resume through the CLI stays fast in test_train_dist / test_train_cli
 def test_cli_checkpoint_resume_with_the_bf16_grads_optimizer(tmp_path):
     """Through the CLI (DCP checkpoints, get_state_dict's state initialisation included): a 6-step
     job killed after its checkpoint at step 3, resumed, logs the uninterrupted run's losses for

@@ -58,6 +58,10 @@ def test_ep2_recipe_is_the_one_gpu_model_at_ep2():
 @pytest.mark.parametrize("override, message", [
     (["model.moe.num_experts=12", "parallel.ep=8"], "model.moe.num_experts=12 is not divisible by parallel.ep=8"),
     (["model.n_heads=5"], "model.dim=96 is not divisible by model.n_heads=5"),
+    # model.dim seeds model.moe.dim: a bad value is still named as the user wrote it
+    (["model.dim=abc"], "model.dim='abc' must be a positive integer"),
+    (["model.dim=-3"], "model.dim=-3 must be a positive integer"),
+    (["model.moe.dim=abc"], "model.moe.dim='abc' must be a positive integer"),
     (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds num_experts=8"),
     (["train.lr=-1.0"], "train.lr=-1.0 must be positive"),
     (["train.steps='ten'"], "train.steps='ten' must be of type int"),

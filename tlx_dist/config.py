@@ -12,9 +12,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["MoEConfig", "DTYPES"]
+__all__ = ["MoEConfig", "DTYPES", "PRECISIONS"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# Operand precision of the expert GEMMs: "bf16" runs them in the layer dtype; "fp8" in e4m3 with
+# blockwise fp32 scales (tlx_dist/fp8: 1 x 128 activation tiles, 128 x 128 weight blocks).
+PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class MoEConfig:
             contiguously over ranks or nodes and ``n_group`` = that count, a token reaches at most
             ``topk_group`` of them.
         dtype: parameter and activation dtype of the experts (router logits are always fp32).
+        precision: operand precision of the routed experts' GEMMs (:data:`PRECISIONS`): ``"bf16"``
+            multiplies in ``dtype``; ``"fp8"`` quantizes each GEMM's operands to e4m3 with fp32
+            scales and accumulates in fp32, the master weights staying in ``dtype`` (needs
+            ``dtype`` float32 / bfloat16 / float16; see :class:`tlx_dist.MoELayer`). Router and
+            shared experts always run in ``dtype``.
         router_dtype: dtype of the router weight; ``None`` = ``dtype`` (DeepSeek-V3 keeps it fp32).
         init_std: std of the normal init of router and expert weights.
         check_finite: raise ``ValueError`` on NaN/inf in the input. Off by default because it
@@ -69,6 +77,7 @@ class MoEConfig:
     n_group: int = 1
     topk_group: Optional[int] = None
     dtype: str = "float32"
+    precision: str = "bf16"
     router_dtype: Optional[str] = None
     init_std: float = 0.02
     check_finite: bool = False
@@ -128,6 +137,11 @@ class MoEConfig:
                 raise bad(f, "must be a positive number")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {sorted(DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"must be one of {PRECISIONS}")
+        if self.precision == "fp8" and self.dtype == "float64":
+            raise bad("precision", "needs dtype float32, bfloat16 or float16 (the FP8 quantizers take no float64), "
+                                   f"got dtype={self.dtype!r}")
         if self.router_dtype is not None and self.router_dtype not in DTYPES:
             raise bad("router_dtype", f"must be None or one of {sorted(DTYPES)}")
         if not integer(expert_parallel) or expert_parallel < 1:

@@ -11,6 +11,13 @@ E global experts, W expert-parallel ranks, e = E/W local experts, K top-k, N rec
     out_TD           = dispatcher.combine_weighted(y_ND, handle, gate_TK)   # sum_k gate * y
                        (+ shared_experts(x_TD))
 
+``precision="fp8"``: the token rows leave quantized (1 x 128 tiles along D, about half the bytes;
+:func:`tlx_dist.fp8.dispatch.dispatch_fp8`) and the gate/up GEMM reads them as they arrive; the two
+grouped GEMMs (and their dgrad and wgrad) run in e4m3 with fp32 block scales
+(:func:`tlx_dist.fp8.swiglu_experts_fp8`), the SwiGLU output quantized along F where it enters the
+down GEMM, the weights in 128 x 128 blocks once per optimizer step
+(:class:`~tlx_dist.fp8.Fp8WeightCache`); combine stays in the layer dtype with an fp32 k-sum.
+
 Parameters: ``router.weight [E, D]`` (replicated), ``w13 [e, D, 2F]`` and ``w2 [e, F, D]`` (this
 rank's experts ``[rank*e, (rank+1)*e)``), shared experts ``shared_w13 [D, 2*Fs]``, ``shared_w2
 [Fs, D]`` (replicated). Init: normal(0, init_std) for every weight; each expert is drawn from its
@@ -20,6 +27,7 @@ the expert-parallel degree.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
@@ -28,12 +36,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmDispatcher
-from .config import MoEConfig
+from .config import PRECISIONS, MoEConfig
+from .fp8 import Fp8WeightCache, select_fp8_backend, swiglu_experts_fp8
+from .fp8.dispatch import dispatch_fp8
+from .fp8.tlx_gemm import Fp8GemmConfig
 from .fused import FusedConfig, fused_experts, fused_experts_rows, fused_tlx_supports
 from .grouped_gemm import GroupedGemmConfig, grouped_mm
 from .router import Router, RoutingStats
 
 __all__ = ["MoELayer", "make_dispatcher"]
+
+_OUTSIDE_GRAPH: dict = {}
+
+
+def _outside_graph(fn):
+    """``torch.compiler.disable(fn)``, made once on first use: the decorator imports torch._dynamo
+    (and with it triton), which ``import tlx_dist`` must not. Layers that need it call this in
+    ``__init__`` (always eager), so a compiled forward only reads the cached wrapper."""
+    if fn not in _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH[fn] = torch.compiler.disable(fn)
+    return _OUTSIDE_GRAPH[fn]
 
 
 def _narrow_experts(cfg) -> bool:
@@ -85,9 +107,11 @@ class MoELayer(nn.Module):
         dispatcher: ``"auto" | "local" | "all_to_all" | "symm"`` or a :class:`Dispatcher` instance.
         capacity: with ``dispatcher="symm"``: expanded rows per rank, ``"exact"`` (default, one host
             sync per dispatch) | ``"worst"`` | float factor of ``T_max*K`` | int (static, graph-capturable).
-        gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``).
+        gemm_backend: pin the grouped-GEMM backend (``"tlx" | "triton" | "torch" | "reference"``;
+            with ``precision="fp8"``: ``"tlx" | "torch" | "reference"``, tlx_dist/fp8/api.py).
         gemm_config: pin the TLX grouped GEMM's tile config (a
-            :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`) in the separate pipeline; with
+            :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`; with ``precision="fp8"`` an
+            :class:`~tlx_dist.fp8.tlx_gemm.Fp8GemmConfig`) in the separate pipeline; with
             ``pipeline="auto"`` it keeps the layer on the separate pipeline, as ``gemm_backend`` does.
         fused_config: the fused pipeline's launch choices (a :class:`~tlx_dist.fused.FusedConfig`:
             row copies, tile configs, the layout kernel); default: every default.
@@ -110,6 +134,25 @@ class MoELayer(nn.Module):
             peers' land, the peers' partial rows sent home while its own are computed
             (:class:`~tlx_dist.comm.symm.RowsOverlap`; not faster than without it over NVLink).
             Measurements behind these rules: ``docs/decisions.md``.
+        precision: ``"bf16"`` or ``"fp8"`` for the routed experts' GEMMs; default ``cfg.precision``
+            (the argument replaces it). ``"fp8"`` runs the separate pipeline on every dispatcher
+            (dispatch -> FP8 grouped GEMMs with SwiGLU between -> combine; the fused FP8 pipeline is
+            not built: ``pipeline="fused"`` is a ValueError). Where it runs: sm_90 with fbtriton
+            (the TLX kernels), other CUDA GPUs with FP8 tensor cores (sm_89+: torch's
+            ``_scaled_mm``, which syncs the host), and CPU, where it is the *reference* path
+            (dequantized operands, fp32 matmuls: the same quantization, for tests and debugging).
+            A GPU without FP8 tensor cores or ROCm is a ValueError naming ``precision``, as are
+            GPU shapes the kernels cannot take (D or F not a multiple of 16), and fp32 activations
+            on a GPU a TypeError naming it (fp32 masters with bf16 compute copies are fine); never a
+            bf16 fallback.
+        fp8_refresh: when the FP8 weight copies are remade (``precision="fp8"``): ``"version"``
+            (default) when a weight's version counter or storage changes (every in-place update:
+            an optimizer step of torch's foreach / for-loop optimizers, ``copy_``,
+            ``load_state_dict``); ``"step"`` only after :meth:`invalidate_fp8_weights` (or a
+            ``load_state_dict`` / ``reset_parameters``): for training loops whose optimizer writes
+            without bumping versions (torch's fused AdamW) or whose weights are re-gathered per
+            micro-batch (FSDP2); they call it once per optimizer step (``train/`` registers it as
+            an optimizer step hook).
 
     ``forward(x)`` takes ``[B, S, D]`` or ``[T, D]`` and returns the same shape. After each forward,
     ``last_stats`` holds the :class:`RoutingStats` (tokens per expert, aux loss, z loss); add
@@ -121,14 +164,27 @@ class MoELayer(nn.Module):
                  dispatcher: Union[str, Dispatcher] = "auto", gemm_backend: Optional[str] = None,
                  device: Optional[Union[str, torch.device]] = None, pipeline: str = "auto",
                  capacity: Optional[Union[str, float, int]] = None, *,
-                 gemm_config: Optional[GroupedGemmConfig] = None, fused_config: Optional[FusedConfig] = None):
+                 gemm_config: Optional[Union[GroupedGemmConfig, Fp8GemmConfig]] = None,
+                 fused_config: Optional[FusedConfig] = None, precision: Optional[str] = None,
+                 fp8_refresh: str = "version"):
         super().__init__()
         if pipeline not in ("auto", "fused", "separate"):
             raise ValueError(f"pipeline={pipeline!r} must be 'auto', 'fused' or 'separate'")
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
-        if gemm_config is not None and not isinstance(gemm_config, GroupedGemmConfig):
-            raise TypeError(f"gemm_config must be a GroupedGemmConfig or None, got {type(gemm_config).__name__}")
+        if precision is not None:
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision={precision!r} must be one of {PRECISIONS} or None (cfg.precision)")
+            if precision != cfg.precision:
+                cfg = dataclasses.replace(cfg, precision=precision)  # validated again (dtype rules)
+        precision = cfg.precision
+        if fp8_refresh not in ("version", "step"):
+            raise ValueError(f"fp8_refresh={fp8_refresh!r} must be 'version' or 'step'")
+        if precision == "fp8":
+            _check_fp8_args(cfg, pipeline, gemm_backend, gemm_config, fused_config, device)
+        elif gemm_config is not None and not isinstance(gemm_config, GroupedGemmConfig):
+            raise TypeError(f"gemm_config must be a GroupedGemmConfig or None, got {type(gemm_config).__name__} "
+                            "(precision='bf16' runs the bf16 kernels; an Fp8GemmConfig needs precision='fp8')")
         if fused_config is not None and not isinstance(fused_config, FusedConfig):
             raise TypeError(f"fused_config must be a FusedConfig or None, got {type(fused_config).__name__}")
         if fused_config is not None and pipeline == "separate":
@@ -143,6 +199,14 @@ class MoELayer(nn.Module):
         self.gemm_backend = gemm_backend
         self.gemm_config = gemm_config
         self.fused_config = fused_config
+        self.precision = precision
+        if precision == "fp8":
+            _outside_graph(MoELayer._fp8_weights_eager)
+        self.fp8_refresh = fp8_refresh
+        # FP8 weight copies (precision="fp8"): made on the first forward after a change, see fp8_refresh.
+        self._w13_fp8 = Fp8WeightCache()
+        self._w2_fp8 = Fp8WeightCache()
+        self._fp8_generation = 0
         if pipeline == "fused":
             ok = ("auto", "local", "symm") if world == 1 else ("symm",)
             if gemm_config is not None:
@@ -163,7 +227,7 @@ class MoELayer(nn.Module):
                 f"layer has E={cfg.num_experts}, W={world}")
         # The fused EP form's own receive region, if the symmetric dispatcher reserved them
         # (SymmDispatcher(row_regions=...)): its rows are read where they land, no receive copy.
-        fused_possible = pipeline == "fused" or (pipeline == "auto" and _narrow_experts(cfg))
+        fused_possible = precision == "bf16" and (pipeline == "fused" or (pipeline == "auto" and _narrow_experts(cfg)))
         self._rows_region = (self.dispatcher.claim_rows_region()
                              if isinstance(self.dispatcher, SymmDispatcher) and world > 1 and fused_possible else None)
 
@@ -179,6 +243,8 @@ class MoELayer(nn.Module):
             self.register_parameter("shared_w2", None)
         self.last_stats: Optional[RoutingStats] = None
         self.reset_parameters()
+        # A checkpoint load replaces the weights: their FP8 copies are stale in either refresh mode.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.invalidate_fp8_weights())
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -202,6 +268,19 @@ class MoELayer(nn.Module):
         if self.shared_w13 is not None:
             nn.init.normal_(self.shared_w13, std=std)
             nn.init.normal_(self.shared_w2, std=std)
+        self.invalidate_fp8_weights()
+
+    def invalidate_fp8_weights(self) -> None:
+        """Marks the FP8 copies of ``w13`` / ``w2`` stale: the next forward requantizes them. Call
+        after each optimizer step with ``fp8_refresh="step"``; harmless otherwise."""
+        self._fp8_generation += 1
+        self._w13_fp8.invalidate()
+        self._w2_fp8.invalidate()
+
+    @property
+    def fp8_quantizations(self) -> int:
+        """How many times the expert weights were quantized to FP8 (both weights; tests, logging)."""
+        return self._w13_fp8.quantizations + self._w2_fp8.quantizations
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -254,9 +333,17 @@ class MoELayer(nn.Module):
 
     def _separate(self, x_TD: torch.Tensor, route) -> torch.Tensor:
         """dispatch -> grouped GEMMs with SwiGLU -> gate-weighted combine."""
-        recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
-        h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
-        y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
+        if self.precision == "fp8":
+            # The token rows leave quantized; the gate/up GEMM reads them as they arrive.
+            recv_ND, rows_N, handle = dispatch_fp8(self.dispatcher, x_TD, route.idx_TK, route.gate_TK,
+                                                   backend="reference" if self.gemm_backend == "reference" else None)
+            w13_fp8, w2_fp8 = self._fp8_weights()
+            y_ND = swiglu_experts_fp8(recv_ND, self.w13, self.w2, handle.offsets_e, w13_fp8=w13_fp8, w2_fp8=w2_fp8,
+                                      backend=self.gemm_backend, config=self.gemm_config, x_fp8=rows_N)
+        else:
+            recv_ND, handle = self.dispatcher.dispatch(x_TD, route.idx_TK, route.gate_TK)
+            h = grouped_mm(recv_ND, self.w13, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
+            y_ND = grouped_mm(swiglu(h), self.w2, handle.offsets_e, backend=self.gemm_backend, config=self.gemm_config)
         # sum_k gate * y: products in the activation dtype, k-sum in fp32, one rounding.
         return self.dispatcher.combine_weighted(y_ND, handle, route.gate_TK).to(x_TD.dtype)
 
@@ -270,7 +357,17 @@ class MoELayer(nn.Module):
                                      recv_RD.shape[0], overlap=handle.overlap, config=self.fused_config)
         return disp.combine_rows(part_RD, handle).to(x_TD.dtype)
 
+    def _fp8_weights(self):
+        # Outside any compiled graph: the cache reads version counters and keeps Python state.
+        return _outside_graph(MoELayer._fp8_weights_eager)(self)
+
+    def _fp8_weights_eager(self):
+        gen = self._fp8_generation if self.fp8_refresh == "step" else None
+        return self._w13_fp8.get(self.w13, gen), self._w2_fp8.get(self.w2, gen)
+
     def _fused(self, x_TD: torch.Tensor) -> bool:
+        if self.precision == "fp8":
+            return False
         if self.pipeline != "auto":
             return self.pipeline == "fused"
         # ``_inner``: the dispatcher under a profiling wrapper (train/profiling.py), which must not
@@ -285,4 +382,29 @@ class MoELayer(nn.Module):
         c = self.cfg
         return (f"D={c.dim}, F={c.moe_inter_dim}, E={c.num_experts} (local {self.num_local_experts}), "
                 f"K={c.top_k}, score={c.score_func}, shared={c.num_shared_experts}, EP={self.ep_size}, "
-                f"dispatcher={self.dispatcher.name}")
+                f"dispatcher={self.dispatcher.name}, precision={self.precision}")
+
+
+def _check_fp8_args(cfg: MoEConfig, pipeline: str, gemm_backend, gemm_config, fused_config, device) -> None:
+    """precision='fp8''s argument rules (MoELayer docstring); errors name ``precision``."""
+    if pipeline == "fused":
+        raise ValueError("precision='fp8' runs the separate pipeline (dispatch -> FP8 grouped GEMMs -> combine): "
+                         "the fused FP8 pipeline is not built; use pipeline='separate' or 'auto', or precision='bf16'")
+    if fused_config is not None:
+        raise ValueError("fused_config applies to the fused pipeline, which precision='fp8' does not run")
+    if gemm_backend is not None and gemm_backend not in ("tlx", "torch", "reference"):
+        raise ValueError(f"precision='fp8' takes gemm_backend 'tlx', 'torch', 'reference' or None (the FP8 grouped "
+                         f"GEMMs, tlx_dist/fp8/api.py), got {gemm_backend!r}")
+    if gemm_config is not None and not isinstance(gemm_config, Fp8GemmConfig):
+        raise TypeError(f"precision='fp8' takes gemm_config as an Fp8GemmConfig (tlx_dist.fp8.tlx_gemm) or None, got "
+                        f"{type(gemm_config).__name__}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cpu":
+        # (the dtype is checked at the GEMM: fp32 masters are fine where bf16 compute copies run the
+        # forward, as in train/'s mixed precision; fp32 activations on a GPU are a TypeError there)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        D, Fe = cfg.dim, cfg.moe_inter_dim
+        # Every GEMM of the layer: (K, NN) = (D, 2F), (F, D) and the backward's transposes.
+        select_fp8_backend(dev, D, 2 * Fe, gemm_backend, f"w13's (D, 2F) = ({D}, {2 * Fe})")
+        select_fp8_backend(dev, Fe, D, gemm_backend, f"w2's (F, D) = ({Fe}, {D})")

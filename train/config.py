@@ -331,12 +331,18 @@ def config_from_dict(d: dict) -> Config:
         raise ValueError("model is missing")
     model = dict(d["model"])
     moe = dict(model.get("moe", {}))
+    if "dim" not in model:
+        raise ValueError("model.dim is missing")
+    dim_from_model = "dim" not in moe
     moe.setdefault("dim", model.get("dim"))
     try:
         model["moe"] = MoEConfig.from_dict(moe, prefix="model.moe")
     except ValueError as e:  # MoEConfig's own checks say "moe.<field>"; name the full path
         msg = str(e)
-        raise ValueError("model." + msg if msg.startswith("moe.") else msg) from None
+        msg = "model." + msg if msg.startswith("moe.") else msg
+        if dim_from_model and msg.startswith("model.moe.dim="):  # the user wrote model.dim, not moe.dim
+            msg = "model.dim=" + msg[len("model.moe.dim="):]
+        raise ValueError(msg) from None
     hints = get_type_hints(ModelConfig)
     mkw = {}
     names = {f.name for f in dataclasses.fields(ModelConfig)}

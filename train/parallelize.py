@@ -447,7 +447,27 @@ def build_optimizer(model: Transformer, cfg: Config, fused: Optional[bool] = Non
     else:
         opt = torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
     opt.group_roles = tuple(roles)
+    _refresh_fp8_per_step(model, opt)
     return opt
+
+
+def _refresh_fp8_per_step(model: Transformer, opt: torch.optim.Optimizer) -> None:
+    """FP8 MoE layers (``model.moe.precision = "fp8"``) remake their FP8 weight copies once per
+    optimizer step: a post-step hook marks them stale, and the layers stop watching version counters
+    (``fp8_refresh="step"``), which torch's fused AdamW does not bump and FSDP2's per-micro-batch
+    all-gathers bump without changing a value."""
+    layers = [m for m in model.moe_layers() if m.precision == "fp8"]
+    if not layers:
+        return
+    for m in layers:
+        m.fp8_refresh = "step"
+        m.invalidate_fp8_weights()
+
+    def hook(*_):
+        for m in layers:
+            m.invalidate_fp8_weights()
+
+    opt.register_step_post_hook(hook)
 
 
 @torch.no_grad()

@@ -21,10 +21,16 @@ import argparse
 import contextlib
 import datetime
 import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
+
+if __name__ == "__main__":
+    # Ctrl-C while torch and the model code import: one line and status 130, not a traceback from
+    # inside the import system (cli() puts Python's own handler back once the imports are done).
+    signal.signal(signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr, flush=True), os._exit(130)))
 
 import torch
 import torch.distributed as dist
@@ -362,6 +368,7 @@ def exit_process(rc) -> None:
 def cli() -> None:
     """``python -m train.pretrain``: exit 0 after a finished run, the SystemExit status for
     argument errors, 130 on Ctrl-C, 1 with the traceback printed for any other failure."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C now unwinds main's finally blocks
     try:
         rc = main()
     except SystemExit as e:

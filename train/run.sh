@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Main job: a short pretraining run. On an H200: configs/h200_1gpu.toml (200 steps); elsewhere
-# configs/debug_cpu.toml on the CPU (~1 minute, loss 6.2 -> ~2.3). Extra arguments go to
-# train.pretrain, e.g.  bash train/run.sh --override train.steps=50
+# the debug MoE model of configs/debug_cpu.toml on the CPU. Extra arguments go to train.pretrain,
+# e.g.  bash train/run.sh --override train.steps=50
 # Plots go to the run's metrics.out_dir (whatever the recipe or an override sets it to): rank 0
 # writes them after training (--plot); a missing matplotlib and a failed plot are reported as such.
 set -euo pipefail

@@ -25,6 +25,9 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
   ``_quant_blocks_kernel`` w [E, R, C] -> q [E, R, C] and its transpose qt [E, C, R], s [E, Rb, Cb]
                            and st [E, Cb, Rb] (one pass: the forward wants K-contiguous weights,
                            dX the original layout).
+  ``_dequant_rows_kernel`` q [M, C] (any row stride), s [Cb, M] -> y [M, C] = q * s: the fp32
+                           product rounded once to y's dtype (an FP8 dispatch's receiver, e4m3fn;
+                           compiled only: the interpreter's fp8 casts are not exact).
 
 FMT: 0 = e4m3fn (NVIDIA, max 448), 1 = e4m3fnuz (AMD MI300, max 240). EMULATE (tests, under
 TRITON_INTERPRET=1, whose fp8 casts neither round to nearest-even nor saturate nor keep
@@ -176,3 +179,20 @@ def _quant_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, R, C, stride_we, s
     tl.store(qt_ptr + base + cols[None, :].to(tl.int64) * R + rows[:, None], q, mask=ok)
     tl.store(s_ptr + (e * Rb + rb) * Cb + cb, s)
     tl.store(st_ptr + (e * Cb + cb) * Rb + rb, s)
+
+
+@triton.jit
+def _dequant_rows_kernel(q_ptr, s_ptr, y_ptr, M, C, stride_qm, stride_sk, stride_ym, G: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """grid (cdiv(M, BLOCK_M), cdiv(C, G)): rows [BLOCK_M] x one group of G columns, e4m3fn."""
+    pm = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * G + tl.arange(0, G)
+    rm = rows < M
+    m = rm[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + r64[:, None] * stride_qm + cols[None, :], mask=m, other=0)
+    sc = tl.load(s_ptr + kb * stride_sk + rows, mask=rm, other=0.0)
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+    tl.store(y_ptr + r64[:, None] * stride_ym + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=m)

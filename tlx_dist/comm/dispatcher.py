@@ -156,6 +156,25 @@ class Dispatcher(abc.ABC):
         acc = torch.promote_types(y_TKD.dtype, torch.float32)
         return (y_TKD * w_TK1).sum(1, dtype=acc).to(y_ND.dtype)
 
+    def dispatch_payload(self, payload_TP: torch.Tensor, idx_TK: torch.Tensor, gate_TK: Optional[torch.Tensor],
+                         x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchHandle]:
+        """Moves per-token *payload* rows (``[T, P]``, any width, in ``x_TD``'s dtype: e.g. packed FP8
+        rows with their scales, tlx_dist/fp8/dispatch.py) as :meth:`dispatch` moves ``x_TD``'s rows,
+        bit for bit and not differentiably; returns ``(recv_NP, handle)``, the handle combining and
+        back-propagating rows of ``x_TD``'s width D (:meth:`combine_weighted`,
+        :meth:`dispatch_backward`). Default: the ordinary dispatch (its handle does not depend on the
+        row width)."""
+        with torch.no_grad():
+            return self.dispatch(payload_TP, idx_TK, gate_TK)
+
+    def dispatch_backward(self, g_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """The gradient of a dispatch: ``g_TD[t] = sum_k g_ND[row of (t, k)]`` (fp32 sum, one
+        rounding to ``g_ND``'s dtype), what autograd of :meth:`dispatch` computes -- for callers that
+        dispatched a payload (:meth:`dispatch_payload`). Not differentiable."""
+        with torch.no_grad():
+            g_TKD = self.combine(g_ND, handle)
+            return g_TKD.sum(1, dtype=torch.promote_types(g_ND.dtype, torch.float32)).to(g_ND.dtype)
+
     def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> None:
         if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
             raise ValueError(f"y_ND must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")

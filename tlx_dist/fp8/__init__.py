@@ -1,11 +1,13 @@
 """FP8 (e4m3, blockwise-scaled) expert GEMMs: quantization, references, custom ops with autograd.
 
 Importing this package does no GPU work; the TLX kernels compile on first use. See ``api.py``
-(functions, backends), ``quant.py`` (the recipe and layouts) and ``reference.py`` (oracles).
+(functions, backends), ``experts.py`` (the SwiGLU experts of an FP8 MoE layer), ``quant.py`` (the
+recipe and layouts) and ``reference.py`` (oracles).
 """
 
 from .api import (BACKENDS, Fp8WeightCache, grouped_mm_fp8, grouped_mm_fp8_wgrad, mm_fp8, select_fp8_backend,
                   wgrad_fp8)
+from .experts import swiglu_experts_fp8, swiglu_experts_ref
 from .quant import (Fp8Cols, Fp8Rows, Fp8Weight, dequantize_cols, dequantize_rows, dequantize_weight,
                     quantize_cols, quantize_cols_ref, quantize_rows, quantize_rows_ref, quantize_weight,
                     quantize_weight_ref)
@@ -13,7 +15,7 @@ from .reference import mm_fp8_ref, mm_fp8_torch, wgrad_fp8_ref, wgrad_fp8_torch
 
 __all__ = [
     "grouped_mm_fp8", "grouped_mm_fp8_wgrad", "mm_fp8", "wgrad_fp8", "select_fp8_backend", "BACKENDS",
-    "Fp8WeightCache", "Fp8Rows", "Fp8Cols", "Fp8Weight",
+    "Fp8WeightCache", "swiglu_experts_fp8", "swiglu_experts_ref", "Fp8Rows", "Fp8Cols", "Fp8Weight",
     "quantize_rows", "quantize_cols", "quantize_weight", "quantize_rows_ref", "quantize_cols_ref",
     "quantize_weight_ref", "dequantize_rows", "dequantize_cols", "dequantize_weight",
     "mm_fp8_ref", "wgrad_fp8_ref", "mm_fp8_torch", "wgrad_fp8_torch",

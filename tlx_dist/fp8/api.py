@@ -37,6 +37,7 @@ from ..grouped_gemm.api import _check_offsets_values
 from ..grouped_gemm.reference import check_num_experts
 from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, quantize_cols, quantize_rows, quantize_weight)
 from .reference import mm_fp8_ref, mm_fp8_torch, wgrad_fp8_ref, wgrad_fp8_torch
+from .tlx_gemm import Fp8GemmConfig
 
 __all__ = ["BACKENDS", "grouped_mm_fp8", "grouped_mm_fp8_wgrad", "mm_fp8", "wgrad_fp8", "select_fp8_backend",
            "Fp8WeightCache"]
@@ -93,7 +94,17 @@ def select_fp8_backend(device: torch.device, K: int, NN: int, backend: Optional[
 
 
 # --- custom ops on quantized operands ---------------------------------------------------------------
-# Backend names travel as strings so that torch.compile / CUDA graphs see one opaque op per call.
+# Backend names (and a pinned tile config, as JSON) travel as strings so that torch.compile / CUDA
+# graphs see one opaque op per call.
+
+
+def _config_json(config: Optional[Fp8GemmConfig]) -> str:
+    if config is None:
+        return ""
+    if not isinstance(config, Fp8GemmConfig):
+        raise TypeError(f"config must be an Fp8GemmConfig (tlx_dist.fp8.tlx_gemm) or None, got {type(config).__name__}"
+                        " (precision='fp8' takes the FP8 kernel's tile configs)")
+    return config.to_json()
 
 
 def _quant_backend(backend: str) -> Optional[str]:
@@ -130,43 +141,45 @@ def _(x_MC, offsets_E, backend):
 
 @torch.library.custom_op("tlx_dist::fp8_mm", mutates_args=())
 def _mm_op(a_q: torch.Tensor, a_s_CbN: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Tensor,
-           out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+           out_dtype: torch.dtype, backend: str, config: str = "") -> torch.Tensor:
+    # config: a pinned Fp8GemmConfig as JSON ("" = the host's default), read by the tlx backend only
     a = Fp8Rows(a_q, a_s_CbN.t())
     if backend == "tlx":
-        from .tlx_gemm import mm_fp8_tlx
+        from .tlx_gemm import config_from_json, mm_fp8_tlx
 
-        return mm_fp8_tlx(a_q, a.s_MCb, b_q, b_s, offsets_E, out_dtype)
+        return mm_fp8_tlx(a_q, a.s_MCb, b_q, b_s, offsets_E, out_dtype, cfg=config_from_json(config))
     if backend == "torch":
         return mm_fp8_torch(a, b_q, b_s, offsets_E, out_dtype)
     return mm_fp8_ref(a, b_q, b_s, offsets_E).to(out_dtype)
 
 
 @_mm_op.register_fake
-def _(a_q, a_s_CbN, b_q, b_s, offsets_E, out_dtype, backend):
+def _(a_q, a_s_CbN, b_q, b_s, offsets_E, out_dtype, backend, config=""):
     return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("tlx_dist::fp8_wgrad", mutates_args=())
 def _wgrad_op(x_q: torch.Tensor, x_s: torch.Tensor, dy_q: torch.Tensor, dy_s: torch.Tensor, tile_cum_E1: torch.Tensor,
-              safe_E: torch.Tensor, n_rows: int, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+              safe_E: torch.Tensor, n_rows: int, out_dtype: torch.dtype, backend: str, config: str = "") -> torch.Tensor:
     xc = Fp8Cols(x_q, x_s, tile_cum_E1, safe_E, n_rows)
     dyc = Fp8Cols(dy_q, dy_s, tile_cum_E1, safe_E, n_rows)
     if backend == "tlx":
-        from .tlx_gemm import wgrad_fp8_tlx
+        from .tlx_gemm import config_from_json, wgrad_fp8_tlx
 
-        return wgrad_fp8_tlx(xc, dyc, out_dtype)
+        return wgrad_fp8_tlx(xc, dyc, out_dtype, cfg=config_from_json(config))
     if backend == "torch":
         return wgrad_fp8_torch(xc, dyc, out_dtype)
     return wgrad_fp8_ref(xc, dyc).to(out_dtype)
 
 
 @_wgrad_op.register_fake
-def _(x_q, x_s, dy_q, dy_s, tile_cum_E1, safe_E, n_rows, out_dtype, backend):
+def _(x_q, x_s, dy_q, dy_s, tile_cum_E1, safe_E, n_rows, out_dtype, backend, config=""):
     return x_q.new_empty(safe_E.shape[0], x_q.shape[0], dy_q.shape[0], dtype=out_dtype)
 
 
 def mm_fp8(a: Fp8Rows, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Tensor, *,
-           out_dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
+           config: Optional[Fp8GemmConfig] = None) -> torch.Tensor:
     """Grouped GEMM on quantized operands (no autograd): ``y[rows e] = dequant(a)[rows e] @ dequant(b[e])^T``.
 
     Args:
@@ -174,6 +187,7 @@ def mm_fp8(a: Fp8Rows, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Te
         b_q: ``[E, NN, K]`` e4m3 (``Fp8Weight.q_EFD`` for the forward, ``q_EDF`` for dX); b_s:
             ``[E, NNb, Kb]`` fp32 (``s_EFbDb`` / ``s_EDbFb``).
         offsets_E: ``[E]`` cumulative end rows.
+        config: pin the TLX kernel's :class:`~tlx_dist.fp8.tlx_gemm.Fp8GemmConfig` (tlx backend).
     Returns:
         ``[N, NN]`` in ``out_dtype`` (bf16 / fp16); rows past ``offsets_E[-1]`` are zero.
     """
@@ -186,11 +200,11 @@ def mm_fp8(a: Fp8Rows, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Te
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype={out_dtype} must be bfloat16 or float16")
     name = select_fp8_backend(a.q_MC.device, K, b_q.shape[1], backend, f"(K, NN) = ({K}, {b_q.shape[1]})")
-    return _mm_op(a.q_MC, a.s_MCb.t(), b_q, b_s, offsets_E, out_dtype, name)
+    return _mm_op(a.q_MC, a.s_MCb.t(), b_q, b_s, offsets_E, out_dtype, name, _config_json(config))
 
 
 def wgrad_fp8(x: Fp8Cols, dy: Fp8Cols, *, out_dtype: torch.dtype = torch.bfloat16,
-              backend: Optional[str] = None) -> torch.Tensor:
+              backend: Optional[str] = None, config: Optional[Fp8GemmConfig] = None) -> torch.Tensor:
     """Weight gradient on quantized operands (no autograd): ``dw[e] = dequant(x)[rows e]^T @ dequant(dy)[rows e]``.
     ``x`` and ``dy`` must come from :func:`quantize_cols` with the same offsets. Returns ``[E, D, F]``."""
     if x.n_rows != dy.n_rows or x.offsets_E.shape != dy.offsets_E.shape or x.q_CP.shape[1] != dy.q_CP.shape[1]:
@@ -199,7 +213,8 @@ def wgrad_fp8(x: Fp8Cols, dy: Fp8Cols, *, out_dtype: torch.dtype = torch.bfloat1
         raise ValueError(f"out_dtype={out_dtype} must be bfloat16, float16 or float32")
     D, F = x.q_CP.shape[0], dy.q_CP.shape[0]
     name = select_fp8_backend(x.q_CP.device, D, F, backend, f"(D, F) = ({D}, {F})")
-    return _wgrad_op(x.q_CP, x.s_TC, dy.q_CP, dy.s_TC, x.tile_cum_E1, x.offsets_E, x.n_rows, out_dtype, name)
+    return _wgrad_op(x.q_CP, x.s_TC, dy.q_CP, dy.s_TC, x.tile_cum_E1, x.offsets_E, x.n_rows, out_dtype, name,
+                     _config_json(config))
 
 
 # --- the differentiable op ----------------------------------------------------------------------------
@@ -207,21 +222,26 @@ def wgrad_fp8(x: Fp8Cols, dy: Fp8Cols, *, out_dtype: torch.dtype = torch.bfloat1
 
 @torch.library.custom_op("tlx_dist::grouped_mm_fp8", mutates_args=())
 def _grouped_mm_fp8_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, q_EFD: torch.Tensor, s_EFbDb: torch.Tensor,
-                       q_EDF: torch.Tensor, s_EDbFb: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
-    # w_EDF is here for autograd only (it receives dW); the GEMM reads its FP8 copy.
-    q, s = _quant_rows_op(x_ND, backend)
-    return _mm_op(q, s, q_EFD, s_EFbDb, offsets_E, x_ND.dtype, backend)
+                       q_EDF: torch.Tensor, s_EDbFb: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                       config: str = "", x_q: Optional[torch.Tensor] = None,
+                       x_s_CbN: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # w_EDF is here for autograd only (it receives dW); the GEMM reads its FP8 copy. x_q / x_s_CbN:
+    # x's rows already quantized (an FP8 dispatch delivered them): the forward reads them instead.
+    if x_q is None:
+        x_q, x_s_CbN = _quant_rows_op(x_ND, backend)
+    return _mm_op(x_q, x_s_CbN, q_EFD, s_EFbDb, offsets_E, x_ND.dtype, backend, config)
 
 
 @_grouped_mm_fp8_op.register_fake
-def _(x_ND, w_EDF, q_EFD, s_EFbDb, q_EDF, s_EDbFb, offsets_E, backend):
+def _(x_ND, w_EDF, q_EFD, s_EFbDb, q_EDF, s_EDbFb, offsets_E, backend, config="", x_q=None, x_s_CbN=None):
     return x_ND.new_empty(x_ND.shape[0], w_EDF.shape[2])
 
 
 def _setup_context(ctx, inputs, output):
-    x_ND, w_EDF, _, _, q_EDF, s_EDbFb, offsets_E, backend = inputs
+    x_ND, w_EDF, _, _, q_EDF, s_EDbFb, offsets_E, backend, config, _, _ = inputs
     ctx.save_for_backward(x_ND, q_EDF, s_EDbFb, offsets_E)
     ctx.backend = backend
+    ctx.config = config
     ctx.w_dtype = w_EDF.dtype
 
 
@@ -231,13 +251,14 @@ def _backward(ctx, dy_NF):
     dy_NF = dy_NF.contiguous()
     if ctx.needs_input_grad[0]:
         q, s = _quant_rows_op(dy_NF, ctx.backend)
-        dx = _mm_op(q, s, q_EDF, s_EDbFb, offsets_E, dy_NF.dtype, ctx.backend)
+        dx = _mm_op(q, s, q_EDF, s_EDbFb, offsets_E, dy_NF.dtype, ctx.backend, ctx.config)
     if ctx.needs_input_grad[1]:
         xq, xs, tile_cum, safe = _quant_cols_op(x_ND, offsets_E, ctx.backend)
         dyq, dys, _, _ = _quant_cols_op(dy_NF, offsets_E, ctx.backend)
         out = ctx.w_dtype if ctx.w_dtype in _OUT + (torch.float32,) else torch.float32
-        dw = _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x_ND.shape[0], out, ctx.backend).to(ctx.w_dtype)
-    return dx, dw, None, None, None, None, None, None
+        dw = _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x_ND.shape[0], out, ctx.backend,
+                       ctx.config).to(ctx.w_dtype)
+    return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 _grouped_mm_fp8_op.register_autograd(_backward, setup_context=_setup_context)
@@ -276,7 +297,8 @@ def _check_args(x_ND, w_EDF, offsets_E, w_fp8) -> None:
 
 
 def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, *,
-                   w_fp8: Optional[Fp8Weight] = None, backend: Optional[str] = None) -> torch.Tensor:
+                   w_fp8: Optional[Fp8Weight] = None, backend: Optional[str] = None,
+                   config: Optional[Fp8GemmConfig] = None, x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
     """FP8 grouped GEMM over experts, differentiable in ``x_ND`` and ``w_EDF``.
 
     Args:
@@ -287,6 +309,13 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
         w_fp8: the weight's FP8 copy (:class:`Fp8WeightCache`, once per optimizer step); quantized
             here when None.
         backend: ``"tlx" | "torch" | "reference"`` to pin one; default automatic.
+        config: pin the TLX kernel's :class:`~tlx_dist.fp8.tlx_gemm.Fp8GemmConfig` for every form
+            of the call (forward, dX and dW of its backward), as given; default: the host's
+            per-form default (``tlx_gemm.default_config``). Read by the tlx backend only.
+        x_fp8: ``x_ND``'s rows already quantized (:class:`Fp8Rows` ``[N, D]``, e.g. from
+            :func:`~tlx_dist.fp8.dispatch.dispatch_fp8`): the forward reads them instead of
+            quantizing ``x_ND``, which the backward still reads (the weight gradient's operand).
+            ``q`` needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
     Returns:
         ``[N, F]`` in ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
@@ -295,9 +324,23 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
     name = select_fp8_backend(x_ND.device, D, F, backend, f"w_EDF's (D, F) = ({D}, {F})")
     if name != "reference" and x_ND.dtype not in _OUT:
         raise TypeError(f"precision='fp8' backend={name!r}: x_ND must be bfloat16 or float16, got {x_ND.dtype}")
+    if config is not None and name != "tlx":
+        raise ValueError(f"config= pins the TLX FP8 kernel's tile config, but backend {name!r} runs here, which has "
+                         "no tiles (pin backend='tlx' on sm_90, or drop the config)")
+    x_q = x_s = None
+    if x_fp8 is not None:
+        if not isinstance(x_fp8, Fp8Rows):
+            raise TypeError(f"x_fp8 must be an Fp8Rows (quantize_rows / dispatch_fp8), got {type(x_fp8).__name__}")
+        if tuple(x_fp8.q_MC.shape) != tuple(x_ND.shape) or x_fp8.q_MC.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"x_fp8 must hold e4m3fn rows of x_ND's shape {tuple(x_ND.shape)}, got "
+                             f"{tuple(x_fp8.q_MC.shape)} {x_fp8.q_MC.dtype}")
+        if x_fp8.q_MC.device != x_ND.device or x_fp8.q_MC.stride(1) != 1:
+            raise ValueError("x_fp8 must be on x_ND's device with a unit column stride")
+        x_q, x_s = x_fp8.q_MC, x_fp8.s_MCb.t()
     if w_fp8 is None:
         w_fp8 = quantize_weight(w_EDF.detach(), backend=_quant_backend(name))
-    return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name)
+    return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name,
+                              _config_json(config), x_q, x_s)
 
 
 def grouped_mm_fp8_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: torch.Tensor, *,
@@ -328,8 +371,13 @@ class Fp8WeightCache:
     ``get(w)`` requantizes when ``w`` changed since the last call: its version counter (bumped by
     every in-place update -- optimizer steps, ``copy_`` under ``no_grad``, ``load_state_dict``),
     storage, shape, dtype or device. Updates that bypass the version counter (writes through
-    ``w.data``) are not seen: call :meth:`invalidate` after them. Call ``get`` outside
-    torch.compile'd regions (the version counter is not traceable)."""
+    ``w.data``, torch's fused AdamW kernels) are not seen: call :meth:`invalidate` after them.
+
+    ``get(w, generation=g)`` keys on ``g`` (and shape, dtype, device) instead of the version and
+    storage: for weights whose storage is rewritten with the *same* values between optimizer steps
+    -- FSDP2 all-gathers the unsharded weight again for every micro-batch (a new version each
+    time) -- the caller bumps ``g`` when the values change (``MoELayer(fp8_refresh="step")``).
+    Call ``get`` outside torch.compile'd regions (the version counter is not traceable)."""
 
     def __init__(self, *, fmt: str = "e4m3fn", pow2: bool = False, backend: Optional[str] = None):
         if fmt not in FORMATS:
@@ -339,8 +387,12 @@ class Fp8WeightCache:
         self._w: Optional[Fp8Weight] = None
         self.quantizations = 0  # how many times get() quantized (tests, logging)
 
-    def get(self, w_EDF: torch.Tensor) -> Fp8Weight:
-        key = (w_EDF._version, w_EDF.data_ptr(), tuple(w_EDF.shape), w_EDF.dtype, w_EDF.device)
+    def get(self, w_EDF: torch.Tensor, generation: Optional[int] = None) -> Fp8Weight:
+        """The FP8 copy of ``w_EDF`` ``[E, D, F]`` (an :class:`Fp8Weight`), quantized if stale."""
+        if generation is None:
+            key = (w_EDF._version, w_EDF.data_ptr(), tuple(w_EDF.shape), w_EDF.dtype, w_EDF.device)
+        else:
+            key = ("generation", generation, tuple(w_EDF.shape), w_EDF.dtype, w_EDF.device)
         if key != self._key or self._w is None:
             self._w = quantize_weight(w_EDF.detach(), fmt=self.fmt, pow2=self.pow2, backend=self.backend)
             self._key = key

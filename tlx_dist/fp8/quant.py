@@ -40,6 +40,7 @@ from ..grouped_gemm.reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["GROUP", "AMAX_FLOOR", "FORMATS", "Fp8Rows", "Fp8Cols", "Fp8Weight", "quantize_rows", "quantize_cols",
            "quantize_weight", "quantize_rows_ref", "quantize_cols_ref", "quantize_weight_ref", "dequantize_rows",
+           "dequantize_rows_rounded",
            "dequantize_cols", "dequantize_weight", "tile_cum_ref", "check_fmt"]
 
 GROUP = 128
@@ -50,7 +51,8 @@ FORMATS = {"e4m3fn": (torch.float8_e4m3fn, 448.0, 0), "e4m3fnuz": (torch.float8_
 
 @dataclass(frozen=True)
 class Fp8Rows:
-    """Row-quantized ``[M, C]``: ``q_MC`` fp8 ``[M, C]`` (contiguous); ``s_MCb`` fp32 ``[M, Cb]`` with
+    """Row-quantized ``[M, C]``: ``q_MC`` fp8 ``[M, C]`` (unit column stride: contiguous from
+    ``quantize_rows``, a view of the packed rows from an FP8 dispatch); ``s_MCb`` fp32 ``[M, Cb]`` with
     strides ``(1, M)`` (stored ``[Cb, M]``): ``x[m, c] ~= q[m, c] * s[m, c // G]``."""
 
     q_MC: torch.Tensor
@@ -205,6 +207,31 @@ def dequantize_rows(r: Fp8Rows, dtype: torch.dtype = torch.float32) -> torch.Ten
     """``[M, C]`` in ``dtype``: ``q * s`` (exact in float64; one rounding in float32)."""
     C = r.q_MC.shape[1]
     return r.q_MC.to(dtype) * r.s_MCb.to(dtype).repeat_interleave(GROUP, dim=1)[:, :C]
+
+
+def dequantize_rows_rounded(r: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
+    """``[M, C]`` in ``dtype`` (bf16 / fp16 / fp32): the fp32 product ``q * s`` rounded once --
+    ``dequantize_rows(r, float32).to(dtype)`` bit for bit, in one kernel on a GPU (e4m3fn) instead
+    of an fp32 ``[M, C]`` temporary."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    q = r.q_MC
+    from tlx import triton_available
+
+    if not (q.is_cuda and q.dtype == torch.float8_e4m3fn and triton_available()) or interpret_mode():
+        return dequantize_rows(r, torch.float32).to(dtype)
+    from tlx.common.fp8_quant import _dequant_rows_kernel
+
+    M, C = q.shape
+    y = torch.empty(M, C, dtype=dtype, device=q.device)
+    s = r.s_MCb.t()
+    if not s.is_contiguous():
+        s = s.contiguous()
+    if M and C:
+        block_m = 32
+        _dequant_rows_kernel[(-(-M // block_m), -(-C // GROUP))](q.view(torch.uint8), s, y, M, C, q.stride(0), M, C,
+                                                                G=GROUP, BLOCK_M=block_m, num_warps=4)
+    return y
 
 
 def dequantize_cols(c: Fp8Cols, dtype: torch.dtype = torch.float32) -> torch.Tensor:

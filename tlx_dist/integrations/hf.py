@@ -219,7 +219,11 @@ class HFMoELayer(MoELayer):
             layer.router.expert_bias.zero_()
             layer.router.tokens_since_update.zero_()
             if arch.deepseek:
-                layer.router.expert_bias.copy_(gate.e_score_correction_bias)
+                bias = gate.e_score_correction_bias
+                wide = torch.promote_types(bias.dtype, layer.router.expert_bias.dtype)
+                if wide != layer.router.expert_bias.dtype:  # an fp64 bias stays fp64: export/unpatch exact
+                    layer.router.expert_bias = torch.empty(bias.shape, dtype=wide, device=device)
+                layer.router.expert_bias.copy_(bias)
             if arch.shared_mlp:
                 mlp, Fs = getattr(block, arch.shared_mlp), cfg.shared_dim
                 layer.shared_w13[:, :Fs].copy_(mlp.gate_proj.weight.t())

@@ -3,6 +3,7 @@ form, differentiable) and :func:`ep_buffers` (one buffer set per EP group, share
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Optional, Union
 
@@ -282,6 +283,34 @@ class SymmDispatcher(Dispatcher):
                              f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
         bufs = self._buffers_for(x_TD, idx_TK.shape[1])
         return _Dispatch.apply(x_TD, idx_TK, gate_TK, bufs, self.capacity)
+
+    def dispatch_payload(self, payload_TP, idx_TK, gate_TK, x_TD):
+        """:meth:`Dispatcher.dispatch_payload` over symmetric memory: the payload rows cross through a
+        second buffer set of width P (:func:`ep_buffers`, the same T_max, top-k, experts, dtype and
+        config as this dispatcher's own set), each token row once per destination rank, the gates
+        travelling with them as in :meth:`dispatch`; the returned handle belongs to the own set (width
+        D): :meth:`combine_weighted` and :meth:`dispatch_backward` run there."""
+        check_dispatch_args(payload_TP, idx_TK, self.num_experts, self.validate)
+        if gate_TK is not None and (not isinstance(gate_TK, torch.Tensor) or gate_TK.shape != idx_TK.shape):
+            raise ValueError(f"gate_TK must be a tensor of idx_TK's shape {tuple(idx_TK.shape)}, "
+                             f"got {getattr(gate_TK, 'shape', type(gate_TK))}")
+        if payload_TP.dtype != x_TD.dtype or payload_TP.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"payload_TP must be [T={x_TD.shape[0]}, P] {x_TD.dtype} (x_TD's rows and dtype), got "
+                             f"{tuple(payload_TP.shape)} {payload_TP.dtype}")
+        bufs = self._buffers_for(x_TD, idx_TK.shape[1])
+        L = bufs.layout
+        pbufs = ep_buffers(self.group, L.max_tokens, payload_TP.shape[1], L.top_k, self.num_experts, L.dtype,
+                           device=bufs.device, config=bufs.config)
+        with torch.no_grad():
+            recv, h = run_steps(dispatch_steps(pbufs, payload_TP, idx_TK, gate_TK, self.capacity))
+        return recv, dataclasses.replace(h, buffers=bufs)
+
+    def dispatch_backward(self, g_ND, handle):
+        """:meth:`Dispatcher.dispatch_backward` over symmetric memory (an ungated combine)."""
+        if not isinstance(handle, SymmHandle):
+            raise TypeError(f"handle must come from SymmDispatcher.dispatch_payload, got {type(handle).__name__}")
+        with torch.no_grad():
+            return run_steps(combine_grad_steps(handle.buffers, g_ND.contiguous(), handle))
 
     def dispatch_rows(self, x_TD, idx_TK, gate_TK, region: Optional[int] = None):
         """The fused EP pipeline's dispatch: the token rows cross once per destination rank and
