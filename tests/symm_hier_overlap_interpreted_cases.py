@@ -292,22 +292,25 @@ def test_the_plan_holds_no_autograd_graph():
 
 def test_overlapped_dispatch_generators_run_the_same_phases():
     """Every rank of an overlapped world takes the same number of phases (the emulated world's
-    lockstep needs it): the plain op's four, then the rows' send and the relays' forward."""
+    lockstep needs it): the plain op's four (the other-node rows' send after the last), then the
+    relays' forward of those rows."""
     W, L, E, K, D = 4, 2, 8, 2, 4
-    world = HierWorld(W, 3, D, K, E, torch.float64, L)
     xs, idxs, gates = _inputs(W, L, E, K, [3, 1, 0, 2], D, "random", torch.float64, seed=15)
-    gens = [dispatch_steps(b, x, i, g, "worst", rows=True, overlap=True)
-            for b, x, i, g in zip(world.buffers, xs, idxs, gates)]
-    phases = [0] * W
-    live = list(range(W))
-    while live:
-        nxt = []
-        for v in live:
-            try:
-                next(gens[v])
-                phases[v] += 1
-                nxt.append(v)
-            except StopIteration:
-                pass
-        live = nxt
-    assert phases == [5] * W, phases
+    for overlap, want in ((False, 4), (True, 5)):
+        world = HierWorld(W, 3, D, K, E, torch.float64, L)
+        gens = [dispatch_steps(b, x, i, g, "worst", rows=True, overlap=overlap)
+                for b, x, i, g in zip(world.buffers, xs, idxs, gates)]
+        phases = [0] * W
+        live = list(range(W))
+        while live:
+            nxt = []
+            for v in live:
+                phases[v] += 1  # (the call that returns runs the last phase)
+                try:
+                    next(gens[v])
+                    nxt.append(v)
+                except StopIteration:
+                    pass
+            live = nxt
+        assert phases == [want] * W, (overlap, phases)
+        world.close()
