@@ -443,7 +443,7 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
                             tl.store(gdst[:, None] + kk[None, :], tl.load(gsrc[:, None] + kk[None, :], mask=mo),
                                      mask=mo)
             if SPLIT == 2:
-                _publish(hist, peers_ptr, OFF_HFROWS + s * 8, W, WP, peers_ptr, RANK, False)
+                _publish(hist, peers_ptr, tl.full([], OFF_HFROWS, tl.int64) + s * 8, W, WP, peers_ptr, RANK, False)
             else:
                 _publish(hist, peers_ptr, OFF_ARRIVE + s * 8, W, WP, peers_ptr, RANK, False)
             if FROM_REGION:
