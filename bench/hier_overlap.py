@@ -223,6 +223,8 @@ def run(args, rec) -> int:
     far_W = ov._far_W.clone()
     assert far_W.tolist() == far, f"the plan's other-node rows {far_W.tolist()} != the routing's {far}"
     segs = [(s, s * T, s * T + n) for s, n in enumerate(far) if n]
+    if not segs:
+        raise ValueError(f"--rank={d} receives no rows from another node under this routing: nothing to pace")
     saved = {s: RECV[a:b].clone() for s, a, b in segs}
     if args.source == "host":
         saved = {s: v.cpu().pin_memory() for s, v in saved.items()}
