@@ -101,8 +101,8 @@ def test_training_config_checks_ep_row_regions():
 
 def test_training_config_checks_exchange_overlap():
     """``parallel.exchange.overlap``: off in the recipe (slower over NVLink); on, it needs the
-    receive regions and a static capacity, each named when missing; the old flat key names its
-    replacement."""
+    receive regions (over the flat exchange) and a static capacity, each named when missing; the old
+    flat key names its replacement."""
     import os
 
     from train.config import load_config
@@ -116,7 +116,11 @@ def test_training_config_checks_exchange_overlap():
         load_config(recipe, ["parallel.exchange.overlap=true"])
     with pytest.raises(ValueError, match="parallel.ep_row_regions = true"):
         load_config(recipe, ["parallel.exchange.overlap=true", "parallel.capacity_factor=2.0",
-                             "parallel.ep_row_regions=false"])
+                             "parallel.ep_row_regions=false", "parallel.exchange.topology='flat'"])
+    # (topology "auto": whether the exchange is flat depends on the ranks' nodes, checked when it is
+    # built -- tests/test_train_exchange_choice.py)
+    assert not load_config(recipe, ["parallel.exchange.overlap=true", "parallel.capacity_factor=2.0",
+                                    "parallel.ep_row_regions=false"]).parallel.ep_row_regions
     with pytest.raises(ValueError, match="parallel.ep_overlap was replaced by parallel.exchange.overlap"):
         load_config(recipe, ["parallel.ep_overlap=true"])
 

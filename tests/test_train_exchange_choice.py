@@ -146,3 +146,35 @@ def test_fused_pipeline_across_nodes_without_nvshmem_is_a_usage_error(monkeypatc
 def test_nvshmem_supported_is_false_off_cuda():
     assert comm.nvshmem_supported("cpu") is False
     assert comm.nvshmem_supported(torch.device("meta")) is False
+
+
+@pytest.mark.parametrize("ep,R,topology,regions,ok", [
+    (4, 2, "auto", False, True),            # 2 nodes x 2: the hierarchical overlap, no regions needed
+    (4, 2, "hierarchical", False, True),
+    (8, 4, "auto", False, True),            # 2 x 4
+    (4, 4, "auto", False, False),           # one node: the flat overlap needs regions ...
+    (4, 4, "auto", True, True),             # ... given
+    (4, 1, "auto", False, False),           # one rank a node: "auto" runs the flat exchange
+    (4, 2, "flat", True, True),
+    (4, 2, "flat", False, False),           # flat across nodes: regions, named at load
+])
+def test_overlap_across_nodes_reaches_the_hierarchical_exchange(monkeypatch, ep, R, topology, regions, ok):
+    """``parallel.exchange.overlap = true`` with a static capacity: across nodes the dispatcher the
+    layers get has the overlap on and needs no receive regions (the hierarchical exchange's
+    overlap computes the node's rows first); where the exchange is flat, regions are required --
+    by name, at load for topology 'flat', when the exchange is built for 'auto'."""
+    monkeypatch.setattr(comm, "nvshmem_supported", lambda dev: True)
+    over = [f"parallel.ep={ep}", f"parallel.ranks_per_node={R}", "parallel.exchange.overlap=true",
+            "parallel.capacity_factor=2.0", f"parallel.exchange.topology='{topology}'",
+            f"parallel.ep_row_regions={'true' if regions else 'false'}", "parallel.moe_pipeline=fused"]
+    if topology == "flat" and not regions:
+        with pytest.raises(ValueError, match="parallel.ep_row_regions = true"):
+            load_config(RECIPE, over)
+        return
+    cfg = load_config(RECIPE, over)
+    if not ok:
+        with pytest.raises(UsageError, match="parallel.ep_row_regions = true"):
+            make_train_dispatcher(cfg, _pd(ep, R), CUDA)
+        return
+    d = make_train_dispatcher(cfg, _pd(ep, R), CUDA)
+    assert isinstance(d, SymmDispatcher) and d.overlap and d.capacity == 2.0 and d.ranks_per_node == R

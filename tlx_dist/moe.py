@@ -133,6 +133,9 @@ class MoELayer(nn.Module):
             ``capacity``) for the arrival-driven overlap: this rank's own rows computed while the
             peers' land, the peers' partial rows sent home while its own are computed
             (:class:`~tlx_dist.comm.symm.RowsOverlap`; not faster than without it over NVLink).
+            Across nodes (the hierarchical exchange) ``overlap=True`` needs no region: this node's
+            rows are computed while the other nodes' cross the NICs
+            (:class:`~tlx_dist.comm.symm.HierRowsOverlap`).
             Measurements behind these rules: ``docs/decisions.md``.
         precision: ``"bf16"`` or ``"fp8"`` for the routed experts' GEMMs; default ``cfg.precision``
             (the argument replaces it). ``"fp8"`` runs the separate pipeline on every dispatcher

@@ -95,8 +95,10 @@ class ParallelConfig:
     its hierarchical form).
     exchange: the symmetric exchange's settings, the table ``[parallel.exchange]`` (the fields of
     :class:`tlx_dist.comm.ExchangeConfig`, e.g. ``copy_engine = "off"``; a kernel's launch shape
-    as ``[parallel.exchange.send]``). ``overlap = true`` (the arrival-driven overlap of the layers
-    with a receive region) needs ``ep_row_regions = true`` and ``capacity_factor > 0`` (checked);
+    as ``[parallel.exchange.send]``). ``overlap = true`` (the arrival-driven overlap of the fused
+    layers) needs ``capacity_factor > 0``, and over the flat exchange (an EP group inside one node)
+    ``ep_row_regions = true``; across nodes the hierarchical exchange overlaps the inter-node leg
+    with the GEMMs on the node's rows without regions (checked);
     ``timeout_s`` defaults to ``train.comm_timeout_s``.
     reduce_dtype: the dtype gradients cross the links in: ``"float32"`` (default) or ``"bfloat16"``
     (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` for the reduce-scatters and the cross-node
@@ -285,9 +287,11 @@ def _validate(cfg: Config) -> None:
                          "exchange: set parallel.dispatcher to 'symm' or 'auto', not 'all_to_all'")
     if not (0 <= p.capacity_factor < math.inf):
         raise ValueError(f"parallel.capacity_factor={p.capacity_factor!r} must be 0 (exact) or a positive factor")
-    if p.exchange.overlap and not p.ep_row_regions:
-        raise ValueError("parallel.exchange.overlap=true overlaps the dispatch with GEMMs that read the rows where "
-                         "they land: set parallel.ep_row_regions = true too")
+    if p.exchange.overlap and not p.ep_row_regions and p.exchange.topology == "flat":
+        # (the hierarchical exchange's overlap needs no regions; whether "auto" takes it depends on
+        # the ranks' nodes, checked when the exchange is built: train.parallelize)
+        raise ValueError("parallel.exchange.overlap=true over the flat exchange overlaps the dispatch with GEMMs that "
+                         "read the rows where they land: set parallel.ep_row_regions = true too")
     if p.exchange.overlap and p.capacity_factor == 0:
         raise ValueError("parallel.exchange.overlap=true needs a static capacity (the rows leave before the counts "
                          "are known): set parallel.capacity_factor > 0")

@@ -114,6 +114,20 @@ def _ep_in_one_node(pd: ParallelDims) -> bool:
     return Topology.from_group(pd.ep_group).single_node
 
 
+def _hier_exchange(pd: ParallelDims, topology: str) -> bool:
+    """Whether this rank's EP group runs the hierarchical exchange over more than one node
+    (``ExchangeConfig.topology`` over the group's nodes, as the exchange resolves it)."""
+    from tlx_dist.comm import Topology
+    from tlx_dist.comm.topology import exchange_ranks_per_node
+    R = getattr(pd, "ranks_per_node", 0)
+    if R:
+        nodes = tuple((pd.dp_rank * pd.ep + v) // R for v in range(pd.ep))
+    else:
+        nodes = Topology.from_group(pd.ep_group).nodes
+    L = exchange_ranks_per_node(topology, nodes)
+    return bool(L) and len(set(nodes)) > 1
+
+
 def _symm_runs(pd: ParallelDims, device: torch.device) -> bool:
     """Whether the symmetric exchange runs this rank's EP group on ``device`` (CUDA): inside one
     node always (peer pointers); across nodes where NVSHMEM does."""
@@ -162,6 +176,10 @@ def make_train_dispatcher(cfg: Config, pd: ParallelDims, device: torch.device):
     # the exchange's nodes are the mesh's (parallel.ranks_per_node, else LOCAL_WORLD_SIZE): which peers
     # are reached by NVSHMEM and, with topology "auto" / "hierarchical", the hierarchy's nodes
     R = getattr(pd, "ranks_per_node", 0)
+    if exchange.overlap and not p.ep_row_regions and not _hier_exchange(pd, exchange.topology):
+        raise UsageError("parallel.exchange.overlap=true: this EP group's exchange is flat (inside one node, or one "
+                         "rank a node), whose overlap reads each layer's rows where they land: set "
+                         "parallel.ep_row_regions = true (across nodes the hierarchical exchange needs none)")
     return SymmDispatcher(cfg.model.moe.num_experts, pd.ep_group if pd.ep > 1 else None, validate=False,
                           max_tokens=cfg.data.batch_size * cfg.data.seq_len,
                           capacity=p.capacity_factor if p.capacity_factor > 0 else "exact", row_regions=regions,

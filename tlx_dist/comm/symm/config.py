@@ -138,10 +138,14 @@ class ExchangeConfig:
         ce_sum_per_sm: summing programs per SM of the copy-engine combine (1 to 8: they wait for one-
             program signal kernels, which must always find room on an SM).
     Overlap:
-        overlap: the arrival-driven overlap of the fused EP pipeline (a layer with a receive region,
-            a static capacity, peer pointers; elsewhere nothing): a row-form dispatch ends once every
-            peer's metadata landed, the peers' rows follow on a side stream while the gate/up GEMM
-            computes this rank's own rows (``RowsOverlap``). Off by default (slower over NVLink).
+        overlap: the arrival-driven overlap of the fused EP pipeline (the row form, a static
+            capacity; elsewhere nothing). Flat exchange (a layer with a receive region, peer
+            pointers): a row-form dispatch ends once every peer's metadata landed, the peers' rows
+            follow on a side stream while the gate/up GEMM computes this rank's own rows
+            (``RowsOverlap``). Hierarchical exchange over more than one node (no region needed):
+            the dispatch ends once this node's rows and every source's metadata are in, the
+            inter-node leg's token rows follow on the side stream while the GEMMs compute this
+            node's rows (``HierRowsOverlap``). Off by default (slower over NVLink).
         overlap_sms: SMs (programs) the overlapped send keeps on its side stream.
         recv_overlap: the row form's receive copy on real ranks over peer pointers: ``"on"`` --
             extra programs of the send kernel copy rows out as they land; ``"off"`` -- the expand
