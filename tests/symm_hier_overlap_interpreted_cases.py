@@ -23,10 +23,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from symm_hier_interpreted_cases import HierWorld, _inputs  # noqa: E402
+from symm_hier_interpreted_cases import HierWorld, _expect_counters, _inputs  # noqa: E402
+from tlx_dist.comm.emulated import reference_dispatch  # noqa: E402
+from tlx_dist.comm.hier_reference import hier_combine_reference, hier_dispatch_reference  # noqa: E402
 from tlx_dist.comm.symm import HierRowsOverlap, combine_rows_steps, dispatch_steps  # noqa: E402
 from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 from tlx_dist.fused import fused_experts_rows  # noqa: E402
+from tlx_dist.fused.reference import fused_experts_ref  # noqa: E402
+from tlx_dist.testing import assert_close_to_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run through tests/test_symm_hier_overlap.py (needs TRITON_INTERPRET=1)")
@@ -113,16 +117,66 @@ def _compare(a, b, what):
         assert torch.equal(a, b), f"{what}: the overlapped form differs from the plain one"
 
 
+def _dense_oracle(xs, idxs, gates, g_TD, w13, w2, dtype):
+    """The layer without any exchange -- every source's tokens through the experts they picked
+    (``fused_experts_ref``, what the all-to-all path computes), plain autograd in ``dtype`` --
+    returns ``(out_TD per source, dx_TD per source, dgate_TK per source, dw13, dw2)``."""
+    leaf = lambda t: t.detach().to(dtype).clone().requires_grad_(True)  # noqa: E731
+    x, g = [leaf(t) for t in xs], [leaf(t) for t in gates]
+    a, b = leaf(w13), leaf(w2)
+    outs = [fused_experts_ref(xx, i, gg, a, b) for xx, i, gg in zip(x, idxs, g)]
+    live = [(o, t.to(dtype)) for o, t in zip(outs, g_TD) if o.grad_fn is not None]  # (a source of no tokens: none)
+    torch.autograd.backward([o for o, _ in live], [t for _, t in live])
+    grad = lambda t: torch.zeros_like(t) if t.grad is None else t.grad  # noqa: E731
+    return [o.detach() for o in outs], [grad(t) for t in x], [grad(t) for t in g], a.grad, b.grad
+
+
+def _check_oracle(lay, xs, idxs, gates, w13, w2, dt, seed, what):
+    """One overlapped layer (``_layer``'s result) against :func:`_dense_oracle` in fp64, under the
+    STYLE.md bound (twice torch's own error in ``dt`` plus the dtype's floor)."""
+    W = len(xs)
+    gen = torch.Generator().manual_seed(seed)
+    g_TD = [torch.randn(x.shape, generator=gen).to(dt) for x in xs]  # (what _layer drew)
+    ref = _dense_oracle(xs, idxs, gates, g_TD, w13, w2, torch.float64)
+    same = _dense_oracle(xs, idxs, gates, g_TD, w13, w2, dt) if dt != torch.float64 else [None] * 5
+    outs, leaf, back = lay[W], lay[W + 1], lay[W + 2]
+    ours = (outs, back[0::2], back[1::2], torch.cat(leaf[2::4]), torch.cat(leaf[3::4]))
+    for name, o, r, t in zip(("out", "dx", "dgate", "dw13", "dw2"), ours, ref, same):
+        if isinstance(o, (list, tuple)):
+            for s in range(W):
+                assert_close_to_ref(o[s], r[s], None if t is None else t[s], dtype=dt, name=f"{what}: {name}[{s}]")
+        else:
+            assert_close_to_ref(o, r, t, dtype=dt, name=f"{what}: {name}")
+
+
+def _reference_counters(ops, E, L):
+    """The per-leg counters of ``_layer`` on each op (two dispatch-direction ops -- the dispatch and
+    combine's backward -- and two combine-direction ones), from the hierarchical reference."""
+    total = None
+    for xs, idxs, gates in ops:
+        ref = hier_dispatch_reference(xs, idxs, E, L)
+        rows = [r for r, _ in reference_dispatch(xs, idxs, E)]
+        _, comb = hier_combine_reference(rows, idxs, gates, E, L)
+        c = _expect_counters(ref.counts, comb, ops=2)
+        total = c if total is None else [{k: a[k] + b[k] for k in a} for a, b in zip(total, c)]
+    return total
+
+
 @pytest.mark.parametrize("W,L,kind,backend,Ts", [
     (4, 2, "random", "triton", [3, 2, 4, 1]),          # 2 x 2, the phased forward
     (4, 2, "random", "reference", [4, 0, 3, 2]),       # a rank with no tokens
+    (4, 2, "one_node", "reference", [3, 2, 2, 3]),     # 2 x 2, every token to node 0
     (8, 4, "random", "reference", [2, 3, 1, 2, 3, 2, 1, 2]),   # 2 x 4
+    (8, 4, "one_node", "triton", [2, 2, 1, 3, 2, 1, 2, 2]),    # 2 x 4, every token to node 0
+    (8, 4, "empty_node", "reference", [1, 2, 3, 2, 2, 1, 3, 2]),  # 2 x 4, node 1 receives nothing
     (8, 2, "one_node", "triton", [2, 1, 3, 2, 1, 2, 2, 1]),    # 4 x 2, every token to node 0
     (4, 2, "empty_node", "triton", [3, 3, 2, 1]),      # the last node receives nothing
 ])
 def test_overlapped_hier_layer_equals_the_plain_one(W, L, kind, backend, Ts):
     """Two layers in a row on the same buffers (the counters start clean for the second), both
-    forms, every output and gradient bit for bit, the same per-leg counters."""
+    forms, every output and gradient bit for bit, the same per-leg counters; the overlapped form
+    against the dense (all-to-all) oracle, forward and every gradient, and its counters against
+    the hierarchical reference's, exactly."""
     E, K, D, Fe = 2 * W, 3, 8, 4
     dt = torch.float64 if backend == "reference" else torch.float32  # (the portable kernels: no fp64)
     gen = torch.Generator().manual_seed(W + L)
@@ -138,6 +192,9 @@ def test_overlapped_hier_layer_equals_the_plain_one(W, L, kind, backend, Ts):
         world.close()
     _compare(got[False][:-1], got[True][:-1], f"W={W} L={L} {kind}")
     assert got[False][-1] == got[True][-1], "per-leg counters"
+    for k, op in enumerate(ops):
+        _check_oracle(got[True][k], *op, w13, w2, dt, seed=k, what=f"W={W} L={L} {kind} layer {k}")
+    assert got[True][-1] == _reference_counters(ops, E, L), "per-leg counters vs the reference"
 
 
 def test_overlapped_hier_by_pointer_stores_and_an_overflowing_capacity():
