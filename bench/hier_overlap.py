@@ -7,7 +7,10 @@ What it shows: where the inter-node links are slow against the tensor cores, the
 forward of one rank computes the rows of its own node while the other nodes' rows are still
 crossing the NICs (``ExchangeConfig(overlap=True)`` on a hierarchical buffer set,
 ``tlx_dist/comm/symm/hier_overlap.py``), so the layer takes about max(compute, transfer) instead
-of their sum. Forward only (the backward's exchanges are not overlapped).
+of their sum. What is timed is the part of one rank's layer forward that the overlap changes: the
+other nodes' rows arriving and the fused experts (with the first leg of their partial rows home);
+the intra-node leg, the metadata and the rest of the combine are the same in both forms and not
+timed. Forward only (the backward's exchanges are not overlapped).
 
 How: an emulated world of ``--world`` virtual ranks in nodes of ``--ranks-per-node`` on this GPU
 runs one real overlapped hierarchical dispatch (random top-K routing, bf16) -- every rank's rows
@@ -23,8 +26,9 @@ spin on the stream so that launch overhead is not counted:
             inter-node rows the busiest relay of its node receives, exactly (from the routing): the
             relays' NICs work in parallel, and the owner has all its rows when the last one is in
             (the relays' NVLink forward is folded into the window). Each copy is a stream copy
-            (copy engines, no SMs) from a saved copy of those rows (``--source device``, or pinned
-            host memory with ``--source host``: a PCIe DMA, as an RDMA NIC writes), after a clock
+            (``cudaMemcpyAsync``: the driver's DMA, no kernel of ours) from a saved copy of those
+            rows (``--source device``; ``--source host`` reads pinned host memory instead: a PCIe
+            DMA into HBM, as an RDMA NIC writes), after a clock
             spin (``torch.cuda._sleep``: one thread of one SM, no memory traffic -- the only thing
             the pacing puts on an SM) that holds it to the rate; after a source's last copy the
             rank's HFROWS counter of that source is set by a copy, as the relays' forward would add
