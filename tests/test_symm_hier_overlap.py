@@ -16,3 +16,10 @@ pytest.importorskip("triton")
                     reason="already interpreted: pytest collects the case file directly")
 def test_symm_hier_overlap_interpreted_suite():
     run_interpreted_suite("symm_hier_overlap_interpreted_cases.py")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="already interpreted: pytest collects the case file directly")
+@pytest.mark.release
+def test_symm_hier_overlap_interpreted_suite_release():
+    run_interpreted_suite("symm_hier_overlap_interpreted_cases.py", release=True)  # its larger adversarial worlds
