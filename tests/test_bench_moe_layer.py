@@ -138,12 +138,7 @@ def test_gradients_map_back_to_our_layouts():
     x, w13, w2, _, idx, gate = _routed(6, 10, 6, 5, 2, seed=3)
     g_TD = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     ours = [w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)]
-    ref_out = torch.zeros_like(x)
-    for t in range(x.shape[0]):  # our layer's math on our layouts, to differentiate
-        for k in range(idx.shape[1]):
-            h = x[t] @ ours[0][idx[t, k]]
-            ref_out[t] += gate[t, k] * ((F.silu(h[:6]) * h[6:]) @ ours[1][idx[t, k]])
-    dw13, dw2 = torch.autograd.grad(ref_out, ours, g_TD)
+    dw13, dw2 = torch.autograd.grad(_ours(x, idx, gate, *ours), ours, g_TD)
     theirs = [w.requires_grad_(True) for w in _liger_cute.to_liger_weights(w13, w2)]
     y = _liger_cute.liger_moe_ref(x, idx, gate, *theirs)
     got13, got2 = _liger_cute.from_liger_grads(*torch.autograd.grad(y, theirs, g_TD))
@@ -192,3 +187,50 @@ def test_bad_weights_name_the_argument():
         _liger_cute.to_liger_weights(torch.zeros(2, 4, 6), torch.zeros(2, 4, 3))  # w2 transposed
     with pytest.raises(ValueError, match="3-D"):
         _liger_cute.to_liger_weights(torch.zeros(4, 6), torch.zeros(3, 4))
+
+
+class _FakeRuntime:
+    """Stands in for LigerRuntime on CPU: records each call and computes LigerMoE's math."""
+    group = None
+
+    def __init__(self):
+        self.calls = []
+
+    def moe_fused(self, x, idx, gate, gate_EID, up_EID, down_EDI, num_experts, top_k, pg):
+        self.calls.append((idx, gate, num_experts, top_k, pg))
+        return _liger_cute.liger_moe_ref(x, idx, gate.to(x.dtype), gate_EID, up_EID, down_EDI)
+
+
+def _ours(x, idx, gate, w13, w2):
+    """Our layout's SwiGLU MoE, token by token (differentiable)."""
+    Fe = w2.shape[1]
+    rows = []
+    for t in range(x.shape[0]):
+        y = torch.zeros_like(x[t])
+        for k in range(idx.shape[1]):
+            h = x[t] @ w13[idx[t, k]]
+            y = y + gate[t, k] * ((F.silu(h[:Fe]) * h[Fe:]) @ w2[idx[t, k]])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def test_the_provider_runs_liger_on_the_layers_routing_and_maps_dw13_back():
+    from tlx_dist import MoELayer
+
+    cfg = MoEConfig(dim=12, moe_inter_dim=6, num_experts=5, top_k=2, dtype="float64", init_std=0.3)
+    layer = MoELayer(cfg)
+    rt = _FakeRuntime()
+    liger = _liger_cute.LigerExperts(rt, layer.w13, layer.w2, cfg.num_experts, cfg.top_k)
+    assert all(p.is_leaf and p.requires_grad and p.is_contiguous() for p in liger.params)
+    x = torch.randn(7, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(8)).requires_grad_(True)
+    out = moe_layer.provider_fn(layer, LIGER, liger=liger)(x)
+    route = layer.router(x)
+    (idx, gate, E, K, pg), = rt.calls
+    assert idx.dtype == torch.int32 and torch.equal(idx.long(), route.idx_TK)
+    assert gate.dtype == torch.bfloat16 and torch.equal(gate, route.gate_TK.to(torch.bfloat16))  # LigerMoE takes bf16 gates
+    assert (E, K, pg) == (5, 2, None)
+    w13 = layer.w13.detach().clone().requires_grad_(True)
+    ref = _ours(x.detach(), idx.long(), gate.double(), w13, layer.w2.detach())
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g_TD = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(liger.dw13(out, g_TD), torch.autograd.grad(ref, w13, g_TD)[0], rtol=1e-12, atol=1e-12)
