@@ -22,7 +22,7 @@ no_grad). Before any timing, each provider's output on the first CHECK_TOKENS to
 against an fp32 reference of the same experts (bench/_liger_cute.py check_close: within twice torch's
 own bf16 error); a bf16 provider off it is not timed (the FP8 ones' error is recorded only). Latency: median eager and CUDA-graph-replayed step time
 at the --latency-tokens sizes (each graph captured in a child process: an invalidated capture leaves
-the CUDA context unusable, and session 3's in-process captures failed in cascade). Ratios are taken
+the CUDA context unusable, and in-process captures failed in cascade). Ratios are taken
 in the same process. The JSON keeps every number;
 fused/separate and fused/torchtitan relative errors of the output and of dw13 on the benchmarked
 operands are a sanity check (bf16; fp32 atomics make fused bitwise non-reproducible).
@@ -643,7 +643,7 @@ def one_gpu(args, rec, providers, runtime, lat_tokens, tflops_tokens) -> int:
                     # No autograd graph may outlive this probe: a live graph keeps the parameters'
                     # AccumulateGrad nodes, made on the default stream, and the capture's backward
                     # would then make the legacy stream wait on the capturing one
-                    # (cudaErrorStreamCaptureImplicit, session 7's failed captures).
+                    # (cudaErrorStreamCaptureImplicit).
                     del out
                     ms = eager_ms(fn, x, g, pparams(p), args.reps)
                     row[f"{p}_eager_ms"] = ms
