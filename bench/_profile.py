@@ -169,8 +169,8 @@ def interleaved_times(steps: dict, rounds: int, time_one) -> dict:
     """``{name: [ms per round]}``: every round times one call of each step, the order rotated each
     round (so no provider always runs first, after the same neighbour, or as the clocks drift),
     ``time_one(step) -> ms``. Ratios taken round by round (:func:`round_ratios`) see the same
-    machine state on both sides, where medians of back-to-back blocks of reps drift apart (the
-    eager layer at T=4096 read 1.30-1.47x in different runs of the same code, session 11)."""
+    machine state on both sides, where medians of back-to-back blocks of reps drift apart on a
+    shared machine (different runs of the same code read different ratios)."""
     names = list(steps)
     out = {n: [] for n in names}
     for r in range(rounds):

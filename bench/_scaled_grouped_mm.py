@@ -114,18 +114,39 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         return dx, dw.to(w_EDF.dtype), None, None
 
 
+ALIGN = 16  # rows: torch's grouped GEMMs need every group's byte extent along the jagged dim % 16 == 0
+
+
+def _padded_layout(flat_N: torch.Tensor, E: int, order_N: torch.Tensor):
+    """Expert-major rows with each expert's group padded to a multiple of ``ALIGN`` rows, as torchao
+    pads FP8 MoE token groups: the dW GEMM's jagged K dimension is e4m3 (one byte per row), so a
+    group of 5 rows would break the 16-byte rule. Returns (``pos_N``: padded row of sorted row j,
+    ``offs_E`` int32 padded cumulative ends, ``Np`` static padded size). No host sync: the padded
+    size is the static bound ``N + E * (ALIGN - 1)`` rounded up; rows past the last group are zeros."""
+    N = flat_N.numel()
+    counts = torch.zeros(E, dtype=torch.int64, device=flat_N.device)
+    counts.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    end_p = torch.cumsum(padded, 0)
+    start, start_p = torch.cumsum(counts, 0) - counts, end_p - padded
+    e_sorted = flat_N[order_N]
+    pos = start_p[e_sorted] + (torch.arange(N, device=flat_N.device) - start[e_sorted])
+    Np = -(-(N + E * (ALIGN - 1)) // ALIGN) * ALIGN
+    return pos, end_p.to(torch.int32), Np
+
+
 def scaled_grouped_mm_experts(x_TD, idx_TK, gate_TK, w13_EDF2, w2_EFD, fast_accum: bool = True):
-    """torchtitan's experts (bench/moe_layer.py ``torchtitan_experts``) with rowwise-FP8 GEMMs.
-    ``x_TD`` [T, D] bf16, ``idx_TK`` / ``gate_TK`` [T, K] from the router; returns [T, D] bf16."""
+    """torchtitan's experts (bench/moe_layer.py ``torchtitan_experts``) with rowwise-FP8 GEMMs over
+    16-row-aligned expert groups (:func:`_padded_layout`). ``x_TD`` [T, D] bf16, ``idx_TK`` /
+    ``gate_TK`` [T, K] from the router; returns [T, D] bf16."""
     T, K = idx_TK.shape
-    Fe = w2_EFD.shape[1]
+    E, Fe = w13_EDF2.shape[0], w2_EFD.shape[1]
     flat = idx_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13_EDF2.shape[0], dtype=torch.int64, device=x_TD.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    pos, offs, Np = _padded_layout(flat, E, order)
     tok = order // K
-    h = _RowwiseGroupedMM.apply(x_TD[tok], w13_EDF2, offs, fast_accum)
-    y = _RowwiseGroupedMM.apply(F.silu(h[:, :Fe]) * h[:, Fe:], w2_EFD, offs, fast_accum)
+    x_pad = x_TD.new_zeros(Np, x_TD.shape[1]).index_copy(0, pos, x_TD[tok])  # padding rows stay 0
+    h = _RowwiseGroupedMM.apply(x_pad, w13_EDF2, offs, fast_accum)
+    y = _RowwiseGroupedMM.apply(F.silu(h[:, :Fe]) * h[:, Fe:], w2_EFD, offs, fast_accum)[pos]
     y = y * gate_TK.reshape(-1)[order].to(y.dtype).unsqueeze(1)
     return torch.zeros_like(x_TD).index_add(0, tok, y)

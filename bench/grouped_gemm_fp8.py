@@ -23,9 +23,8 @@ import statistics
 
 import torch
 
-# name: (BN, SUBN, STAGES, PINGPONG); "pp": the consumer groups take turns to issue
-CONFIG_NAMES = {"128x128": (128, 128, 5, False), "256x64": (256, 64, 3, False), "128x128pp": (128, 128, 5, True),
-                "128x128s64pp": (128, 64, 5, True)}
+# name: (BN, SUBN, STAGES), tlx_dist/fp8/tlx_gemm.py CANDIDATES
+CONFIG_NAMES = {"128x128": (128, 128, 5), "256x64": (256, 64, 3)}
 
 
 def _configs(spec: str):
@@ -35,8 +34,8 @@ def _configs(spec: str):
     for name in spec.split(","):
         if name not in CONFIG_NAMES:
             raise SystemExit(f"--fp8-configs: {name!r} is not one of {sorted(CONFIG_NAMES)}")
-        BN, SUBN, STAGES, pp = CONFIG_NAMES[name]
-        out.append((name, Fp8GemmConfig(BN, SUBN, STAGES, PINGPONG=pp)))
+        BN, SUBN, STAGES = CONFIG_NAMES[name]
+        out.append((name, Fp8GemmConfig(BN, SUBN, STAGES)))
     return out
 
 

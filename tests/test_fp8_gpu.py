@@ -135,7 +135,7 @@ def _mm_check(a, b_q, b_s, off, cfg, what):
 
 
 def _cfg_id(c):
-    return "default" if c is None else f"BN{c.BN}_SUBN{c.SUBN}" + ("_pingpong" if c.PINGPONG else "")
+    return "default" if c is None else f"BN{c.BN}_SUBN{c.SUBN}"
 
 
 @needs_tlx
@@ -149,7 +149,8 @@ def test_mm_forward_and_dgrad(counts, N, D, F, adv, why, cfg):
 
 
 @needs_tlx
-@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[2:]), ids=_cfg_id)  # (CANDIDATES[1]: forward / dX only)
+# (CANDIDATES[1] spills in this form, so it is slow there, but a pinned config runs every form)
+@pytest.mark.parametrize("cfg", [None] + list(CANDIDATES[1:]), ids=_cfg_id)
 @pytest.mark.parametrize("counts,N,D,F,adv,why", CASES, ids=[c[5] for c in CASES])
 def test_wgrad(counts, N, D, F, adv, why, cfg):
     x, w, dy, off = _data(counts, N, D, F, adversarial=adv)

@@ -47,18 +47,16 @@ def test_auto_backend_is_tlx_and_pipeline_separate():
 
 
 @needs_tlx
-@pytest.mark.parametrize("cand", [1, 2, 3], ids=["BN256_SUBN64", "pingpong", "pingpong_SUBN64"])
-def test_pinned_candidate_configs_match_the_default(cand):
-    # PINGPONG changes only the order in which the two consumer groups issue: the same instructions
-    # on the same data, so the same bits. CANDIDATES[1]'s 64-wide wgmmas may sum a k32 chunk's
-    # products in another order inside the tensor core than the 128-wide ones: its bf16 results may
-    # then differ by one bf16 ulp (the fp32 promotion order per 128-wide k-step is the same).
+def test_pinned_candidate_config_matches_the_default():
+    # CANDIDATES[1]'s 64-wide wgmmas may sum a k32 chunk's products in another order inside the
+    # tensor core than the default's 128-wide ones: its bf16 results may then differ by one bf16 ulp
+    # (the fp32 promotion order per 128-wide k-step is the same).
     from tlx_dist.fp8.tlx_gemm import CANDIDATES
 
     cfg = make_cfg(dim=512, moe_inter_dim=384, num_experts=8, top_k=2, dtype="bfloat16", init_std=0.05)
     torch.manual_seed(0)
     base = MoELayer(cfg, precision="fp8", device=DEV)
-    tuned = MoELayer(cfg, precision="fp8", device=DEV, gemm_config=CANDIDATES[cand])
+    tuned = MoELayer(cfg, precision="fp8", device=DEV, gemm_config=CANDIDATES[1])
     tuned.load_state_dict(base.state_dict())
     x = torch.randn(300, 512, device=DEV, dtype=torch.bfloat16)
     outs = []
@@ -67,11 +65,8 @@ def test_pinned_candidate_configs_match_the_default(cand):
         out = layer(xi)
         out.float().square().sum().backward()
         outs.append([out, xi.grad, layer.w13.grad, layer.w2.grad])
-    for a, b, n in zip(*outs, ("out", "dx", "dw13", "dw2")):
-        if CANDIDATES[cand].PINGPONG:
-            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
-        else:
-            assert_close_ksum_bf16(a, b)
+    for a, b in zip(*outs):
+        assert_close_ksum_bf16(a, b)
 
 
 @needs_tlx

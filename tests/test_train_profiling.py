@@ -185,9 +185,9 @@ class _Trace:
 
 
 def _h200_like_step():
-    """One step shaped like the H200 log (/work/prof_train_c.log): nested GEMM ops, a dispatcher
-    scope, the TLX grouped GEMM, the fused optimizer -- and the records that inflated the old table
-    to 1747 ms for a 353 ms step: a CUPTI "Command Buffer Full" overhead record inside the optimizer
+    """One step shaped like a real H200 training trace: nested GEMM ops, a dispatcher scope, the
+    TLX grouped GEMM, the fused optimizer -- and the records that once inflated the table to several
+    times the step: a CUPTI "Command Buffer Full" overhead record inside the optimizer
     to which torch attaches another op's kernels (same correlation number), GPU-side annotation
     spans of the step and of Optimizer.step, a stream-wait sync record, and a kernel queued before
     the profiled step. Returns (trace, ms per category a correct table shows, left-out ms)."""
@@ -223,9 +223,9 @@ def _h200_like_step():
     t.device("Optimizer.step#AdamW.step", 450, 500, linked=opt.id, kind="gpu_user_annotation")
     t.device("Stream Wait Event", 500, 520, kind="cuda_sync", linked=adamw.id)
     t.device("void at::native::vectorized_elementwise_kernel<4>", 50, 90, linked=99999)  # warm-up op
-    # Linked to no op in the trace, yet inside the step's device span (as on the H200, where
-    # 24 ms/step of such kernels, the AdamW update among them, were once dropped): it counts, by
-    # its own name.
+    # Linked to no op in the trace, yet inside the step's device span (as on a real H200 trace,
+    # where such kernels, the AdamW update among them, were once dropped): it counts, by its own
+    # name.
     t.device("_adamw_kernel", 570, 590, linked=88888)
     want_us = {"other GEMMs": 100, "exchange": 50, "expert GEMMs": 200, "optimizer": 70, "other": 30,
                "elementwise/casts": 20}

@@ -156,7 +156,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"          # auto = bf16 on GPU, fp32 on CPU
     log_every: int = 10
-    gemm_backend: str = ""       # "" = automatic (tlx -> triton -> torch -> reference)
+    gemm_backend: str = ""       # "" = automatic (tlx -> torch -> triton -> reference)
     compile: bool = False        # torch.compile the dense block parts and the loss (GPU recipes: on)
     activation_checkpoint: str = "none"   # "none" | "moe" | "full"
     crash_at_step: int = 0       # testing only: os._exit after this step (simulates a killed job)

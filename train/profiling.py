@@ -122,9 +122,8 @@ _DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 # ``cuda_runtime`` / ``cuda_driver`` calls and CUPTI ``overhead`` records such as "Command Buffer
 # Full" (the host blocked on a full launch queue). torch attaches kernels to such records too (by
 # the look of it, those of the op that shares their correlation number), so summing every host
-# event's ``kernels`` counts them again: on the H200 (3 steps of h200_1gpu) "Command Buffer Full"
-# carried 4178 ms of "Self CUDA", and the old table's 1747 ms/step minus 4178/3 is 355 ms, the
-# 353 ms step.
+# event's ``kernels`` counts them again: on a real trace the "Command Buffer Full" records carried
+# several times the step's own device time, and a table summing them read several times the step.
 _HOST_OPS = frozenset({"cpu_op", "user_annotation"})
 # Fallbacks for a torch whose events carry no ``activity_type``.
 _DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) Sync|^Stream Wait Event|^cudaEvent", re.I)
@@ -230,11 +229,10 @@ def step_profile(events: Iterable, steps: int, device: bool) -> dict:
     those that start inside the device side of the profiled steps (the GPU ``ProfilerStep#N``
     spans); without such spans in the trace, those some op in the trace launched. A record in the
     window that no op in the trace launched is categorised by its name alone and its time is also
-    reported as ``"unlinked"``: on the H200 (h200_1gpu, 3 steps) 24 ms/step, the AdamW update
-    among them -- most likely launched while the host sat in CUPTI's "Command Buffer Full" with
-    the GPU a step behind. This function once dropped every record no op launched (95 ms/step
-    there, most of it queued before the steps), which lost those 24 ms from the table. Time when records overlap on one device (several streams) is split
-    evenly among them, so the categories sum to ``"device busy"``: the time the device ran
+    reported as ``"unlinked"`` (on a real trace the AdamW update among them, most likely launched
+    while the host sat in CUPTI's "Command Buffer Full" with the GPU a step behind; dropping every
+    record no op launched would lose that time from the table). Time when records overlap on one
+    device (several streams) is split evenly among them, so the categories sum to ``"device busy"``: the time the device ran
     anything. Also ``"kernel time"`` (the records' summed durations, >= busy) and ``"left out"``:
     device time of the records that do not count (work queued before the profiled steps), in no
     category.

@@ -15,16 +15,13 @@ Pipeline per CTA (grid = #SMs, persistent over tiles from tlx/common/scheduler.p
     than 128 products (its FP8 accumulation keeps fewer bits than fp32) and the error does not
     grow with K. The slices share the partial's registers: BN / 2 accumulator registers a thread
     plus one or two partials of SUBN / 2 (ptxas overlaps a promotion with the next slice's wgmma
-    when registers allow). While one group promotes, the other's wgmmas run. Stage ``s`` is
-    released (``empty[s]``, both groups) after the last slice's wgmma. Epilogue: fp32 -> out dtype
-    into shared memory, TMA stores that overlap the next tile's main loop.
-  PINGPONG (constexpr): the two groups take turns to issue (named barriers 9 and 10, as the TLX
-    ping-pong tutorials): group 0 issues a slice's wgmma, then group 1 its own, then group 0 the
-    next, so the tensor core runs one group's wgmma while the other promotes. Without it both
-    groups leave the same ``full[s]`` wait together, issue together, finish together and promote
-    together, the tensor core idle meanwhile. (Overlapping the promotion inside one group instead --
-    issuing the next wgmma before waiting for the last -- makes ptxas serialize every wgmma of the
-    kernel, C7514: it cannot tell which in-flight accumulator a ``wgmma.wait_group 1`` retires.)
+    when registers allow). Stage ``s`` is released (``empty[s]``, both groups) after the last
+    slice's wgmma. Epilogue: fp32 -> out dtype into shared memory, TMA stores that overlap the next
+    tile's main loop.
+  Each slice's wgmma is waited before its promotion: issuing the next wgmma before waiting for the
+    last makes ptxas serialize every wgmma of the kernel (C7514: it cannot tell which in-flight
+    accumulator a ``wgmma.wait_group 1`` retires). The two groups issue independently (turns taken
+    through named barriers were slower: docs/decisions.md).
 
 Forms (constexpr WGRAD):
   mm (fwd, dX): A = q [N, K] (2-D descriptor) with scales ``sa [Kb, N]`` (``sa_ptr + k * stride_sa +
@@ -97,26 +94,8 @@ def _produce(t, it, a_desc, b_desc, a_buf, b_buf, full, empty, tile_cum_ptr, off
 
 
 @triton.jit
-def _turn_wait(CID: tl.constexpr):
-    """PINGPONG: wait until the other consumer group has issued its wgmma (module docstring)."""
-    if CID == 0:
-        tlx.named_barrier_wait(9, 256)
-    else:
-        tlx.named_barrier_wait(10, 256)
-
-
-@triton.jit
-def _turn_pass(CID: tl.constexpr):
-    """PINGPONG: this group's wgmma is issued; the other group's turn."""
-    if CID == 0:
-        tlx.named_barrier_arrive(10, 256)
-    else:
-        tlx.named_barrier_arrive(9, 256)
-
-
-@triton.jit
 def _sub_step(acc, a, b_buf, idx, sa, sb_ptr, k, tk, sb_base, kb_n, n_sub, NN, WGRAD: tl.constexpr,
-              BK: tl.constexpr, BMS: tl.constexpr, SUBN: tl.constexpr, CID: tl.constexpr, PINGPONG: tl.constexpr):
+              BK: tl.constexpr, BMS: tl.constexpr, SUBN: tl.constexpr):
     """One k-step of one SUBN-column slice: wgmma into a zeroed partial, wait, promote."""
     if WGRAD:
         b = tlx.local_trans(b_buf[idx])
@@ -127,11 +106,7 @@ def _sub_step(acc, a, b_buf, idx, sa, sb_ptr, k, tk, sb_base, kb_n, n_sub, NN, W
         b = tlx.local_trans(tlx.local_reshape(b_buf[idx], [SUBN, BK]))
         # (a slice past NN multiplies zero-filled B and is never stored: any in-range scale will do)
         sb = tl.load(sb_ptr + sb_base + (tl.minimum(n_sub, NN - 1) // 128) * kb_n + k)
-    if PINGPONG:
-        _turn_wait(CID)
     p = tlx.async_dot(a, b, tl.zeros((BMS, SUBN), dtype=tl.float32))
-    if PINGPONG:
-        _turn_pass(CID)
     p = tlx.async_dot_wait(0, p)
     if WGRAD:
         acc = _in_mma_layout(acc + p * sa[:, None] * sb[None, :], a)
@@ -156,7 +131,7 @@ def _store_sub(c_desc, c_buf, idx, acc, e, lo, cnt, m_off, n_sub, WGRAD: tl.cons
 def _consume(t, it, c_desc, a_buf, b_buf, c_buf, full, empty, sa_ptr, sb_ptr, stride_sa, tile_cum_ptr, offsets_ptr,
              E, N_ROWS, M_DIM, K_DIM, NN, tiles_n, CID: tl.constexpr, WGRAD: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, SUBN: tl.constexpr, NUM_STAGES: tl.constexpr,
-             SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr, PINGPONG: tl.constexpr):
+             SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr):
     BMS: tl.constexpr = BM // 2
     NSUB: tl.constexpr = BN // SUBN
     e, lo, cnt, mt, nt = _tile_any(t, tile_cum_ptr, offsets_ptr, offsets_ptr, E, N_ROWS, M_DIM, tiles_n, BM, WGRAD,
@@ -189,16 +164,15 @@ def _consume(t, it, c_desc, a_buf, b_buf, c_buf, full, empty, sa_ptr, sb_ptr, st
             sa = tl.load(sa_ptr + k * stride_sa + rows, mask=row_ok, other=0.0)
         tlx.barrier_wait(full[s], (it // NUM_STAGES) & 1)
         a = a_buf[s * 2 + CID]
-        acc0 = _sub_step(acc0, a, b_buf, s * NSUB, sa, sb_ptr, k, tk, sb_base, kb_n, n_off, NN, WGRAD, BK, BMS, SUBN,
-                         CID, PINGPONG)
+        acc0 = _sub_step(acc0, a, b_buf, s * NSUB, sa, sb_ptr, k, tk, sb_base, kb_n, n_off, NN, WGRAD, BK, BMS, SUBN)
         if NSUB > 1:
             acc1 = _sub_step(acc1, a, b_buf, s * NSUB + 1, sa, sb_ptr, k, tk, sb_base, kb_n, n_off + SUBN, NN, WGRAD,
-                             BK, BMS, SUBN, CID, PINGPONG)
+                             BK, BMS, SUBN)
         if NSUB > 2:
             acc2 = _sub_step(acc2, a, b_buf, s * NSUB + 2, sa, sb_ptr, k, tk, sb_base, kb_n, n_off + 2 * SUBN, NN,
-                             WGRAD, BK, BMS, SUBN, CID, PINGPONG)
+                             WGRAD, BK, BMS, SUBN)
             acc3 = _sub_step(acc3, a, b_buf, s * NSUB + 3, sa, sb_ptr, k, tk, sb_base, kb_n, n_off + 3 * SUBN, NN,
-                             WGRAD, BK, BMS, SUBN, CID, PINGPONG)
+                             WGRAD, BK, BMS, SUBN)
         tlx.barrier_arrive(empty[s])  # every wgmma reading stage s has completed
         it += 1
 
@@ -220,7 +194,6 @@ def _fp8_grouped_gemm_hopper_kernel(
     N_ROWS, E, M_DIM, K_DIM, NN, stride_sa,
     WGRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUBN: tl.constexpr,
     NUM_STAGES: tl.constexpr, NUM_SMS: tl.constexpr, SEARCH_STEPS: tl.constexpr, GROUP_M: tl.constexpr,
-    PINGPONG: tl.constexpr,
 ):
     BMS: tl.constexpr = BM // 2
     NSUB: tl.constexpr = BN // SUBN
@@ -251,12 +224,10 @@ def _fp8_grouped_gemm_hopper_kernel(
             tiles_n = tl.cdiv(NN, BN)
             total = _num_tiles(tile_cum_ptr, E, M_DIM, tiles_n, BM, WGRAD)
             it = 0
-            if PINGPONG and cid == 1:
-                tlx.named_barrier_arrive(9, 256)  # group 0 issues first
             for t in range(tl.program_id(0), total, NUM_SMS):
                 it = _consume(t, it, c_desc, a_buf, b_buf, c_buf, full, empty, sa_ptr, sb_ptr, stride_sa,
                               tile_cum_ptr, offsets_ptr, E, N_ROWS, M_DIM, K_DIM, NN, tiles_n, cid, WGRAD, BM, BN, BK,
-                              SUBN, NUM_STAGES, SEARCH_STEPS, GROUP_M, PINGPONG)
+                              SUBN, NUM_STAGES, SEARCH_STEPS, GROUP_M)
             tlx.async_descriptor_store_wait(0)
 
 

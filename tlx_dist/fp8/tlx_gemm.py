@@ -37,10 +37,6 @@ class Fp8GemmConfig:
     partials live to overlap one's promotion with the next wgmma), so BN / 2 + SUBN <= 192 of its
     240 registers: 128 x 256 tiles go in 64-column slices, 128 x 128 tiles in one.
 
-    ``PINGPONG``: the two consumer groups take turns to issue their wgmmas (tlx/hopper/
-    fp8_grouped_gemm.py), so one group's promotion runs while the other's wgmma does, instead of
-    both promoting at once with the tensor core idle; the same registers, two named barriers.
-
     ``precision`` is always ``"fp8"``: it is what ``MoELayer(precision=..., gemm_config=...)``
     checks against (the bf16 kernels' configs are :class:`~tlx_dist.grouped_gemm.GroupedGemmConfig`)."""
 
@@ -48,7 +44,6 @@ class Fp8GemmConfig:
     SUBN: int = 64
     STAGES: int = 3
     GROUP_M: int = 1  # rows of tiles walked together (L2 reuse); 1 = row-major
-    PINGPONG: bool = False
     precision: str = "fp8"
 
     def __post_init__(self):
@@ -66,8 +61,6 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig.STAGES={self.STAGES} must be in [2, 8]")
         if self.GROUP_M not in (1, 2, 4, 8, 16):
             raise ValueError(f"Fp8GemmConfig.GROUP_M={self.GROUP_M} must be one of 1, 2, 4, 8, 16")
-        if type(self.PINGPONG) is not bool:
-            raise TypeError(f"Fp8GemmConfig.PINGPONG={self.PINGPONG!r} must be a bool")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"Fp8GemmConfig(BN={self.BN}, STAGES={self.STAGES}) needs {self.smem_bytes()} bytes of "
                              f"shared memory (limit {SMEM_LIMIT})")
@@ -88,12 +81,10 @@ def config_from_json(text: str) -> Optional[Fp8GemmConfig]:
 
 
 # The configs the bench compares (``bench/grouped_gemm.py --precision fp8 --fp8-configs``) and the
-# compile tests check. 128 x 128 in one 128-column slice (the default); 128 x 256 in four 64-column
-# slices, which halves the L2 traffic per FLOP but reads A from shared memory twice as often and
-# spills in the dW form (forward / dX only); and the PINGPONG variants of 128 x 128, in one slice and
-# in two 64-column slices (finer turns, A read twice). Each spill-free where the compile tests say.
-CANDIDATES = (Fp8GemmConfig(128, 128, 5), Fp8GemmConfig(256, 64, 3), Fp8GemmConfig(128, 128, 5, PINGPONG=True),
-              Fp8GemmConfig(128, 64, 5, PINGPONG=True))
+# compile tests check. 128 x 128 in one 128-column slice: the default (docs/decisions.md). 128 x 256
+# in four 64-column slices halves the L2 traffic per FLOP but reads A from shared memory twice as
+# often and spills in the dW form: a config to pin for the forward / dX shapes where it wins.
+CANDIDATES = (Fp8GemmConfig(128, 128, 5), Fp8GemmConfig(256, 64, 3))
 
 
 def with_default_raster(cfg: Fp8GemmConfig, form: str, NN: int) -> Fp8GemmConfig:
@@ -132,8 +123,7 @@ def _launch(cfg: Fp8GemmConfig, wgrad: bool, a_desc, b_desc, c_desc, sa, sb, off
     grid = (max(1, min(sms, bound)),)
     _kernel()[grid](a_desc, b_desc, c_desc, sa, sb, offsets, tile_cum, n_rows, E, M_DIM, K_DIM, NN, stride_sa,
                     WGRAD=wgrad, BM=128, BN=cfg.BN, BK=GROUP, SUBN=cfg.SUBN, NUM_STAGES=cfg.STAGES, NUM_SMS=grid[0],
-                    SEARCH_STEPS=search_steps(E), GROUP_M=cfg.GROUP_M, PINGPONG=cfg.PINGPONG, num_warps=4,
-                    num_stages=1)
+                    SEARCH_STEPS=search_steps(E), GROUP_M=cfg.GROUP_M, num_warps=4, num_stages=1)
 
 
 def mm_fp8_tlx(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Tensor,
@@ -207,7 +197,7 @@ def kernel_signature(wgrad: bool, cfg: Optional[Fp8GemmConfig] = None, E: int = 
            "tile_cum_ptr": "*i32", "N_ROWS": "i32", "E": "i32", "M_DIM": "i32", "K_DIM": "i32", "NN": "i32",
            "stride_sa": "i32"}
     constexprs = {"WGRAD": wgrad, "BM": 128, "BN": cfg.BN, "BK": GROUP, "SUBN": cfg.SUBN, "NUM_STAGES": cfg.STAGES, "NUM_SMS": 132,
-                  "SEARCH_STEPS": search_steps(E), "GROUP_M": cfg.GROUP_M, "PINGPONG": cfg.PINGPONG}
+                  "SEARCH_STEPS": search_steps(E), "GROUP_M": cfg.GROUP_M}
     for k in constexprs:
         sig[k] = "constexpr"
     return _kernel(), sig, constexprs, {"num_warps": 4, "num_stages": 1}

@@ -1,6 +1,6 @@
 """Host side of the portable stock-Triton grouped GEMM (``tlx/portable/grouped_gemm.py``).
 
-Registers ``Backend("triton", priority=20)`` when ``triton`` imports. The host helpers it shares with
+Registers ``Backend("triton", priority=40)`` when ``triton`` imports. The host helpers it shares with
 the other kernel backends are in ``host.py``. Nothing here reads device values on the host: every
 launch is CUDA-graph safe.
 
