@@ -40,7 +40,7 @@ def _specs(amd: bool = False):
     exp_cx = dict(W=W, WP=8, K=K, KP=8, D=D, T_MAX=T_MAX, META_W=K + 1, ACC=tl.float32, BLOCK_R=8, **tiles, **wait,
                   COPY=True, GATE_N=False, DGATE_GIVEN=False, WAIT_ROWS=True, END=False, WP3=32, RECV_COPY=False,
                   SRC_ROW=False, LOCAL_X=False, LAYOUT=False, E=E, EP=E, E_LOCAL=E // W, NC=E + W, OFFS_CAP=-1,
-                  OFF_COUNTS=768, BLK=False, RB=64, NRB=T_MAX // 64,
+                  OFF_COUNTS=768, BLK=False, RB=64, NRB=T_MAX // 64, NEAR_L=0,
                   **o("OFF_STATE", "OFF_ARRIVE", "OFF_META", "OFF_GATES", "OFF_RECV", "OFF_DGATE", "OFF_FLAGS",
                       "OFF_RBLK"))
     send_sig = dict(x_ptr="*bf16", stride_x="i64", T="i32", send_row_ptr="*i32", idx_ptr="*i64", q_ptr="*i32",
@@ -136,6 +136,12 @@ def _specs(amd: bool = False):
                                                                lay_ptr="*i64", offs_ptr="*i32", starts_ptr="*i64"),
                                         dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True, END=True,
                                              RECV_COPY=True, SRC_ROW=True, LAYOUT=True, OFFS_CAP=W * T_MAX * K)),
+        # ... the overlapped hierarchical dispatch's: only this node's rows copied, the op not ended
+        "_expand_kernel[rows_layout_near]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32",
+                                                                    lay_ptr="*i64", offs_ptr="*i32", starts_ptr="*i64"),
+                                             dict(exp_cx, FROM_META=True, GATE_GRAD=False, COPY=False, GATE_N=True,
+                                                  END=False, RECV_COPY=True, SRC_ROW=True, LAYOUT=True,
+                                                  OFFS_CAP=W * T_MAX * K, NEAR_L=4)),
         "_expand_kernel[grad]": ("_expand_kernel", exp_sig, dict(exp_cx, FROM_META=False, GATE_GRAD=True, LOCAL_X=True)),
         # the fused EP pipeline's row form: index maps + gates only; given gate gradients, no wait
         "_expand_kernel[rows]": ("_expand_kernel", dict(exp_sig, gate_n_ptr="*fp32", src_row_ptr="*i32"),
