@@ -20,7 +20,8 @@ Each step is forward + backward (dx and every parameter gradient). fwd+bwd TFLOP
 median step time (eager, one sync per step); forward TFLOP/s = 6*T*K*D*F / median forward time (under
 no_grad). Before any timing, each provider's output on the first CHECK_TOKENS tokens is checked
 against an fp32 reference of the same experts (bench/_liger_cute.py check_close: within twice torch's
-own bf16 error); a bf16 provider off it is not timed (the FP8 ones' error is recorded only). Latency: median eager and CUDA-graph-replayed step time
+own bf16 error); one of our bf16 providers off it is not timed (the FP8 providers' and the anchors'
+error is recorded only, UNCHECKED). Latency: median eager and CUDA-graph-replayed step time
 at the --latency-tokens sizes (each graph captured in a child process: an invalidated capture leaves
 the CUDA context unusable, and in-process captures failed in cascade). Ratios are taken
 in the same process. The JSON keeps every number;
@@ -92,7 +93,10 @@ EP_PROVIDERS = ("fused_ep", "fused_ep_regions", "symm", "all_to_all", LIGER)  # 
 EP_EXTRA = ("fused_ep_static", "fused_ep_overlap")  # by name (--providers)
 EP_CAPACITY = 1.25  # expanded rows of the static-capacity providers: 1.25 * T * K per rank
 CHECK_TOKENS = 256  # tokens per rank checked against the fp32 reference before timing
-UNCHECKED = ("fp8", "scaled_grouped_mm")  # FP8 GEMMs: their error is recorded, the bf16 bound does not apply
+# Error recorded, not gated: the FP8 GEMMs (the bf16 bound does not apply) and the anchors, which are
+# measured as they are (torchtitan's layer rounds each of the K gate products to bf16 before its
+# index_add, more rounding than the bound's torch twin, and can land just past the bound).
+UNCHECKED = ("fp8", "scaled_grouped_mm", "torchtitan", LIGER)
 
 
 def select_providers(requested: str, precision: str, world: int, optional=None) -> list:
@@ -458,7 +462,7 @@ def _ep_rows(args, providers, kinds, shapes, tokens, runtime, group) -> list:
                     out = step()
                     outs[p] = (out.detach().float(), x.grad.detach().float())
                     row[f"{p}_ref_maxerr"], bad = _liger_cute.check_close(out[:S].detach(), ref, ref_twin)
-                    flag = torch.tensor([float(bad is not None)], device="cuda")
+                    flag = torch.tensor([float(bad is not None and p not in UNCHECKED)], device="cuda")
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank stops, or none
                     if flag.item():
                         raise ValueError(bad or "output off the fp32 reference on another rank")
