@@ -6,8 +6,8 @@
 What it shows: where the inter-node links are slow against the tensor cores, the fused expert
 forward of one rank computes the rows of its own node while the other nodes' rows are still
 crossing the NICs (``ExchangeConfig(overlap=True)`` on a hierarchical buffer set,
-``tlx_dist/comm/symm/hier_overlap.py``), so the layer takes about max(compute, transfer) instead
-of their sum. What is timed is the part of one rank's layer forward that the overlap changes: the
+``tlx_dist/comm/symm/hier_overlap.py``), so that the layer would take about max(compute,
+transfer) instead of their sum; this bench measures how close it comes. What is timed is the part of one rank's layer forward that the overlap changes: the
 other nodes' rows arriving and the fused experts (with the first leg of their partial rows home);
 the intra-node leg, the metadata and the rest of the combine are the same in both forms and not
 timed. Forward only (the backward's exchanges are not overlapped).
