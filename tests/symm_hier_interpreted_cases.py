@@ -6,7 +6,7 @@ rows and fp64 sums are compared exactly, and so are the per-leg device counters.
 
 Worlds: ranks of other nodes reached through the emulated NVSHMEM route (pointer 0; the staging
 rules are checked by the emulation) or, as on one GPU, by pointer stores (``nvshmem=False``).
-Run by tests/test_symm_hier_interpreted.py in its TRITON_INTERPRET=1 child (more cases:
+Run by tests/test_symm_interpreted.py in its TRITON_INTERPRET=1 child (more cases:
 tests/symm_hier_more_interpreted_cases.py)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tlx_dist.comm.hier_reference import (destination_nodes, hier_combine_refere
                                           hier_dispatch_reference)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="run through tests/test_symm_hier_interpreted.py (needs TRITON_INTERPRET=1)")
+                                reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
 
 
 def HierWorld(W, T_max, D, K, E, dtype, L, nvshmem=None, capacity="worst", timeout_s=None, device="cpu",

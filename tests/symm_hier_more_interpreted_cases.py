@@ -1,7 +1,7 @@
 """More of the hierarchical exchange under TRITON_INTERPRET=1 (tests/symm_hier_interpreted_cases.py
 has the harness and the oracle worlds): low precision and capacity="exact", one node against the flat
 path bit for bit, the fused pipeline's row form, buffers reused across rounds, node-limited routing
-on the counters, a bounded wait, and the node route alone. Run by tests/test_symm_hier_interpreted.py
+on the counters, a bounded wait, and the node route alone. Run by tests/test_symm_interpreted.py
 in its TRITON_INTERPRET=1 child."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tlx_dist.comm.hier_reference import (destination_nodes, hier_combine_refere
 from tlx_dist.comm.symm.buffers import ExchangeError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="run through tests/test_symm_hier_interpreted.py (needs TRITON_INTERPRET=1)")
+                                reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
 
 
 def test_hier_world_low_precision_exact_capacity_and_one_rank_nodes():

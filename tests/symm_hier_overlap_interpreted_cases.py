@@ -12,7 +12,7 @@ completes is reported by ``check()``; a plan abandoned before its GEMMs is finis
 The emulated world runs each rank's side-stream work in line (its ranks run one after another), so
 every row has landed in RECV when the dispatch returns; what the plan's wait adds here is the
 counters' check and the copy of the other nodes' rows out of RECV.
-Run by tests/test_symm_hier_overlap.py in its TRITON_INTERPRET=1 child."""
+Run by tests/test_symm_interpreted.py in its TRITON_INTERPRET=1 child."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from tlx_dist.fused.reference import fused_experts_ref  # noqa: E402
 from tlx_dist.testing import assert_close_to_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="run through tests/test_symm_hier_overlap.py (needs TRITON_INTERPRET=1)")
+                                reason="run through tests/test_symm_interpreted.py (needs TRITON_INTERPRET=1)")
 
 
 def _counters(b, name):
@@ -166,9 +166,9 @@ def _reference_counters(ops, E, L):
     (4, 2, "random", "triton", [3, 2, 4, 1]),          # 2 x 2, the phased forward
     (4, 2, "random", "reference", [4, 0, 3, 2]),       # a rank with no tokens
     (4, 2, "one_node", "reference", [3, 2, 2, 3]),     # 2 x 2, every token to node 0
-    (8, 4, "random", "reference", [2, 3, 1, 2, 3, 2, 1, 2]),   # 2 x 4
-    (8, 4, "one_node", "triton", [2, 2, 1, 3, 2, 1, 2, 2]),    # 2 x 4, every token to node 0
-    # (release tier: 2 x 4 with node 1 receiving nothing, 4 x 2 every token to node 0)
+    # the 8-rank worlds in the release tier (each interprets every rank's kernels: minutes on 2 cores)
+    pytest.param(8, 4, "random", "reference", [2, 3, 1, 2, 3, 2, 1, 2], marks=pytest.mark.release),  # 2 x 4
+    pytest.param(8, 4, "one_node", "triton", [2, 2, 1, 3, 2, 1, 2, 2], marks=pytest.mark.release),  # node 0 only
     pytest.param(8, 4, "empty_node", "reference", [1, 2, 3, 2, 2, 1, 3, 2], marks=pytest.mark.release),
     pytest.param(8, 2, "one_node", "triton", [2, 1, 3, 2, 1, 2, 2, 1], marks=pytest.mark.release),
     (4, 2, "empty_node", "triton", [3, 3, 2, 1]),      # the last node receives nothing

@@ -1,6 +1,6 @@
 """Runs tests/symm_*_interpreted_cases.py (the symmetric-memory kernels under the Triton interpreter, on
 CPU), each file in a child pytest with TRITON_INTERPRET=1, so that this process keeps compiling kernels.
-The fast tier's five children run two at a time (tests/_interp.py's SuitePool), each under its own
+The fast tier's eight children run two at a time (tests/_interp.py's SuitePool), each under its own
 time limit, and each test checks its own child."""
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ _SKIP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 # test -> its case file, the longest first (the pool starts them in this order)
 _FAST = {
+    "test_symm_hier_overlap_interpreted_suite": "symm_hier_overlap_interpreted_cases.py",  # the overlap across nodes
     "test_symm_rows_interpreted_suite": "symm_rows_interpreted_cases.py",       # the fused EP exchange
+    "test_symm_hier_worlds_interpreted_suite": "symm_hier_interpreted_cases.py",  # the hierarchical exchange
     "test_symm_dispatch_interpreted_suite": "symm_interpreted_cases.py",
-    "test_symm_nvshmem_route_interpreted_suite": "symm_nvshmem_interpreted_cases.py",  # emulated cross-node route
+    "test_symm_hier_more_interpreted_suite": "symm_hier_more_interpreted_cases.py",  # its row form, waits, route
     "test_symm_copy_engine_interpreted_suite": "symm_ce_interpreted_cases.py",  # the row form by copy engines
+    "test_symm_nvshmem_route_interpreted_suite": "symm_nvshmem_interpreted_cases.py",  # emulated cross-node route
     "test_symm_fp8_dispatch_interpreted_suite": "symm_fp8_interpreted_cases.py",  # packed FP8 rows, both routes
 }
 
@@ -77,3 +80,24 @@ def test_symm_rows_nvshmem_copy_engine_interpreted_suites_release():
 @_SKIP
 def test_symm_fp8_dispatch_interpreted_suite(fast_suites, request):
     _check(fast_suites, request)
+
+
+@_SKIP
+def test_symm_hier_worlds_interpreted_suite(fast_suites, request):
+    _check(fast_suites, request)
+
+
+@_SKIP
+def test_symm_hier_more_interpreted_suite(fast_suites, request):
+    _check(fast_suites, request)
+
+
+@_SKIP
+def test_symm_hier_overlap_interpreted_suite(fast_suites, request):
+    _check(fast_suites, request)
+
+
+@_SKIP
+@pytest.mark.release
+def test_symm_hier_overlap_interpreted_suite_release():
+    run_interpreted_suite("symm_hier_overlap_interpreted_cases.py", release=True)  # its 8-rank worlds
