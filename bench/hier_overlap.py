@@ -213,7 +213,7 @@ def paced_schedule(far: Sequence[int], T: int, chunks: int, window_ms: float) ->
         for r0 in range(0, n, step):
             a, b = s * T + r0, s * T + min(n, r0 + step)
             done += b - a
-            out.append(Piece(s, a, b, window_ms * done / total, r0 + step >= n))
+            out.append(Piece(s, a, b, window_ms * (done / total), r0 + step >= n))  # (1.0: the end, exactly)
     return out
 
 
