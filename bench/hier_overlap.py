@@ -11,7 +11,8 @@ crossing the NICs (``ExchangeConfig(overlap=True)`` on a hierarchical buffer set
 transfer) instead of their sum; this bench measures how close it comes. What is timed is the
 part of one rank's layer forward that the overlap changes: the other nodes' rows arriving and the
 fused experts (with the first leg of their partial rows home); the intra-node leg, the metadata
-and the rest of the combine are the same in both forms and not timed. Forward only (the backward's exchanges are not overlapped).
+and the rest of the combine are the same in both forms and not timed. Forward only (the
+backward's exchanges are not overlapped).
 
 How: an emulated world of ``--world`` virtual ranks in nodes of ``--ranks-per-node`` on this GPU
 runs one real overlapped hierarchical dispatch (random top-K routing, bf16) -- every rank's rows
@@ -43,8 +44,8 @@ spin on the stream so that launch overhead is not counted:
             spin            a clock spin (``torch.cuda._sleep``: one thread of one SM, no memory
                             traffic) before each copy on the copy stream, calibrated against the
                             clock, then the whole window once against its measured length. A
-                            kernel: while the persistent GEMMs hold every SM it cannot be scheduled
-                            -- suspected (not profiled) to hold the copies back to the gaps between
+                            kernel needs an SM, and a persistent GEMM's CTAs fill the SMs they hold:
+                            suspected (not profiled) to hold the copies back to the gaps between
                             GEMM phases, serialising the transfer behind the compute, which a NIC's
                             RDMA (no SM) would not. Kept to show the difference.
 
@@ -63,9 +64,10 @@ Before each serial / overlap sample the other-node rows are overwritten with NaN
 outside this node's and their RECV rows), so the GEMMs can only read what the paced copies bring:
 every serial and overlapped output is checked finite, the last of each against the compute-only
 output (within one bf16 rounding of the row's scale: the partial rows are fp32 atomic sums of the
-K slots, in another order), and the world's error word afterwards (a bounded wait that timed out). The target (issue 35 item 6): ``overlap <= 1.15 * max(compute,
-transfer)``, against ``serial`` ~ their sum. ``--dry`` builds the routing on the CPU and prints the
-paced window and copy schedule of each rate (no GPU). Results go to ``bench/results/hier_overlap_*`` (bench/_results.py).
+K slots, in another order), and the world's error word afterwards (a bounded wait that timed out).
+The target (issue 35 item 6): ``overlap <= 1.15 * max(compute, transfer)``, against ``serial`` ~
+their sum. ``--dry`` builds the routing on the CPU and prints the paced window and copy schedule of
+each rate (no GPU). Results go to ``bench/results/hier_overlap_*`` (bench/_results.py).
 """
 
 from __future__ import annotations
