@@ -5,7 +5,8 @@ the ``--dry`` path.
 
 On one H200 (registered as ``bench-hier-overlap`` in scripts/gpu_checks.toml):
 
-    python3 bench/hier_overlap.py
+    python3 bench/hier_overlap.py --nic-gbs 25,50                # host pacing (the default)
+    python3 bench/hier_overlap.py --nic-gbs 25,50 --pace spin    # the clock-spin pacing beside it
 """
 
 from __future__ import annotations
