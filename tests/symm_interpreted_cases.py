@@ -158,8 +158,10 @@ def test_tiles_widen_only_for_few_rows():
     assert _tiles(7168, 2 * 16384, 1024) == (4, 1024) and _tiles(7168, 128, 1024) == (2, 2048)
 
 
-# 2-row tiles in the fast tier; 1-row tiles (twice the programs under the interpreter) in the release tier
-@pytest.mark.parametrize("tiles", [(2, 16), pytest.param((1, 32), marks=pytest.mark.release)], ids=["2x16", "1x32"])
+# release tier, both (minutes of interpreted programs); the row form's short-wide tiles stay fast
+# (symm_rows_interpreted_cases.py)
+@pytest.mark.release
+@pytest.mark.parametrize("tiles", [(2, 16), (1, 32)], ids=["2x16", "1x32"])
 def test_emulated_world_short_wide_tiles(monkeypatch, tiles):
     """The row-moving kernels with 2-row, 1-row and multi-chunk tiles whose last column chunk is
     ragged (what tuning._tiles picks for few rows at large D, here forced at a small D)."""
@@ -193,6 +195,7 @@ def test_expanded_form_reads_own_rows_from_x(monkeypatch):
     world.close()
 
 
+@pytest.mark.release  # the look-back over aggregates stays fast (test_route_lookback_through_aggregates)
 def test_emulated_many_route_blocks():
     """E = 64, K = 8 at 32 tokens per route block: T = 100 / 70 spans 4 / 3 blocks with a ragged
     last one -- the look-back must carry every block's slots into the next, and a second dispatch

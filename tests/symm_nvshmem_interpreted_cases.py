@@ -65,6 +65,7 @@ def test_nvshmem_route_edge_shapes(nodes):
     cases._check_world(2, 6, 6, [5, 3], 7, "random", torch.float16)
 
 
+@pytest.mark.release  # buffer reuse stays fast on the peer route (test_repeated_ops_reuse_buffers)
 def test_nvshmem_route_reuses_buffers_across_layers(nodes):
     nodes(2)
     cases.test_repeated_ops_reuse_buffers()

@@ -153,7 +153,7 @@ def test_checkpoint_state_is_identical_across_layouts(tmp_path):
     assert checked == n_moe * 2 * E
 
 
-@pytest.mark.parametrize("src_ep,dst_ep", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("src_ep,dst_ep", [pytest.param(2, 1, marks=pytest.mark.release), (1, 2)])
 def test_resume_at_another_ep_degree_continues_the_losses(tmp_path, src_ep, dst_ep):
     steps, base = 12, TINY + ["data.batch_size=4"]
     ck = [f"checkpoint.dir='{tmp_path / 'ck'}'", "checkpoint.every=8"]
