@@ -265,6 +265,27 @@ def test_each_kernel_counted_once_by_its_launching_op(linked, kind):
     assert ms["step (wall)"] == pytest.approx(1.0)
 
 
+def test_unlinked_kernel_after_its_steps_device_span_counts():
+    """Two profiled steps, each ending in a sync, as tests/test_train_profiling.py's GPU test runs
+    them: the fused AdamW kernel of each step is linked to no op (CUPTI lost the link), so torch's
+    GPU-side ProfilerStep span of that step ends before it. It still counts, for its own step, as
+    "optimizer" (by name); only the kernel queued before the first profiled step is left out."""
+    t = _Trace()
+    adam = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>"
+    t.device("void at::native::vectorized_elementwise_kernel<4>", 5, 15, linked=99999)  # a warm-up step's
+    for base in (0, 1000):
+        step = t.op("ProfilerStep*", base + 0, base + 1000, kind="user_annotation")
+        mm = t.op("aten::mm", base + 10, base + 20, step)
+        t.device("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", base + 100, base + 300, mm)
+        t.device("ProfilerStep#1", base + 100, base + 300, linked=step.id, kind="gpu_user_annotation")
+        t.device(adam, base + 310, base + 400, linked=77777)  # after the span: no op linked
+    ms = step_profile(t.events, steps=2, device=True)
+    assert ms["optimizer"] == pytest.approx(0.09) and ms["other GEMMs"] == pytest.approx(0.2)
+    assert ms["unlinked"] == pytest.approx(0.09)
+    assert ms["left out"] == pytest.approx(0.005)  # the warm-up kernel, 10 us over 2 steps
+    assert ms["device busy"] == pytest.approx(0.29) and ms["kernel time"] == pytest.approx(0.29)
+
+
 def test_steps_divide_and_table_states_busy_fraction():
     t, want, _ = _h200_like_step()
     ms = step_profile(t.events, steps=2, device=True)

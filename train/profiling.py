@@ -206,16 +206,34 @@ def _share_concurrent(spans: list[tuple[float, float, object, str]]) -> tuple[di
 
 
 def _step_windows(events: list) -> dict:
-    """Per device, the ``[start, end)`` intervals of the GPU-side ``ProfilerStep#N`` spans: torch
-    draws each host step scope on the device timeline from the first to the last record launched
-    inside it. Empty where the trace has none (an older torch, or a CPU-only trace)."""
-    out: dict = {}
+    """Per device, the ``[start, end)`` intervals that hold the device side of the profiled steps.
+    Torch draws each host step scope on the device timeline as a GPU-side ``ProfilerStep#N`` span,
+    from the first to the last record *linked* to an op inside it; a record no op is linked to
+    (CUPTI drops the link now and then -- the fused AdamW update at a step's end, on a real H200
+    trace) can start after its step's span. So each span is stretched to the next span's start, and
+    the last to the end of the last host step scope: device work that starts between two spans was
+    launched in the earlier step. Work queued before the profiled steps starts before the first span
+    and stays out. Empty where the trace has none (an older torch, or a CPU-only trace)."""
+    spans: dict = {}
+    host_end = None
     for e in events:
-        if e.device_type == DeviceType.CPU or not _is_step(e.name):
+        if not _is_step(e.name):
+            continue
+        if e.device_type == DeviceType.CPU:
+            if _is_host_op(e) or e.is_user_annotation:
+                host_end = e.time_range.end if host_end is None else max(host_end, e.time_range.end)
             continue
         kind = _kind(e)
         if kind == "gpu_user_annotation" or (kind is None and e.is_user_annotation):
-            out.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
+            spans.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
+    out: dict = {}
+    for dev, ss in spans.items():
+        ss.sort()
+        wins = []
+        for i, (s0, e0) in enumerate(ss):
+            nxt = ss[i + 1][0] if i + 1 < len(ss) else (max(e0, host_end) if host_end is not None else e0)
+            wins.append((s0, max(e0, nxt)))
+        out[dev] = wins
     return out
 
 
