@@ -8,10 +8,11 @@ G the group (128), Fb = cdiv(F, G), F2b = cdiv(2F, G).
 
 The SwiGLU is computed in fp32 and rounded once to the output's dtype; the quantization then reads
 that *rounded* value, so ``q, s`` are exactly ``_quant_rows_kernel`` of the stored tensor
-(tlx/common/fp8_quant.py: same scale rule, same encoding, same EMULATE switch for the
-interpreter). ``silu(g) = g / (1 + exp(-g))``, ``sigmoid(g) = 1 / (1 + exp(-g))`` (IEEE
-divisions); the gradients are
+(tlx/common/fp8_quant.py: same scale rule, same encoding, same EMULATE switch for the interpreter,
+under which the fp32 -> bf16 rounding is done in integer arithmetic too). With
+``silu(g) = g / (1 + exp(-g))`` and ``sigmoid(g) = 1 / (1 + exp(-g))`` (IEEE divisions):
 
+    a      = silu(g) * up
     d up   = dA * silu(g)
     d gate = (dA * up) * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
 
@@ -44,13 +45,29 @@ def _silu_sigmoid(g):
 
 
 @triton.jit
+def _round_bf16_soft(v):
+    # (bf16 of fp32 ``v`` rounded to nearest even, its fp32 value) in integer arithmetic: the
+    # interpreter's fp32 -> bf16 cast truncates and mishandles subnormals. bf16 is fp32's top 16
+    # bits, so rounding the magnitude's bits at bit 16 is exact for normals, subnormals and overflow.
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    r = ((mag + 0x7FFF + ((mag >> 16) & 1)) >> 16) | (sign << 15)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True), (r << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _store_quantized(v, dst_ptr, q_ptr, s_ptr, r64, rows, cols, ok, rm, k, stride_dm, stride_qm, stride_sk,
                      FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
     """Round fp32 ``v`` [BLOCK_M, G] once to dst's dtype, store it, and store the quantization of
     the rounded value (q tile and its per-row scales in group ``k``)."""
-    vr = v.to(dst_ptr.dtype.element_ty)
+    if EMULATE and dst_ptr.dtype.element_ty == tl.bfloat16:
+        vr, vf = _round_bf16_soft(v)
+    else:
+        vr = v.to(dst_ptr.dtype.element_ty)
+        vf = vr.to(tl.float32)
     tl.store(dst_ptr + r64[:, None] * stride_dm + cols[None, :], vr, mask=ok)
-    x = tl.where(ok, vr.to(tl.float32), 0.0)
+    x = tl.where(ok, vf, 0.0)
     s, inv = scale_from_amax(tl.max(tl.abs(x), axis=1), FMT, POW2)
     tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
     tl.store(s_ptr + k.to(tl.int64) * stride_sk + rows, s, mask=rm)
