@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grouped_gemm.host import interpret_mode
+from .api import _quant_backend
 from .quant import FORMATS, GROUP, Fp8Rows, _check_input, _use_kernels, check_fmt, quantize_rows_ref
 
 __all__ = ["swiglu_quant", "swiglu_bwd_quant", "swiglu_quant_ref", "swiglu_bwd_quant_ref"]
@@ -151,13 +152,9 @@ def swiglu_bwd_quant(h_M2F: torch.Tensor, dA_MF: torch.Tensor, *, fmt: str = "e4
 # op in api.py does), any other the kernels where they run.
 
 
-def _qb(backend: str) -> Optional[str]:
-    return "reference" if backend == "reference" else None
-
-
 @torch.library.custom_op("tlx_dist::fp8_swiglu_quant", mutates_args=())
 def _swiglu_quant_op(h_M2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a, r = swiglu_quant(h_M2F, backend=_qb(backend))
+    a, r = swiglu_quant(h_M2F, backend=_quant_backend(backend))
     return a, r.q_MC, r.s_MCb.t().contiguous()
 
 
@@ -171,7 +168,7 @@ def _(h_M2F, backend):
 @torch.library.custom_op("tlx_dist::fp8_swiglu_bwd_quant", mutates_args=())
 def _swiglu_bwd_quant_op(h_M2F: torch.Tensor, dA_MF: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
-    dh, r = swiglu_bwd_quant(h_M2F, dA_MF, backend=_qb(backend))
+    dh, r = swiglu_bwd_quant(h_M2F, dA_MF, backend=_quant_backend(backend))
     return dh, r.q_MC, r.s_MCb.t().contiguous()
 
 
