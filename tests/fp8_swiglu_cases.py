@@ -15,7 +15,9 @@ d gate cancels where ``1 + g (1 - sig(g)) = 0`` (g ~ -1.28), so its error is rel
 not the result. Each fp32 operation adds at most 2**-24 relative; 16 covers the formula's dozen and
 an exp good to 2 ulps (the GPU's); ``1 + |g|`` the exp's argument rounding on the GPU (exp2 of
 ``g * log2(e)``), capped at 88 where exp(-g) over- or underflows and sigmoid is exactly 0 or 1.
-The quantized form must equal ``quantize_rows_ref`` of the kernel's rounded output bit for bit.
+(Gates in about (-104, -88), where exp(-g) overflows fp32 but silu(g) is still a bf16 normal, give
+-0 in any fp32 evaluation -- torch's included -- and are outside this bound; the inputs here avoid
+them.) The quantized form must equal ``quantize_rows_ref`` of the kernel's rounded output bit for bit.
 """
 
 from __future__ import annotations
