@@ -213,3 +213,32 @@ def test_dequant_rows_kernel_compiles_with_the_hardware_decode(out):
     # e4m3 -> f16 is exact (every e4m3 value is an f16), then the fp32 product, rounded once
     assert "cvt.rn.f16x2.e4m3x2" in k.asm["ptx"]
     assert re.search(r"mul(\.rn)?\.f32", k.asm["ptx"])
+
+
+# --- the SwiGLU fused with its row quantization (plain Triton) --------------------------------------
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("form", ["fwd", "bwd_paired", "bwd_straddling"])
+def test_swiglu_quant_kernels_compile_with_the_hardware_encode(form, dt):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_swiglu import _swiglu_bwd_quant_kernel, _swiglu_quant_kernel
+
+    cx = {"G": 128, "BLOCK_M": 32, "FMT": 0, "POW2": False, "EMULATE": False}
+    if form == "fwd":
+        fn = _swiglu_quant_kernel
+        sig = {"h_ptr": f"*{dt}", "a_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "F": "i32",
+               "stride_hm": "i32", "stride_am": "i32", "stride_qm": "i32", "stride_sk": "i32"}
+    else:
+        fn = _swiglu_bwd_quant_kernel
+        sig = {"h_ptr": f"*{dt}", "da_ptr": f"*{dt}", "dh_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32",
+               "F": "i32", "stride_hm": "i32", "stride_dam": "i32", "stride_dhm": "i32", "stride_qm": "i32",
+               "stride_sk": "i32"}
+        cx["PAIRED"] = form == "bwd_paired"
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=_cuda(90), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
+    assert re.search(r"div\.rn\.f32", ptx), "silu / sigmoid use IEEE division"

@@ -286,14 +286,44 @@ def _check_args(x_ND, w_EDF, offsets_E, w_fp8) -> None:
         raise ValueError(f"x_ND, w_EDF and offsets_E must be on one device, got {sorted(map(str, devs))}")
     _check_offsets_values(offsets_E, x_ND.shape[0])  # on CPU (and with TLX_DIST_CHECK_OFFSETS=1): raises
     if w_fp8 is not None:
-        if not isinstance(w_fp8, Fp8Weight):
-            raise TypeError(f"w_fp8 must be an Fp8Weight (Fp8WeightCache.get / quantize_weight), got {type(w_fp8).__name__}")
-        if tuple(w_fp8.shape) != tuple(w_EDF.shape):
-            raise ValueError(f"w_fp8 has shape {tuple(w_fp8.shape)} but w_EDF {tuple(w_EDF.shape)}: a stale copy?")
-        if w_fp8.fmt != "e4m3fn":
-            raise ValueError(f"w_fp8.fmt={w_fp8.fmt!r}: the NVIDIA paths take e4m3fn")
-        if w_fp8.q_EDF.device != w_EDF.device:
-            raise ValueError(f"w_fp8 is on {w_fp8.q_EDF.device} but w_EDF on {w_EDF.device}")
+        _check_w_fp8(w_fp8, w_EDF)
+
+
+def _check_w_fp8(w_fp8, w_EDF: torch.Tensor, name: str = "w_fp8", w_name: str = "w_EDF") -> None:
+    if not isinstance(w_fp8, Fp8Weight):
+        raise TypeError(f"{name} must be an Fp8Weight (Fp8WeightCache.get / quantize_weight), got {type(w_fp8).__name__}")
+    if tuple(w_fp8.shape) != tuple(w_EDF.shape):
+        raise ValueError(f"{name} has shape {tuple(w_fp8.shape)} but {w_name} {tuple(w_EDF.shape)}: a stale copy?")
+    if w_fp8.fmt != "e4m3fn":
+        raise ValueError(f"{name}.fmt={w_fp8.fmt!r}: the NVIDIA paths take e4m3fn")
+    if w_fp8.q_EDF.device != w_EDF.device:
+        raise ValueError(f"{name} is on {w_fp8.q_EDF.device} but {w_name} on {w_EDF.device}")
+
+
+def _resolve(x_ND, w_EDF, offsets_E, w_fp8, backend, config, x_fp8):
+    """grouped_mm_fp8's checks and choices: ``(backend name, w_fp8, x_q, x_s_CbN)`` (the weight
+    quantized here when no copy was given; x_q / x_s None unless ``x_fp8`` was)."""
+    _check_args(x_ND, w_EDF, offsets_E, w_fp8)
+    D, F = w_EDF.shape[1], w_EDF.shape[2]
+    name = select_fp8_backend(x_ND.device, D, F, backend, f"w_EDF's (D, F) = ({D}, {F})")
+    if name != "reference" and x_ND.dtype not in _OUT:
+        raise TypeError(f"precision='fp8' backend={name!r}: x_ND must be bfloat16 or float16, got {x_ND.dtype}")
+    if config is not None and name != "tlx":
+        raise ValueError(f"config= pins the TLX FP8 kernel's tile config, but backend {name!r} runs here, which has "
+                         "no tiles (pin backend='tlx' on sm_90, or drop the config)")
+    x_q = x_s = None
+    if x_fp8 is not None:
+        if not isinstance(x_fp8, Fp8Rows):
+            raise TypeError(f"x_fp8 must be an Fp8Rows (quantize_rows / dispatch_fp8), got {type(x_fp8).__name__}")
+        if tuple(x_fp8.q_MC.shape) != tuple(x_ND.shape) or x_fp8.q_MC.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"x_fp8 must hold e4m3fn rows of x_ND's shape {tuple(x_ND.shape)}, got "
+                             f"{tuple(x_fp8.q_MC.shape)} {x_fp8.q_MC.dtype}")
+        if x_fp8.q_MC.device != x_ND.device or x_fp8.q_MC.stride(1) != 1:
+            raise ValueError("x_fp8 must be on x_ND's device with a unit column stride")
+        x_q, x_s = x_fp8.q_MC, x_fp8.s_MCb.t()
+    if w_fp8 is None:
+        w_fp8 = quantize_weight(w_EDF.detach(), backend=_quant_backend(name))
+    return name, w_fp8, x_q, x_s
 
 
 def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor, *,
@@ -319,26 +349,7 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
     Returns:
         ``[N, F]`` in ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
-    _check_args(x_ND, w_EDF, offsets_E, w_fp8)
-    D, F = w_EDF.shape[1], w_EDF.shape[2]
-    name = select_fp8_backend(x_ND.device, D, F, backend, f"w_EDF's (D, F) = ({D}, {F})")
-    if name != "reference" and x_ND.dtype not in _OUT:
-        raise TypeError(f"precision='fp8' backend={name!r}: x_ND must be bfloat16 or float16, got {x_ND.dtype}")
-    if config is not None and name != "tlx":
-        raise ValueError(f"config= pins the TLX FP8 kernel's tile config, but backend {name!r} runs here, which has "
-                         "no tiles (pin backend='tlx' on sm_90, or drop the config)")
-    x_q = x_s = None
-    if x_fp8 is not None:
-        if not isinstance(x_fp8, Fp8Rows):
-            raise TypeError(f"x_fp8 must be an Fp8Rows (quantize_rows / dispatch_fp8), got {type(x_fp8).__name__}")
-        if tuple(x_fp8.q_MC.shape) != tuple(x_ND.shape) or x_fp8.q_MC.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"x_fp8 must hold e4m3fn rows of x_ND's shape {tuple(x_ND.shape)}, got "
-                             f"{tuple(x_fp8.q_MC.shape)} {x_fp8.q_MC.dtype}")
-        if x_fp8.q_MC.device != x_ND.device or x_fp8.q_MC.stride(1) != 1:
-            raise ValueError("x_fp8 must be on x_ND's device with a unit column stride")
-        x_q, x_s = x_fp8.q_MC, x_fp8.s_MCb.t()
-    if w_fp8 is None:
-        w_fp8 = quantize_weight(w_EDF.detach(), backend=_quant_backend(name))
+    name, w_fp8, x_q, x_s = _resolve(x_ND, w_EDF, offsets_E, w_fp8, backend, config, x_fp8)
     return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name,
                               _config_json(config), x_q, x_s)
 

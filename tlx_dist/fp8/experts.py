@@ -3,15 +3,26 @@
 Legend: N rows in expert-major order (what a dispatcher delivers), D hidden, F expert intermediate,
 E local experts, ``offsets_E`` cumulative end row of each expert.
 
-    h_N2F = grouped_mm_fp8(x_ND, w13_EDF2, offsets_E)      # x quantized 1 x 128 along D
-    a_NF  = silu(h[:, :F]) * h[:, F:]                        # in x's dtype
-    y_ND  = grouped_mm_fp8(a_NF, w2_EFD, offsets_E)        # a quantized 1 x 128 along F
+Forward (the SwiGLU fused with the down GEMM's input quantization, tlx_dist/fp8/swiglu.py):
 
-Each GEMM quantizes its activation operand where it enters (the forward's rows along the
-reduction dim; the backward's ``dy`` rows for dX and the expert-aligned 128-row column tiles of
-``x`` and ``dy`` for dW, tlx_dist/fp8/api.py), and reads its weight's FP8 copy: pass ``w13_fp8`` /
-``w2_fp8`` from an :class:`~tlx_dist.fp8.Fp8WeightCache` to quantize the weights once per optimizer
-step. The master weights receive their gradients in their own dtype.
+    h_N2F        = mm(quant_rows(x_ND) or x_fp8, w13)     # x quantized 1 x 128 along D
+    a_NF, a_fp8  = swiglu_quant(h_N2F)                     # a = silu(gate) * up, fp32 math, one rounding
+    y_ND         = mm(a_fp8, w2)
+
+Backward (the SwiGLU's gradient fused with the dX GEMM's input quantization; no cat):
+
+    dA_NF        = mm(quant_rows(dy), w2 in its dX layout)
+    dW2          = wgrad(quant_cols(a), quant_cols(dy))
+    dh_N2F, dh_fp8 = swiglu_bwd_quant(h_N2F, dA_NF)        # d gate | d up, fp32 math, one rounding each
+    dx_ND        = mm(dh_fp8, w13 in its dX layout)
+    dW13         = wgrad(quant_cols(x), quant_cols(dh))
+
+Saved for the backward: ``x`` (the weight gradient's operand), ``h`` and ``a`` (recomputing ``a``
+from ``h`` would need a SwiGLU pass fused into the column quantizer: ``a`` costs half of ``h``'s
+bytes). Every step is a custom op (tlx_dist/fp8/api.py, swiglu.py), so torch.compile and CUDA
+graphs see opaque ops with fake shapes; nothing syncs the host. The weights are read through their
+FP8 copies: pass ``w13_fp8`` / ``w2_fp8`` from an :class:`~tlx_dist.fp8.Fp8WeightCache` to quantize
+them once per optimizer step. The master weights receive their gradients in their own dtype.
 """
 
 from __future__ import annotations
@@ -21,18 +32,66 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .api import grouped_mm_fp8
-from .quant import Fp8Rows, Fp8Weight
+from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_cols_op, _quant_rows_op,
+                  _resolve, _wgrad_op, select_fp8_backend)
+from .quant import Fp8Rows, Fp8Weight, quantize_weight
+from .swiglu import _swiglu_bwd_quant_op, _swiglu_quant_op
 from .tlx_gemm import Fp8GemmConfig
 
 __all__ = ["swiglu_experts_fp8", "swiglu_experts_ref"]
+
+
+def _wgrad(x, dy, offsets_E, w_dtype, backend, config):
+    """dW ``[E, D, F]`` in the master weight's dtype from the rows ``x`` ``[N, D]``, ``dy`` ``[N, F]``."""
+    xq, xs, tile_cum, safe = _quant_cols_op(x, offsets_E, backend)
+    dyq, dys, _, _ = _quant_cols_op(dy, offsets_E, backend)
+    out = w_dtype if w_dtype in _OUT + (torch.float32,) else torch.float32
+    return _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x.shape[0], out, backend, config).to(w_dtype)
+
+
+class _SwigluExpertsFp8(torch.autograd.Function):
+    """Differentiable in ``x_ND``, ``w13_EDF2`` and ``w2_EFD`` (the other inputs are their FP8
+    copies, the offsets and the options)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w13_EDF2, w2_EFD, q13_EFD, s13_EFbDb, q13_EDF, s13_EDbFb, q2_EFD, s2_EFbDb, q2_EDF,
+                s2_EDbFb, offsets_E, backend, config, x_q, x_s_CbN):
+        if x_q is None:
+            x_q, x_s_CbN = _quant_rows_op(x_ND, backend)
+        h = _mm_op(x_q, x_s_CbN, q13_EFD, s13_EFbDb, offsets_E, x_ND.dtype, backend, config)
+        a, a_q, a_s = _swiglu_quant_op(h, backend)
+        y = _mm_op(a_q, a_s, q2_EFD, s2_EFbDb, offsets_E, x_ND.dtype, backend, config)
+        ctx.save_for_backward(x_ND, h, a, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb, offsets_E)
+        ctx.backend, ctx.config = backend, config
+        ctx.w_dtypes = (w13_EDF2.dtype, w2_EFD.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, h, a, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb, offsets_E = ctx.saved_tensors
+        backend, config = ctx.backend, ctx.config
+        need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
+        dy_ND = dy_ND.contiguous()
+        dx = dw13 = dw2 = None
+        if need_w2:
+            dw2 = _wgrad(a, dy_ND, offsets_E, ctx.w_dtypes[1], backend, config)
+        if need_x or need_w13:
+            dy_q, dy_s = _quant_rows_op(dy_ND, backend)
+            dA = _mm_op(dy_q, dy_s, q2_EDF, s2_EDbFb, offsets_E, dy_ND.dtype, backend, config)
+            dh, dh_q, dh_s = _swiglu_bwd_quant_op(h, dA, backend)
+            if need_x:
+                dx = _mm_op(dh_q, dh_s, q13_EDF, s13_EDbFb, offsets_E, dh.dtype, backend, config)
+            if need_w13:
+                dw13 = _wgrad(x_ND, dh, offsets_E, ctx.w_dtypes[0], backend, config)
+        return (dx, dw13, dw2) + (None,) * 13
 
 
 def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, *,
                        w13_fp8: Optional[Fp8Weight] = None, w2_fp8: Optional[Fp8Weight] = None,
                        backend: Optional[str] = None, config: Optional[Fp8GemmConfig] = None,
                        x_fp8: Optional[Fp8Rows] = None) -> torch.Tensor:
-    """SwiGLU experts with both GEMMs (and their dgrad and wgrad) in FP8.
+    """SwiGLU experts with both GEMMs (and their dgrad and wgrad) in FP8, the SwiGLU fused with the
+    quantizations around it (module docstring).
 
     Args:
         x_ND: ``[N, D]`` rows grouped by expert (bf16 / fp16; fp32 on the reference backend).
@@ -41,19 +100,30 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
         w13_fp8, w2_fp8: the weights' FP8 copies (quantized here when None).
         backend, config: as :func:`~tlx_dist.fp8.grouped_mm_fp8` (both GEMMs).
         x_fp8: ``x_ND``'s rows already quantized (an FP8 dispatch delivered them): the gate/up GEMM
-            reads them instead of quantizing ``x_ND``.
+            reads them instead of quantizing ``x_ND`` (which the weight gradient still reads).
     Returns:
         ``[N, D]`` in ``x_ND.dtype``; padding rows are zero.
     """
-    if w13_EDF2.dim() != 3 or w13_EDF2.shape[2] % 2:
-        raise ValueError(f"w13_EDF2 must be [E, D, 2F], got shape {tuple(w13_EDF2.shape)}")
-    if w2_EFD.dim() != 3 or w2_EFD.shape[0] != w13_EDF2.shape[0] or 2 * w2_EFD.shape[1] != w13_EDF2.shape[2] \
-            or w2_EFD.shape[2] != w13_EDF2.shape[1]:
+    if not isinstance(w13_EDF2, torch.Tensor) or w13_EDF2.dim() != 3 or w13_EDF2.shape[2] % 2:
+        raise ValueError(f"w13_EDF2 must be [E, D, 2F], got shape {tuple(getattr(w13_EDF2, 'shape', ()))}")
+    if not isinstance(w2_EFD, torch.Tensor) or w2_EFD.dim() != 3 or w2_EFD.shape[0] != w13_EDF2.shape[0] \
+            or 2 * w2_EFD.shape[1] != w13_EDF2.shape[2] or w2_EFD.shape[2] != w13_EDF2.shape[1]:
         raise ValueError(f"w2_EFD must be [E, F, D] = {[w13_EDF2.shape[0], w13_EDF2.shape[2] // 2, w13_EDF2.shape[1]]}"
-                         f" to match w13_EDF2 {tuple(w13_EDF2.shape)}, got {tuple(w2_EFD.shape)}")
-    h = grouped_mm_fp8(x_ND, w13_EDF2, offsets_E, w_fp8=w13_fp8, backend=backend, config=config, x_fp8=x_fp8)
-    gate, up = h.chunk(2, dim=-1)
-    return grouped_mm_fp8(F.silu(gate) * up, w2_EFD, offsets_E, w_fp8=w2_fp8, backend=backend, config=config)
+                         f" to match w13_EDF2 {tuple(w13_EDF2.shape)}, got {tuple(getattr(w2_EFD, 'shape', ()))}")
+    name, w13_fp8, x_q, x_s = _resolve(x_ND, w13_EDF2, offsets_E, w13_fp8, backend, config, x_fp8)
+    Fi, D = w2_EFD.shape[1], w2_EFD.shape[2]
+    if w2_EFD.device != x_ND.device:
+        raise ValueError(f"w2_EFD is on {w2_EFD.device} but x_ND on {x_ND.device}")
+    name2 = select_fp8_backend(x_ND.device, Fi, D, backend, f"w2_EFD's (F, D) = ({Fi}, {D})")
+    if name2 != name:  # the automatic choice depends on the device only, once both shapes pass
+        raise ValueError(f"precision='fp8': the gate/up GEMM runs backend {name!r} but the down GEMM {name2!r}")
+    if w2_fp8 is None:
+        w2_fp8 = quantize_weight(w2_EFD.detach(), backend=_quant_backend(name))
+    else:
+        _check_w_fp8(w2_fp8, w2_EFD, "w2_fp8", "w2_EFD")
+    return _SwigluExpertsFp8.apply(x_ND, w13_EDF2, w2_EFD, w13_fp8.q_EFD, w13_fp8.s_EFbDb, w13_fp8.q_EDF,
+                                   w13_fp8.s_EDbFb, w2_fp8.q_EFD, w2_fp8.s_EFbDb, w2_fp8.q_EDF, w2_fp8.s_EDbFb,
+                                   offsets_E, name, _config_json(config), x_q, x_s)
 
 
 def swiglu_experts_ref(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
