@@ -117,3 +117,45 @@ def adversarial_h(M: int, F_: int, dtype: torch.dtype, seed: int = 0, device: st
             h[3] *= 1e-20
             dA[4] = 0.0
     return h.to(dtype).to(device), dA.to(dtype).to(device)
+
+
+def previous_experts(x, w13, w2, dy, off, backend: str):
+    """``[y, dx, dw13, dw2]`` of ``swiglu_experts_fp8(x, w13, w2, off)`` under the loss ``sum(y * dy)``,
+    composed from the single-purpose quantizers (every tensor quantized once per form it is read
+    in): the oracle the experts' fused quantizations must equal bit for bit."""
+    from tlx_dist import fp8
+    from tlx_dist.fp8 import swiglu as S
+
+    qb = "reference" if backend == "reference" else None
+    q13, q2 = fp8.quantize_weight(w13, backend=qb), fp8.quantize_weight(w2, backend=qb)
+
+    def mm(rows, b_q, b_s):
+        return fp8.mm_fp8(rows, b_q, b_s, off, out_dtype=x.dtype, backend=backend)
+
+    def wgrad(u, v, w):
+        return fp8.wgrad_fp8(Q.quantize_cols(u, off, backend=qb), Q.quantize_cols(v, off, backend=qb),
+                             out_dtype=w.dtype, backend=backend)
+
+    h = mm(Q.quantize_rows(x, backend=qb), q13.q_EFD, q13.s_EFbDb)
+    a, a_fp8 = S.swiglu_quant(h, backend=qb)
+    y = mm(a_fp8, q2.q_EFD, q2.s_EFbDb)
+    dA = mm(Q.quantize_rows(dy, backend=qb), q2.q_EDF, q2.s_EDbFb)
+    dh, dh_fp8 = S.swiglu_bwd_quant(h, dA, backend=qb)
+    return [y, mm(dh_fp8, q13.q_EDF, q13.s_EDbFb), wgrad(x, dh, w13), wgrad(a, dy, w2)]
+
+
+def fused_experts(x, w13, w2, dy, off, backend: str):
+    """``[y, dx, dw13, dw2]`` of ``swiglu_experts_fp8`` through autograd under the loss ``sum(y * dy)``."""
+    from tlx_dist import fp8
+
+    ts = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2)]
+    y = fp8.swiglu_experts_fp8(*ts, off, backend=backend)
+    if not y.numel():
+        return [y.detach()] + [torch.zeros_like(t) for t in ts]
+    return [y.detach()] + list(torch.autograd.grad((y * dy).sum(), ts))
+
+
+def assert_experts_equal(got, want, what: str) -> None:
+    for n, o, t in zip(("y", "dx", "dw13", "dw2"), got, want):
+        assert o.dtype == t.dtype and o.shape == t.shape, f"{what}: {n} {o.dtype} {tuple(o.shape)}"
+        assert torch.equal(o, t), f"{what}: {n} differs in {int((o != t).sum())} elements"

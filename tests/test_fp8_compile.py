@@ -242,3 +242,24 @@ def test_swiglu_quant_kernels_compile_with_the_hardware_encode(form, dt):
     ptx = k.asm["ptx"]
     assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
     assert re.search(r"div\.rn\.f32", ptx), "silu / sigmoid use IEEE division"
+
+
+# --- both quantizations in one pass over the expert tile grid (plain Triton) -------------------------
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+def test_quant_both_kernel_compiles_with_the_hardware_encode(dt):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _quant_both_kernel
+
+    cx = {"G": 128, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
+    sig = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "s_ptr": "*fp32", "qc_ptr": "*u8", "sc_ptr": "*fp32",
+           "offsets_ptr": "*i32", "tile_cum_ptr": "*i32", "E": "i32", "M": "i32", "C": "i32", "stride_xm": "i32",
+           "stride_qm": "i32", "stride_sk": "i32", "stride_qc": "i32"}
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(_quant_both_kernel, sig, constexprs=cx), target=_cuda(90), options={"num_warps": 8})
+    ptx = k.asm["ptx"]
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
+    assert re.search(r"div\.rn\.f32", ptx), "the scales use IEEE division"

@@ -22,6 +22,12 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
                            columns past the expert's last row are zeros, so a GEMM k-step over a
                            tile never reads another expert's rows. Slack tiles past
                            ``tile_cum[E-1]`` are not written.
+  ``_quant_both_kernel``   x [M, C] -> both of the above in one read of x: grid (T, Cb), one
+                           expert-aligned tile (padding tiles included) x one group of G columns;
+                           every row gets its row quantization (padding rows too, as the rows
+                           kernel's), only the experts' tiles their column quantization (as the cols
+                           kernel's). ``expert_tile`` + ``store_rows_cols`` are its body, shared with
+                           the SwiGLU kernels that emit both forms (tlx/common/fp8_swiglu.py).
   ``_quant_blocks_kernel`` w [E, R, C] -> q [E, R, C] and its transpose qt [E, C, R], s [E, Rb, Cb]
                            and st [E, Cb, Rb] (one pass: the forward wants K-contiguous weights,
                            dX the original layout).
@@ -155,6 +161,55 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, tile_cum_ptr, E, M, C, 
         dst = q_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + i)[:, None]
         tl.store(dst, q, mask=ok_c[None, :])
         tl.store(s_ptr + t.to(tl.int64) * C + cols, s, mask=ok_c)
+
+
+@triton.jit
+def expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """(rows int64 [G], row mask [G], whether an expert owns it) of expert-aligned tile ``t``: the
+    rows ``lo + G*j + i`` (j = t - tile_cum[e-1]) of expert ``e``, or of the padding pseudo-expert
+    ``E``. A slack tile past ``tile_cum[E]`` also lands on ``E`` with ``j`` past its tiles, so its
+    mask is empty: it writes nothing."""
+    e = _search_expert(tile_cum_ptr, E, t, SEARCH_STEPS)
+    first = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
+    first = tl.where(e > 0, first, 0)
+    lo, cnt = expert_rows(offsets_ptr, e, E, M)
+    r_in = (t - first) * G + tl.arange(0, G)
+    return (lo + r_in).to(tl.int64), r_in < cnt, e < E
+
+
+@triton.jit
+def store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr,
+                    stride_qc, C, G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """Both quantizations of fp32 ``x`` [G, G] (zero outside ``r_ok`` x ``c_ok``), the rows ``rows``
+    of tile ``t`` x column group ``kb``: the row form (q [M, C] row stride ``stride_qm``, s [Cb, M]
+    row stride ``stride_sk``) as ``_quant_rows_kernel`` writes it, and, when ``in_expert``, the
+    column form (q [C, P] row stride ``stride_qc``, s [T, C]) as ``_quant_cols_kernel`` writes it."""
+    s, inv = scale_from_amax(tl.max(tl.abs(x), axis=1), FMT, POW2)
+    ok = r_ok[:, None] & c_ok[None, :]
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
+    tl.store(s_ptr + kb.to(tl.int64) * stride_sk + rows, s, mask=r_ok)
+    cm = c_ok & in_expert
+    sc, invc = scale_from_amax(tl.max(tl.abs(x), axis=0), FMT, POW2)
+    qc = quantize_block(x, invc[None, :], FMT, EMULATE)  # zeros past the expert's rows
+    dst = qc_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + tl.arange(0, G))[:, None]
+    tl.store(dst, qc, mask=cm[None, :])
+    tl.store(sc_ptr + t.to(tl.int64) * C + cols, sc, mask=cm)
+
+
+@triton.jit
+def _quant_both_kernel(x_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_xm, stride_qm,
+                       stride_sk, stride_qc, G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
+                       EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, cdiv(C, G)): one expert-aligned tile of G rows x one group of G columns."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    cols = kb * G + tl.arange(0, G)
+    c_ok = cols < C
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr,
+                    stride_qc, C, G, FMT, POW2, EMULATE)
 
 
 @triton.jit

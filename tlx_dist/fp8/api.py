@@ -35,7 +35,8 @@ import tlx
 
 from ..grouped_gemm.api import _check_offsets_values
 from ..grouped_gemm.reference import check_num_experts
-from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, quantize_cols, quantize_rows, quantize_weight)
+from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, quantize_both, quantize_cols, quantize_rows,
+                    quantize_weight)
 from .reference import mm_fp8_ref, mm_fp8_torch, wgrad_fp8_ref, wgrad_fp8_torch
 from .tlx_gemm import Fp8GemmConfig
 
@@ -111,6 +112,20 @@ def _quant_backend(backend: str) -> Optional[str]:
     return "reference" if backend == "reference" else None
 
 
+# Fake outputs from shapes only (T = M // 128 + E + 1 bounds the expert-aligned tiles).
+def _rows_fake(x_MC):
+    M, C = x_MC.shape
+    return x_MC.new_empty(M, C, dtype=torch.float8_e4m3fn), x_MC.new_empty(-(-C // 128), M, dtype=torch.float32)
+
+
+def _cols_fake(x_MC, offsets_E):
+    M, C = x_MC.shape
+    E = offsets_E.shape[0]
+    T = M // 128 + E + 1
+    return (x_MC.new_empty(C, 128 * T, dtype=torch.float8_e4m3fn), x_MC.new_empty(T, C, dtype=torch.float32),
+            offsets_E.new_empty(E + 1, dtype=torch.int32), offsets_E.new_empty(E, dtype=torch.int32))
+
+
 @torch.library.custom_op("tlx_dist::fp8_quantize_rows", mutates_args=())
 def _quant_rows_op(x_MC: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     r = quantize_rows(x_MC, backend=_quant_backend(backend))
@@ -119,8 +134,7 @@ def _quant_rows_op(x_MC: torch.Tensor, backend: str) -> tuple[torch.Tensor, torc
 
 @_quant_rows_op.register_fake
 def _(x_MC, backend):
-    M, C = x_MC.shape
-    return x_MC.new_empty(M, C, dtype=torch.float8_e4m3fn), x_MC.new_empty(-(-C // 128), M, dtype=torch.float32)
+    return _rows_fake(x_MC)
 
 
 @torch.library.custom_op("tlx_dist::fp8_quantize_cols", mutates_args=())
@@ -132,11 +146,20 @@ def _quant_cols_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) ->
 
 @_quant_cols_op.register_fake
 def _(x_MC, offsets_E, backend):
-    M, C = x_MC.shape
-    E = offsets_E.shape[0]
-    T = M // 128 + E + 1
-    return (x_MC.new_empty(C, 128 * T, dtype=torch.float8_e4m3fn), x_MC.new_empty(T, C, dtype=torch.float32),
-            offsets_E.new_empty(E + 1, dtype=torch.int32), offsets_E.new_empty(E, dtype=torch.int32))
+    return _cols_fake(x_MC, offsets_E)
+
+
+@torch.library.custom_op("tlx_dist::fp8_quantize_both", mutates_args=())
+def _quant_both_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # _quant_rows_op's two outputs then _quant_cols_op's four, from one read of x
+    r, c = quantize_both(x_MC, offsets_E, backend=_quant_backend(backend))
+    return r.q_MC, r.s_MCb.t().contiguous(), c.q_CP, c.s_TC, c.tile_cum_E1, c.offsets_E
+
+
+@_quant_both_op.register_fake
+def _(x_MC, offsets_E, backend):
+    return _rows_fake(x_MC) + _cols_fake(x_MC, offsets_E)
 
 
 @torch.library.custom_op("tlx_dist::fp8_mm", mutates_args=())
@@ -249,12 +272,17 @@ def _backward(ctx, dy_NF):
     x_ND, q_EDF, s_EDbFb, offsets_E = ctx.saved_tensors
     dx = dw = None
     dy_NF = dy_NF.contiguous()
-    if ctx.needs_input_grad[0]:
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if need_x and need_w:  # dy's two forms from one read of it
+        q, s, dyq, dys, _, _ = _quant_both_op(dy_NF, offsets_E, ctx.backend)
+    elif need_x:
         q, s = _quant_rows_op(dy_NF, ctx.backend)
-        dx = _mm_op(q, s, q_EDF, s_EDbFb, offsets_E, dy_NF.dtype, ctx.backend, ctx.config)
-    if ctx.needs_input_grad[1]:
-        xq, xs, tile_cum, safe = _quant_cols_op(x_ND, offsets_E, ctx.backend)
+    elif need_w:
         dyq, dys, _, _ = _quant_cols_op(dy_NF, offsets_E, ctx.backend)
+    if need_x:
+        dx = _mm_op(q, s, q_EDF, s_EDbFb, offsets_E, dy_NF.dtype, ctx.backend, ctx.config)
+    if need_w:
+        xq, xs, tile_cum, safe = _quant_cols_op(x_ND, offsets_E, ctx.backend)
         out = ctx.w_dtype if ctx.w_dtype in _OUT + (torch.float32,) else torch.float32
         dw = _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x_ND.shape[0], out, ctx.backend,
                        ctx.config).to(ctx.w_dtype)

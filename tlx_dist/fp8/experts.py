@@ -11,8 +11,9 @@ Forward (the SwiGLU fused with the down GEMM's input quantization, tlx_dist/fp8/
 
 Backward (the SwiGLU's gradient fused with the dX GEMM's input quantization; no cat):
 
-    dA_NF        = mm(quant_rows(dy), w2 in its dX layout)
-    dW2          = wgrad(quant_cols(a), quant_cols(dy))
+    dy_fp8, dy_cols = quant_both(dy)                       # rows and expert tiles, one read of dy
+    dA_NF        = mm(dy_fp8, w2 in its dX layout)
+    dW2          = wgrad(quant_cols(a), dy_cols)
     dh_N2F, dh_fp8 = swiglu_bwd_quant(h_N2F, dA_NF)        # d gate | d up, fp32 math, one rounding each
     dx_ND        = mm(dh_fp8, w13 in its dX layout)
     dW13         = wgrad(quant_cols(x), quant_cols(dh))
@@ -32,8 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_cols_op, _quant_rows_op,
-                  _resolve, _wgrad_op, select_fp8_backend)
+from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_both_op, _quant_cols_op,
+                  _quant_rows_op, _resolve, _wgrad_op, select_fp8_backend)
 from .quant import Fp8Rows, Fp8Weight, quantize_weight
 from .swiglu import _swiglu_bwd_quant_op, _swiglu_quant_op
 from .tlx_gemm import Fp8GemmConfig
@@ -41,12 +42,12 @@ from .tlx_gemm import Fp8GemmConfig
 __all__ = ["swiglu_experts_fp8", "swiglu_experts_ref"]
 
 
-def _wgrad(x, dy, offsets_E, w_dtype, backend, config):
-    """dW ``[E, D, F]`` in the master weight's dtype from the rows ``x`` ``[N, D]``, ``dy`` ``[N, F]``."""
+def _wgrad(x, dy_cols, offsets_E, w_dtype, backend, config):
+    """dW ``[E, D, F]`` in the master weight's dtype from the rows ``x`` ``[N, D]`` and ``dy``'s
+    column quantization ``(q [F, P], s [T, F])`` over the same offsets."""
     xq, xs, tile_cum, safe = _quant_cols_op(x, offsets_E, backend)
-    dyq, dys, _, _ = _quant_cols_op(dy, offsets_E, backend)
     out = w_dtype if w_dtype in _OUT + (torch.float32,) else torch.float32
-    return _wgrad_op(xq, xs, dyq, dys, tile_cum, safe, x.shape[0], out, backend, config).to(w_dtype)
+    return _wgrad_op(xq, xs, *dy_cols, tile_cum, safe, x.shape[0], out, backend, config).to(w_dtype)
 
 
 class _SwigluExpertsFp8(torch.autograd.Function):
@@ -73,16 +74,23 @@ class _SwigluExpertsFp8(torch.autograd.Function):
         need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
         dy_ND = dy_ND.contiguous()
         dx = dw13 = dw2 = None
-        if need_w2:
-            dw2 = _wgrad(a, dy_ND, offsets_E, ctx.w_dtypes[1], backend, config)
-        if need_x or need_w13:
+        need_dA = need_x or need_w13
+        if need_dA and need_w2:  # dy's row form (dA's GEMM) and column form (dW2) from one read of it
+            dy_q, dy_s, dy_qc, dy_sc, _, _ = _quant_both_op(dy_ND, offsets_E, backend)
+        elif need_dA:
             dy_q, dy_s = _quant_rows_op(dy_ND, backend)
+        elif need_w2:
+            dy_qc, dy_sc, _, _ = _quant_cols_op(dy_ND, offsets_E, backend)
+        if need_w2:
+            dw2 = _wgrad(a, (dy_qc, dy_sc), offsets_E, ctx.w_dtypes[1], backend, config)
+        if need_dA:
             dA = _mm_op(dy_q, dy_s, q2_EDF, s2_EDbFb, offsets_E, dy_ND.dtype, backend, config)
             dh, dh_q, dh_s = _swiglu_bwd_quant_op(h, dA, backend)
             if need_x:
                 dx = _mm_op(dh_q, dh_s, q13_EDF, s13_EDbFb, offsets_E, dh.dtype, backend, config)
             if need_w13:
-                dw13 = _wgrad(x_ND, dh, offsets_E, ctx.w_dtypes[0], backend, config)
+                dh_cols = _quant_cols_op(dh, offsets_E, backend)[:2]
+                dw13 = _wgrad(x_ND, dh_cols, offsets_E, ctx.w_dtypes[0], backend, config)
         return (dx, dw13, dw2) + (None,) * 13
 
 

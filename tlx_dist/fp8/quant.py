@@ -20,6 +20,9 @@ Forms:
   ``quantize_cols(x_MC, offsets_E)`` -> Fp8Cols: q [C, P], s [T, C], tiles along M that start
                                        at each expert's first row: the operands of the
                                        weight gradient (reduction = the expert's rows).
+  ``quantize_both(x_MC, offsets_E)`` -> (Fp8Rows, Fp8Cols): the two above from one read of x
+                                       (a tensor both the dX / forward GEMM and the weight
+                                       gradient read, e.g. the down GEMM's dy).
   ``quantize_weight(w_EDF)``         -> Fp8Weight: G x G blocks, stored twice (K-contiguous
                                        [E, F, D] for the forward, [E, D, F] for dX) with scales.
 
@@ -39,7 +42,8 @@ from ..grouped_gemm.host import interpret_mode, max_m_tiles, search_steps
 from ..grouped_gemm.reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["GROUP", "AMAX_FLOOR", "FORMATS", "Fp8Rows", "Fp8Cols", "Fp8Weight", "quantize_rows", "quantize_cols",
-           "quantize_weight", "quantize_rows_ref", "quantize_cols_ref", "quantize_weight_ref", "dequantize_rows",
+           "quantize_both", "quantize_weight", "quantize_rows_ref", "quantize_cols_ref", "quantize_both_ref",
+           "quantize_weight_ref", "dequantize_rows",
            "dequantize_rows_rounded",
            "dequantize_cols", "dequantize_weight", "tile_cum_ref", "check_fmt"]
 
@@ -110,6 +114,16 @@ def _check_input(name: str, x: torch.Tensor, dims: int) -> None:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+
+
+def check_offsets(offsets_E: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
+    """``offsets_E`` must be a 1-D int32 / int64 tensor of E >= 1 cumulative end rows on ``x``'s device."""
+    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1 or offsets_E.dtype not in (torch.int32,
+                                                                                                 torch.int64):
+        raise ValueError("offsets_E must be a 1-D int32 / int64 tensor of cumulative end rows")
+    check_num_experts(offsets_E.shape[0], "offsets_E")
+    if offsets_E.device != x.device:
+        raise ValueError(f"{x_name} is on {x.device} but offsets_E on {offsets_E.device}")
 
 
 def _use_kernels(t: torch.Tensor, backend: Optional[str]) -> bool:
@@ -186,6 +200,12 @@ def quantize_cols_ref(x_MC: torch.Tensor, offsets_E: torch.Tensor, fmt: str = "e
         s[t0:t0 + n_t] = se
         q[:, GROUP * t0:GROUP * (t0 + n_t)] = qe.reshape(n_t * GROUP, C).t()
     return Fp8Cols(q, s, tile_cum, safe, M)
+
+
+def quantize_both_ref(x_MC: torch.Tensor, offsets_E: torch.Tensor, fmt: str = "e4m3fn",
+                      pow2: bool = False) -> tuple[Fp8Rows, Fp8Cols]:
+    """Reference of :func:`quantize_both`: ``(quantize_rows_ref(x), quantize_cols_ref(x, offsets))``."""
+    return quantize_rows_ref(x_MC, fmt, pow2), quantize_cols_ref(x_MC, offsets_E, fmt, pow2)
 
 
 def quantize_weight_ref(w_EDF: torch.Tensor, fmt: str = "e4m3fn", pow2: bool = False) -> Fp8Weight:
@@ -308,12 +328,7 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
     """
     _check_input("x_MC", x_MC, 2)
     check_fmt(fmt)
-    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1 or offsets_E.dtype not in (torch.int32,
-                                                                                                 torch.int64):
-        raise ValueError("offsets_E must be a 1-D int32 / int64 tensor of cumulative end rows")
-    check_num_experts(offsets_E.shape[0], "offsets_E")
-    if offsets_E.device != x_MC.device:
-        raise ValueError(f"x_MC is on {x_MC.device} but offsets_E on {offsets_E.device}")
+    check_offsets(offsets_E, x_MC, "x_MC")
     if not _use_kernels(x_MC, backend):
         return quantize_cols_ref(x_MC, offsets_E, fmt, pow2)
     from tlx.common.fp8_quant import _quant_cols_kernel
@@ -335,6 +350,57 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
                                                  FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
                                                  SEARCH_STEPS=search_steps(E), num_warps=4)
     return Fp8Cols(q, s, tile_cum, safe, M)
+
+
+def tile_grid(offsets_E: torch.Tensor, n_rows: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(T, safe_E, tile_cum_E1)`` of the expert-aligned G-row tiles (on the device, no sync)."""
+    from ..grouped_gemm.host import prep_offsets
+
+    safe, tile_cum = prep_offsets(offsets_E, n_rows, GROUP)  # clamped on the device, flagged (guard.py)
+    return max_m_tiles(n_rows, offsets_E.shape[0], GROUP), safe, tile_cum
+
+
+def empty_rows_cols(M: int, C: int, T: int, fmt: str, device) -> tuple[torch.Tensor, ...]:
+    """Uninitialized ``q_MC`` [M, C], ``s`` [Cb, M], ``q_CP`` [C, G*T], ``s_TC`` [T, C] (fp8 / fp32)."""
+    dt, f32 = FORMATS[fmt][0], torch.float32
+    return (torch.empty(M, C, dtype=dt, device=device), torch.empty(-(-C // GROUP), M, dtype=f32, device=device),
+            torch.empty(C, GROUP * T, dtype=dt, device=device), torch.empty(T, C, dtype=f32, device=device))
+
+
+def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
+                  backend: Optional[str] = None) -> tuple[Fp8Rows, Fp8Cols]:
+    """:func:`quantize_rows` and :func:`quantize_cols` of ``x_MC`` from one read of it, bit for bit
+    equal to the two (every row gets its row quantization, padding rows past ``offsets_E[-1]``
+    included; only the experts' tiles get the column form).
+
+    Args:
+        x_MC: ``[M, C]`` rows in expert-major order (bf16 / fp16 / fp32).
+        offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device, as
+            :func:`quantize_cols`).
+        fmt, pow2, backend: as :func:`quantize_rows`.
+    Returns:
+        ``(Fp8Rows, Fp8Cols)``: q ``[M, C]`` fp8 + s ``[M, Cb]`` fp32 (M-contiguous); q ``[C, P]``
+        fp8 + s ``[T, C]`` fp32, the tile cumsum and the safe offsets.
+    """
+    _check_input("x_MC", x_MC, 2)
+    check_fmt(fmt)
+    check_offsets(offsets_E, x_MC, "x_MC")
+    if not _use_kernels(x_MC, backend):
+        return quantize_both_ref(x_MC, offsets_E, fmt, pow2)
+    from tlx.common.fp8_quant import _quant_both_kernel
+
+    if x_MC.stride(1) != 1:
+        x_MC = x_MC.contiguous()
+    M, C = x_MC.shape
+    E = offsets_E.shape[0]
+    T, safe, tile_cum = tile_grid(offsets_E, M)
+    q, s, qc, sc = empty_rows_cols(M, C, T, fmt, x_MC.device)
+    if C:
+        _quant_both_kernel[(T, -(-C // GROUP))](x_MC, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum,
+                                               E, M, C, x_MC.stride(0), C, M, GROUP * T, G=GROUP,
+                                               FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+                                               SEARCH_STEPS=search_steps(E), num_warps=8)
+    return Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
 def quantize_weight(w_EDF: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
