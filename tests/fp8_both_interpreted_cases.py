@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from fp8_swiglu_cases import assert_experts_equal, fused_experts, previous_experts
+from fp8_swiglu_cases import (adversarial_h, assert_experts_equal, check_swiglu_bwd_quant, check_swiglu_quant,
+                              fused_experts, previous_experts)
 from tlx_dist.fp8 import quant as Q
+from tlx_dist.fp8 import swiglu as S
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -102,6 +104,62 @@ def test_quantize_both_guarded_offsets():
     r, c = Q.quantize_both(x, off, backend="triton")
     assert c.offsets_E.tolist() == [60, 60, 100]
     assert_both_equal(r, c, x, off, what="guarded")
+
+
+def check_swiglu_both(h, dA, off, fmt="e4m3fn", pow2=False, backend="triton", what=""):
+    """The tile-grid SwiGLU kernels: the kept output within the float64 bound and equal to the plain
+    kernels' (the same fp32 math), both quantizations equal to the references' of it bit for bit,
+    and the same quantizations when the output is not kept."""
+    kw = dict(fmt=fmt, pow2=pow2, backend=backend)
+    a, r, c = S.swiglu_quant_both(h, off, keep_a=True, **kw)
+    check_swiglu_quant(lambda *_: (a, r), h, fmt, pow2, what=f"{what} fwd")
+    assert torch.equal(a, S.swiglu_quant(h, **kw)[0]), f"{what}: a differs from swiglu_quant's"
+    assert_both_equal(r, c, a.cpu(), off.cpu(), fmt, pow2, what=f"{what} fwd")
+    none, r2, c2 = S.swiglu_quant_both(h, off, **kw)
+    assert none is None
+    assert_both_equal(r2, c2, a.cpu(), off.cpu(), fmt, pow2, what=f"{what} fwd, a not kept")
+    dh, r, c = S.swiglu_bwd_quant_both(h, dA, off, keep_dh=True, **kw)
+    check_swiglu_bwd_quant(lambda *_: (dh, r), h, dA, fmt, pow2, what=f"{what} bwd")
+    assert torch.equal(dh, S.swiglu_bwd_quant(h, dA, **kw)[0]), f"{what}: dh differs from swiglu_bwd_quant's"
+    assert_both_equal(r, c, dh.cpu(), off.cpu(), fmt, pow2, what=f"{what} bwd")
+    none, r2, c2 = S.swiglu_bwd_quant_both(h, dA, off, **kw)
+    assert none is None
+    assert_both_equal(r2, c2, dh.cpu(), off.cpu(), fmt, pow2, what=f"{what} bwd, dh not kept")
+
+
+# (counts, M, F, why)
+SWIGLU_CASES = [
+    ([40, 0, 50, 7], 110, 256, "zero-token expert; 13 padding rows; paired backward tiles"),
+    ([0, 200, 0], 200, 200, "one expert takes every row; F = 200: backward tiles straddle gate and up"),
+    ([130, 126], 270, 128, "experts straddling the 128-row tiles; 14 padding rows"),
+    ([0, 0], 9, 48, "only padding rows; F < 128"),
+    ([1], 1, 136, "a single row; F = 136"),
+    ([0, 0], 0, 128, "no rows"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts,M,F_,why", SWIGLU_CASES, ids=[c[3].split(";")[0] for c in SWIGLU_CASES])
+def test_swiglu_both(counts, M, F_, why, dtype):
+    h, dA = adversarial_h(M, F_, dtype, seed=M + F_)
+    odt = torch.int64 if dtype == torch.float16 else torch.int32
+    check_swiglu_both(h, dA, torch.tensor(counts).cumsum(0).to(odt), what=why)
+
+
+@pytest.mark.parametrize("fmt,pow2", [("e4m3fnuz", False), ("e4m3fn", True)])
+def test_swiglu_both_formats_and_pow2(fmt, pow2):
+    h, dA = adversarial_h(140, 128, torch.bfloat16, seed=2)
+    check_swiglu_both(h, dA, torch.tensor([3, 131], dtype=torch.int32), fmt, pow2, what=f"{fmt} pow2={pow2}")
+
+
+def test_swiglu_both_strided_inputs():
+    # h and dA column slices of wider buffers (row strides != 2F, F): the kernels read strides
+    h, dA = adversarial_h(140, 128, torch.bfloat16, seed=1)
+    hb = torch.zeros(140, 2 * 128 + 64, dtype=h.dtype)
+    hb[:, :256] = h
+    db = torch.zeros(140, 128 + 32, dtype=dA.dtype)
+    db[:, :128] = dA
+    check_swiglu_both(hb[:, :256], db[:, :128], torch.tensor([3, 131], dtype=torch.int32), what="strided")
 
 
 def _experts_data(counts, N, D, Fi, seed=0):

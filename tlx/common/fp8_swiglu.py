@@ -32,7 +32,7 @@ Kernels (FP8 bit patterns stored through a uint8 view):
 import triton
 import triton.language as tl
 
-from tlx.common.fp8_quant import quantize_block, scale_from_amax
+from tlx.common.fp8_quant import expert_tile, quantize_block, scale_from_amax, store_rows_cols
 
 
 @triton.jit
@@ -57,20 +57,48 @@ def _round_bf16_soft(v):
 
 
 @triton.jit
-def _store_quantized(v, dst_ptr, q_ptr, s_ptr, r64, rows, cols, ok, rm, k, stride_dm, stride_qm, stride_sk,
-                     FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
-    """Round fp32 ``v`` [BLOCK_M, G] once to dst's dtype, store it, and store the quantization of
-    the rounded value (q tile and its per-row scales in group ``k``)."""
+def _round_to(v, dst_ptr, EMULATE: tl.constexpr):
+    """(``v`` fp32 rounded once to dst's dtype, that value back in fp32)."""
     if EMULATE and dst_ptr.dtype.element_ty == tl.bfloat16:
         vr, vf = _round_bf16_soft(v)
     else:
         vr = v.to(dst_ptr.dtype.element_ty)
         vf = vr.to(tl.float32)
+    return vr, vf
+
+
+@triton.jit
+def _store_quantized(v, dst_ptr, q_ptr, s_ptr, r64, rows, cols, ok, rm, k, stride_dm, stride_qm, stride_sk,
+                     FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """Round fp32 ``v`` [BLOCK_M, G] once to dst's dtype, store it, and store the quantization of
+    the rounded value (q tile and its per-row scales in group ``k``)."""
+    vr, vf = _round_to(v, dst_ptr, EMULATE)
     tl.store(dst_ptr + r64[:, None] * stride_dm + cols[None, :], vr, mask=ok)
     x = tl.where(ok, vf, 0.0)
     s, inv = scale_from_amax(tl.max(tl.abs(x), axis=1), FMT, POW2)
     tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
     tl.store(s_ptr + k.to(tl.int64) * stride_sk + rows, s, mask=rm)
+
+
+@triton.jit
+def _store_both(v, dst_ptr, rows, r_ok, cols, c_ok, in_expert, k, t, stride_dm, q_ptr, s_ptr, stride_qm, stride_sk,
+                qc_ptr, sc_ptr, stride_qc, C, G: tl.constexpr, STORE: tl.constexpr, FMT: tl.constexpr,
+                POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """Round fp32 ``v`` [G, G] (tile ``t`` x column group ``k``) once to dst's dtype, store it
+    (STORE), and store both quantizations of the rounded value (``store_rows_cols``)."""
+    vr, vf = _round_to(v, dst_ptr, EMULATE)
+    ok = r_ok[:, None] & c_ok[None, :]
+    if STORE:
+        tl.store(dst_ptr + rows[:, None] * stride_dm + cols[None, :], vr, mask=ok)
+    store_rows_cols(tl.where(ok, vf, 0.0), rows, r_ok, cols, c_ok, in_expert, k, t, q_ptr, s_ptr, stride_qm,
+                    stride_sk, qc_ptr, sc_ptr, stride_qc, C, G, FMT, POW2, EMULATE)
+
+
+@triton.jit
+def _swiglu_bwd_values(g, u, da):
+    """(d gate, d up) in fp32 from the fp32 gate, up and dA."""
+    silu, sig = _silu_sigmoid(g)
+    return da * u * sig * (1.0 + g * (1.0 - sig)), da * silu
 
 
 @triton.jit
@@ -109,9 +137,7 @@ def _swiglu_bwd_quant_kernel(h_ptr, da_ptr, dh_ptr, q_ptr, s_ptr, M, F, stride_h
         g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(src + F, mask=ok, other=0.0).to(tl.float32)
         da = tl.load(da_ptr + r64[:, None] * stride_dam + j[None, :], mask=ok, other=0.0).to(tl.float32)
-        silu, sig = _silu_sigmoid(g)
-        dg = da * u * sig * (1.0 + g * (1.0 - sig))
-        du = da * silu
+        dg, du = _swiglu_bwd_values(g, u, da)
         _store_quantized(dg, dh_ptr, q_ptr, s_ptr, r64, rows, j, ok, rm, kb, stride_dhm, stride_qm, stride_sk, FMT,
                          POW2, EMULATE)
         _store_quantized(du, dh_ptr, q_ptr, s_ptr, r64, rows, j + F, ok, rm, kb + F // G, stride_dhm, stride_qm,
@@ -125,9 +151,64 @@ def _swiglu_bwd_quant_kernel(h_ptr, da_ptr, dh_ptr, q_ptr, s_ptr, M, F, stride_h
         g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(src + F, mask=ok & is_gate[None, :], other=0.0).to(tl.float32)
         da = tl.load(da_ptr + r64[:, None] * stride_dam + j[None, :], mask=ok, other=0.0).to(tl.float32)
-        silu, sig = _silu_sigmoid(g)
-        dg = da * u * sig * (1.0 + g * (1.0 - sig))
-        du = da * silu
+        dg, du = _swiglu_bwd_values(g, u, da)
         v = tl.where(is_gate[None, :], dg, du)
         _store_quantized(v, dh_ptr, q_ptr, s_ptr, r64, rows, c, ok, rm, kb, stride_dhm, stride_qm, stride_sk, FMT,
                          POW2, EMULATE)
+
+
+@triton.jit
+def _swiglu_quant_tiles_kernel(h_ptr, a_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile_cum_ptr, E, M, F,
+                               stride_hm, stride_am, stride_qm, stride_sk, stride_qc, G: tl.constexpr,
+                               STORE: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr,
+                               SEARCH_STEPS: tl.constexpr):
+    """grid (T, Fb). ``a_ptr`` sets the rounding dtype (``h_ptr`` itself when not STORE)."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    cols = kb * G + tl.arange(0, G)
+    c_ok = cols < F
+    ok = r_ok[:, None] & c_ok[None, :]
+    src = h_ptr + rows[:, None] * stride_hm + cols[None, :]
+    g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(src + F, mask=ok, other=0.0).to(tl.float32)
+    silu, _ = _silu_sigmoid(g)
+    _store_both(silu * u, a_ptr, rows, r_ok, cols, c_ok, in_expert, kb, t, stride_am, q_ptr, s_ptr, stride_qm,
+                stride_sk, qc_ptr, sc_ptr, stride_qc, F, G, STORE, FMT, POW2, EMULATE)
+
+
+@triton.jit
+def _swiglu_bwd_quant_tiles_kernel(h_ptr, da_ptr, dh_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile_cum_ptr, E,
+                                   M, F, stride_hm, stride_dam, stride_dhm, stride_qm, stride_sk, stride_qc,
+                                   G: tl.constexpr, PAIRED: tl.constexpr, STORE: tl.constexpr, FMT: tl.constexpr,
+                                   POW2: tl.constexpr, EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, Fb) PAIRED, else (T, F2b). ``dh_ptr`` sets the rounding dtype (``h_ptr`` when not STORE)."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    if PAIRED:
+        j = kb * G + tl.arange(0, G)
+        c_ok = j < F
+        ok = r_ok[:, None] & c_ok[None, :]
+        src = h_ptr + rows[:, None] * stride_hm + j[None, :]
+        g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(src + F, mask=ok, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_dam + j[None, :], mask=ok, other=0.0).to(tl.float32)
+        dg, du = _swiglu_bwd_values(g, u, da)
+        _store_both(dg, dh_ptr, rows, r_ok, j, c_ok, in_expert, kb, t, stride_dhm, q_ptr, s_ptr, stride_qm, stride_sk,
+                    qc_ptr, sc_ptr, stride_qc, 2 * F, G, STORE, FMT, POW2, EMULATE)
+        _store_both(du, dh_ptr, rows, r_ok, j + F, c_ok, in_expert, kb + F // G, t, stride_dhm, q_ptr, s_ptr,
+                    stride_qm, stride_sk, qc_ptr, sc_ptr, stride_qc, 2 * F, G, STORE, FMT, POW2, EMULATE)
+    else:
+        c = kb * G + tl.arange(0, G)
+        is_gate = c < F
+        j = tl.where(is_gate, c, c - F)
+        c_ok = c < 2 * F
+        ok = r_ok[:, None] & c_ok[None, :]
+        src = h_ptr + rows[:, None] * stride_hm + j[None, :]
+        g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(src + F, mask=ok & is_gate[None, :], other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_dam + j[None, :], mask=ok, other=0.0).to(tl.float32)
+        dg, du = _swiglu_bwd_values(g, u, da)
+        _store_both(tl.where(is_gate[None, :], dg, du), dh_ptr, rows, r_ok, c, c_ok, in_expert, kb, t, stride_dhm,
+                    q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr, stride_qc, 2 * F, G, STORE, FMT, POW2, EMULATE)

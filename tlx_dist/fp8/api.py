@@ -112,14 +112,12 @@ def _quant_backend(backend: str) -> Optional[str]:
     return "reference" if backend == "reference" else None
 
 
-# Fake outputs from shapes only (T = M // 128 + E + 1 bounds the expert-aligned tiles).
-def _rows_fake(x_MC):
-    M, C = x_MC.shape
+# Fake outputs from shapes only, for an [M, C] tensor (T = M // 128 + E + 1 bounds the expert-aligned tiles).
+def _rows_fake(x_MC, M, C):
     return x_MC.new_empty(M, C, dtype=torch.float8_e4m3fn), x_MC.new_empty(-(-C // 128), M, dtype=torch.float32)
 
 
-def _cols_fake(x_MC, offsets_E):
-    M, C = x_MC.shape
+def _cols_fake(x_MC, offsets_E, M, C):
     E = offsets_E.shape[0]
     T = M // 128 + E + 1
     return (x_MC.new_empty(C, 128 * T, dtype=torch.float8_e4m3fn), x_MC.new_empty(T, C, dtype=torch.float32),
@@ -134,7 +132,7 @@ def _quant_rows_op(x_MC: torch.Tensor, backend: str) -> tuple[torch.Tensor, torc
 
 @_quant_rows_op.register_fake
 def _(x_MC, backend):
-    return _rows_fake(x_MC)
+    return _rows_fake(x_MC, *x_MC.shape)
 
 
 @torch.library.custom_op("tlx_dist::fp8_quantize_cols", mutates_args=())
@@ -146,7 +144,7 @@ def _quant_cols_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) ->
 
 @_quant_cols_op.register_fake
 def _(x_MC, offsets_E, backend):
-    return _cols_fake(x_MC, offsets_E)
+    return _cols_fake(x_MC, offsets_E, *x_MC.shape)
 
 
 @torch.library.custom_op("tlx_dist::fp8_quantize_both", mutates_args=())
@@ -159,7 +157,7 @@ def _quant_both_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) ->
 
 @_quant_both_op.register_fake
 def _(x_MC, offsets_E, backend):
-    return _rows_fake(x_MC) + _cols_fake(x_MC, offsets_E)
+    return _rows_fake(x_MC, *x_MC.shape) + _cols_fake(x_MC, offsets_E, *x_MC.shape)
 
 
 @torch.library.custom_op("tlx_dist::fp8_mm", mutates_args=())

@@ -3,27 +3,30 @@
 Legend: N rows in expert-major order (what a dispatcher delivers), D hidden, F expert intermediate,
 E local experts, ``offsets_E`` cumulative end row of each expert.
 
-Forward (the SwiGLU fused with the down GEMM's input quantization, tlx_dist/fp8/swiglu.py):
+Forward (the SwiGLU fused with the down GEMM's input quantization, tlx_dist/fp8/swiglu.py; every
+tensor read in two forms is quantized both ways in one pass, tlx_dist/fp8/quant.py ``quantize_both``):
 
-    h_N2F        = mm(quant_rows(x_ND) or x_fp8, w13)     # x quantized 1 x 128 along D
-    a_NF, a_fp8  = swiglu_quant(h_N2F)                     # a = silu(gate) * up, fp32 math, one rounding
+    x_fp8, x_cols = quant_both(x_ND)                       # rows 1 x 128 along D + 128-row expert tiles
+    h_N2F        = mm(x_fp8 (or the dispatched rows), w13)
+    a_fp8, a_cols = swiglu_quant_both(h_N2F)               # a = silu(gate) * up, fp32 math, one rounding
     y_ND         = mm(a_fp8, w2)
 
-Backward (the SwiGLU's gradient fused with the dX GEMM's input quantization; no cat):
+Backward (the SwiGLU's gradient fused with both quantizations of dh; no cat):
 
-    dy_fp8, dy_cols = quant_both(dy)                       # rows and expert tiles, one read of dy
+    dy_fp8, dy_cols = quant_both(dy)
     dA_NF        = mm(dy_fp8, w2 in its dX layout)
-    dW2          = wgrad(quant_cols(a), dy_cols)
-    dh_N2F, dh_fp8 = swiglu_bwd_quant(h_N2F, dA_NF)        # d gate | d up, fp32 math, one rounding each
+    dW2          = wgrad(a_cols, dy_cols)
+    dh_fp8, dh_cols = swiglu_bwd_quant_both(h_N2F, dA_NF)  # d gate | d up, fp32 math, one rounding each
     dx_ND        = mm(dh_fp8, w13 in its dX layout)
-    dW13         = wgrad(quant_cols(x), quant_cols(dh))
+    dW13         = wgrad(x_cols, dh_cols)
 
-Saved for the backward: ``x`` (the weight gradient's operand), ``h`` and ``a`` (recomputing ``a``
-from ``h`` would need a SwiGLU pass fused into the column quantizer: ``a`` costs half of ``h``'s
-bytes). Every step is a custom op (tlx_dist/fp8/api.py, swiglu.py), so torch.compile and CUDA
-graphs see opaque ops with fake shapes; nothing syncs the host. The weights are read through their
-FP8 copies: pass ``w13_fp8`` / ``w2_fp8`` from an :class:`~tlx_dist.fp8.Fp8WeightCache` to quantize
-them once per optimizer step. The master weights receive their gradients in their own dtype.
+Saved for the backward: ``h`` and the column forms of ``x`` and ``a`` (FP8, half of their bf16
+bytes; neither ``x`` nor ``a`` is kept, and ``a`` / ``dh`` are never stored in bf16). A gradient
+that is not asked for (or a call outside autograd) skips the column forms it would read. Every step
+is a custom op (tlx_dist/fp8/api.py, swiglu.py), so torch.compile and CUDA graphs see opaque ops
+with fake shapes; nothing syncs the host. The weights are read through their FP8 copies: pass
+``w13_fp8`` / ``w2_fp8`` from an :class:`~tlx_dist.fp8.Fp8WeightCache` to quantize them once per
+optimizer step. The master weights receive their gradients in their own dtype.
 """
 
 from __future__ import annotations
@@ -36,41 +39,52 @@ import torch.nn.functional as F
 from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_both_op, _quant_cols_op,
                   _quant_rows_op, _resolve, _wgrad_op, select_fp8_backend)
 from .quant import Fp8Rows, Fp8Weight, quantize_weight
-from .swiglu import _swiglu_bwd_quant_op, _swiglu_quant_op
+from .swiglu import _swiglu_bwd_quant_both_op, _swiglu_bwd_quant_op, _swiglu_quant_both_op, _swiglu_quant_op
 from .tlx_gemm import Fp8GemmConfig
 
 __all__ = ["swiglu_experts_fp8", "swiglu_experts_ref"]
 
 
-def _wgrad(x, dy_cols, offsets_E, w_dtype, backend, config):
-    """dW ``[E, D, F]`` in the master weight's dtype from the rows ``x`` ``[N, D]`` and ``dy``'s
-    column quantization ``(q [F, P], s [T, F])`` over the same offsets."""
-    xq, xs, tile_cum, safe = _quant_cols_op(x, offsets_E, backend)
+def _wgrad(x_cols, dy_cols, tile_cum, safe, n_rows, w_dtype, backend, config):
+    """dW ``[E, D, F]`` in the master weight's dtype from the column quantizations ``(q [D, P],
+    s [T, D])`` of ``x`` and ``(q [F, P], s [T, F])`` of ``dy`` over the same offsets."""
     out = w_dtype if w_dtype in _OUT + (torch.float32,) else torch.float32
-    return _wgrad_op(xq, xs, *dy_cols, tile_cum, safe, x.shape[0], out, backend, config).to(w_dtype)
+    return _wgrad_op(*x_cols, *dy_cols, tile_cum, safe, n_rows, out, backend, config).to(w_dtype)
 
 
 class _SwigluExpertsFp8(torch.autograd.Function):
     """Differentiable in ``x_ND``, ``w13_EDF2`` and ``w2_EFD`` (the other inputs are their FP8
-    copies, the offsets and the options)."""
+    copies, the offsets and the options). ``grad``: whether autograd records the call (the
+    forward then also makes the column forms the weight gradients read)."""
 
     @staticmethod
     def forward(ctx, x_ND, w13_EDF2, w2_EFD, q13_EFD, s13_EFbDb, q13_EDF, s13_EDbFb, q2_EFD, s2_EFbDb, q2_EDF,
-                s2_EDbFb, offsets_E, backend, config, x_q, x_s_CbN):
-        if x_q is None:
+                s2_EDbFb, offsets_E, backend, config, x_q, x_s_CbN, grad):
+        _, need_w13, need_w2 = (grad and n for n in ctx.needs_input_grad[:3])
+        x_qc = x_sc = a_qc = a_sc = tiles = None
+        if need_w13 and x_q is None:  # x's rows for the gate/up GEMM and its expert tiles for dW13, one read
+            x_q, x_s_CbN, x_qc, x_sc, *tiles = _quant_both_op(x_ND, offsets_E, backend)
+        elif need_w13:  # the rows came quantized (an FP8 dispatch): only the tiles are left to make
+            x_qc, x_sc, *tiles = _quant_cols_op(x_ND, offsets_E, backend)
+        elif x_q is None:
             x_q, x_s_CbN = _quant_rows_op(x_ND, backend)
         h = _mm_op(x_q, x_s_CbN, q13_EFD, s13_EFbDb, offsets_E, x_ND.dtype, backend, config)
-        a, a_q, a_s = _swiglu_quant_op(h, backend)
+        if need_w2:  # a's rows for the down GEMM and its expert tiles for dW2; a itself is not kept
+            a_q, a_s, a_qc, a_sc, *tiles = _swiglu_quant_both_op(h, offsets_E, backend)
+        else:
+            _, a_q, a_s = _swiglu_quant_op(h, backend)
         y = _mm_op(a_q, a_s, q2_EFD, s2_EFbDb, offsets_E, x_ND.dtype, backend, config)
-        ctx.save_for_backward(x_ND, h, a, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb, offsets_E)
-        ctx.backend, ctx.config = backend, config
+        tile_cum, safe = tiles or (None, None)
+        ctx.save_for_backward(h, x_qc, x_sc, a_qc, a_sc, tile_cum, safe, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb,
+                              offsets_E)
+        ctx.backend, ctx.config, ctx.n_rows = backend, config, x_ND.shape[0]
         ctx.w_dtypes = (w13_EDF2.dtype, w2_EFD.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, h, a, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb, offsets_E = ctx.saved_tensors
-        backend, config = ctx.backend, ctx.config
+        h, x_qc, x_sc, a_qc, a_sc, tile_cum, safe, q13_EDF, s13_EDbFb, q2_EDF, s2_EDbFb, offsets_E = ctx.saved_tensors
+        backend, config, n = ctx.backend, ctx.config, ctx.n_rows
         need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
         dy_ND = dy_ND.contiguous()
         dx = dw13 = dw2 = None
@@ -82,16 +96,17 @@ class _SwigluExpertsFp8(torch.autograd.Function):
         elif need_w2:
             dy_qc, dy_sc, _, _ = _quant_cols_op(dy_ND, offsets_E, backend)
         if need_w2:
-            dw2 = _wgrad(a, (dy_qc, dy_sc), offsets_E, ctx.w_dtypes[1], backend, config)
+            dw2 = _wgrad((a_qc, a_sc), (dy_qc, dy_sc), tile_cum, safe, n, ctx.w_dtypes[1], backend, config)
         if need_dA:
             dA = _mm_op(dy_q, dy_s, q2_EDF, s2_EDbFb, offsets_E, dy_ND.dtype, backend, config)
-            dh, dh_q, dh_s = _swiglu_bwd_quant_op(h, dA, backend)
+            if need_w13:  # dh's rows for the dX GEMM and its expert tiles for dW13; dh itself is not kept
+                dh_q, dh_s, dh_qc, dh_sc, _, _ = _swiglu_bwd_quant_both_op(h, dA, offsets_E, backend)
+                dw13 = _wgrad((x_qc, x_sc), (dh_qc, dh_sc), tile_cum, safe, n, ctx.w_dtypes[0], backend, config)
+            else:
+                _, dh_q, dh_s = _swiglu_bwd_quant_op(h, dA, backend)
             if need_x:
-                dx = _mm_op(dh_q, dh_s, q13_EDF, s13_EDbFb, offsets_E, dh.dtype, backend, config)
-            if need_w13:
-                dh_cols = _quant_cols_op(dh, offsets_E, backend)[:2]
-                dw13 = _wgrad(x_ND, dh_cols, offsets_E, ctx.w_dtypes[0], backend, config)
-        return (dx, dw13, dw2) + (None,) * 13
+                dx = _mm_op(dh_q, dh_s, q13_EDF, s13_EDbFb, offsets_E, h.dtype, backend, config)
+        return (dx, dw13, dw2) + (None,) * 14
 
 
 def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor, *,
@@ -131,7 +146,7 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
         _check_w_fp8(w2_fp8, w2_EFD, "w2_fp8", "w2_EFD")
     return _SwigluExpertsFp8.apply(x_ND, w13_EDF2, w2_EFD, w13_fp8.q_EFD, w13_fp8.s_EFbDb, w13_fp8.q_EDF,
                                    w13_fp8.s_EDbFb, w2_fp8.q_EFD, w2_fp8.s_EFbDb, w2_fp8.q_EDF, w2_fp8.s_EDbFb,
-                                   offsets_E, name, _config_json(config), x_q, x_s)
+                                   offsets_E, name, _config_json(config), x_q, x_s, torch.is_grad_enabled())
 
 
 def swiglu_experts_ref(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch.Tensor, offsets_E: torch.Tensor,
