@@ -43,7 +43,11 @@ def rows_x(M, C, seed, dtype=torch.bfloat16):
 
 def assert_both_equal(r, c, x, off, fmt="e4m3fn", pow2=False, what=""):
     """``(r, c)`` equal ``quantize_rows_ref(x)`` (every row) and ``quantize_cols_ref(x, off)`` (every
-    expert tile; the padding and slack tiles are not written, as quantize_cols leaves them)."""
+    expert tile; the padding and slack tiles are not written, as quantize_cols leaves them). Compared
+    on the CPU, whatever the device."""
+    r = Q.Fp8Rows(r.q_MC.cpu(), r.s_MCb.cpu())
+    c = Q.Fp8Cols(c.q_CP.cpu(), c.s_TC.cpu(), c.tile_cum_E1.cpu(), c.offsets_E.cpu(), c.n_rows)
+    x, off = x.cpu(), off.cpu()
     rr, cr = Q.quantize_rows_ref(x, fmt, pow2), Q.quantize_cols_ref(x, off, fmt, pow2)
     assert r.q_MC.shape == rr.q_MC.shape and r.q_MC.dtype == rr.q_MC.dtype, what
     assert torch.equal(_bits(r.q_MC), _bits(rr.q_MC)), f"{what}: row codes"
@@ -68,11 +72,10 @@ BOTH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("odt", [torch.int32, torch.int64])
 @pytest.mark.parametrize("counts,M,C,why", BOTH_CASES, ids=[c[3].split(";")[0] for c in BOTH_CASES])
-def test_quantize_both(counts, M, C, why, odt):
+def test_quantize_both(counts, M, C, why):
     x = rows_x(M, C, M + C)
-    off = torch.tensor(counts).cumsum(0).to(odt)
+    off = torch.tensor(counts).cumsum(0).to(torch.int64 if M % 2 else torch.int32)  # both offset dtypes
     r, c = Q.quantize_both(x, off, backend="triton")
     assert_both_equal(r, c, x, off, what=why)
 
@@ -114,35 +117,34 @@ def check_swiglu_both(h, dA, off, fmt="e4m3fn", pow2=False, backend="triton", wh
     a, r, c = S.swiglu_quant_both(h, off, keep_a=True, **kw)
     check_swiglu_quant(lambda *_: (a, r), h, fmt, pow2, what=f"{what} fwd")
     assert torch.equal(a, S.swiglu_quant(h, **kw)[0]), f"{what}: a differs from swiglu_quant's"
-    assert_both_equal(r, c, a.cpu(), off.cpu(), fmt, pow2, what=f"{what} fwd")
+    assert_both_equal(r, c, a, off, fmt, pow2, what=f"{what} fwd")
     none, r2, c2 = S.swiglu_quant_both(h, off, **kw)
     assert none is None
-    assert_both_equal(r2, c2, a.cpu(), off.cpu(), fmt, pow2, what=f"{what} fwd, a not kept")
+    assert_both_equal(r2, c2, a, off, fmt, pow2, what=f"{what} fwd, a not kept")
     dh, r, c = S.swiglu_bwd_quant_both(h, dA, off, keep_dh=True, **kw)
     check_swiglu_bwd_quant(lambda *_: (dh, r), h, dA, fmt, pow2, what=f"{what} bwd")
     assert torch.equal(dh, S.swiglu_bwd_quant(h, dA, **kw)[0]), f"{what}: dh differs from swiglu_bwd_quant's"
-    assert_both_equal(r, c, dh.cpu(), off.cpu(), fmt, pow2, what=f"{what} bwd")
+    assert_both_equal(r, c, dh, off, fmt, pow2, what=f"{what} bwd")
     none, r2, c2 = S.swiglu_bwd_quant_both(h, dA, off, **kw)
     assert none is None
-    assert_both_equal(r2, c2, dh.cpu(), off.cpu(), fmt, pow2, what=f"{what} bwd, dh not kept")
+    assert_both_equal(r2, c2, dh, off, fmt, pow2, what=f"{what} bwd, dh not kept")
 
 
-# (counts, M, F, why)
+BF, HF, I32, I64 = torch.bfloat16, torch.float16, torch.int32, torch.int64
+# (counts, M, F, h's dtype, the offsets' dtype, why)
 SWIGLU_CASES = [
-    ([40, 0, 50, 7], 110, 256, "zero-token expert; 13 padding rows; paired backward tiles"),
-    ([0, 200, 0], 200, 200, "one expert takes every row; F = 200: backward tiles straddle gate and up"),
-    ([130, 126], 270, 128, "experts straddling the 128-row tiles; 14 padding rows"),
-    ([0, 0], 9, 48, "only padding rows; F < 128"),
-    ([1], 1, 136, "a single row; F = 136"),
-    ([0, 0], 0, 128, "no rows"),
+    ([40, 0, 50, 7], 110, 256, BF, I32, "zero-token expert; 13 padding rows; paired backward tiles"),
+    ([0, 200, 0], 200, 200, HF, I64, "one expert takes every row; F = 200: backward tiles straddle gate and up"),
+    ([130, 126], 270, 128, BF, I64, "experts straddling the 128-row tiles; 14 padding rows"),
+    ([0, 0], 9, 48, HF, I32, "only padding rows; F < 128"),
+    ([1], 1, 136, BF, I32, "a single row; F = 136"),
+    ([0, 0], 0, 128, HF, I64, "no rows"),
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("counts,M,F_,why", SWIGLU_CASES, ids=[c[3].split(";")[0] for c in SWIGLU_CASES])
-def test_swiglu_both(counts, M, F_, why, dtype):
+@pytest.mark.parametrize("counts,M,F_,dtype,odt,why", SWIGLU_CASES, ids=[c[5].split(";")[0] for c in SWIGLU_CASES])
+def test_swiglu_both(counts, M, F_, dtype, odt, why):
     h, dA = adversarial_h(M, F_, dtype, seed=M + F_)
-    odt = torch.int64 if dtype == torch.float16 else torch.int32
     check_swiglu_both(h, dA, torch.tensor(counts).cumsum(0).to(odt), what=why)
 
 
@@ -172,7 +174,7 @@ def _experts_data(counts, N, D, Fi, seed=0):
     return x, w13, w2, dy, torch.tensor(counts).cumsum(0).to(torch.int32)
 
 
-@pytest.mark.parametrize("counts,N,D,Fi", [([40, 0, 50, 7], 110, 256, 128), ([0, 130], 140, 128, 64)],
+@pytest.mark.parametrize("counts,N,D,Fi", [([40, 0, 50, 7], 110, 128, 128), ([0, 130], 141, 128, 64)],
                          ids=["zero_expert_padding", "one_expert_straddling_tiles"])
 def test_experts_equal_the_single_purpose_quantizers(counts, N, D, Fi):
     """backend="torch" on CPU: every quantization in the interpreted kernels, the GEMMs through

@@ -263,3 +263,33 @@ def test_quant_both_kernel_compiles_with_the_hardware_encode(dt):
     ptx = k.asm["ptx"]
     assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
     assert re.search(r"div\.rn\.f32", ptx), "the scales use IEEE division"
+
+
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("form", ["fwd", "bwd_paired", "bwd_straddling"])
+def test_swiglu_tile_grid_kernels_compile_with_the_hardware_encode(form, store):
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_swiglu import _swiglu_bwd_quant_tiles_kernel, _swiglu_quant_tiles_kernel
+
+    cx = {"G": 128, "STORE": store, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
+    tail = {"qc_ptr": "*u8", "sc_ptr": "*fp32", "offsets_ptr": "*i32", "tile_cum_ptr": "*i32", "E": "i32", "M": "i32",
+            "F": "i32"}
+    if form == "fwd":
+        fn = _swiglu_quant_tiles_kernel
+        sig = {"h_ptr": "*bf16", "a_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", **tail, "stride_hm": "i32",
+               "stride_am": "i32", "stride_qm": "i32", "stride_sk": "i32", "stride_qc": "i32"}
+    else:
+        fn = _swiglu_bwd_quant_tiles_kernel
+        sig = {"h_ptr": "*bf16", "da_ptr": "*bf16", "dh_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", **tail,
+               "stride_hm": "i32", "stride_dam": "i32", "stride_dhm": "i32", "stride_qm": "i32", "stride_sk": "i32",
+               "stride_qc": "i32"}
+        cx["PAIRED"] = form == "bwd_paired"
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=_cuda(90), options={"num_warps": 8})
+    ptx = k.asm["ptx"]
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
+    assert re.search(r"div\.rn\.f32", ptx), "silu / sigmoid use IEEE division"
+    # the kept output is stored as bf16 exactly when STORE (st.global of 16-bit values)
+    assert bool(re.search(r"st\.global(\.\w+)*\.b16", ptx)) == store

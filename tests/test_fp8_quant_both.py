@@ -64,6 +64,50 @@ def test_custom_op_opcheck_and_fake_shapes():
                            w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
 
 
+def test_swiglu_custom_ops_opcheck():
+    from fp8_swiglu_cases import adversarial_h
+
+    h, dA = adversarial_h(140, 128, torch.bfloat16)
+    off = torch.tensor([3, 131], dtype=torch.int64)
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.tlx_dist.fp8_swiglu_quant_both, (h, off, "reference"), test_utils=utils)
+    torch.library.opcheck(torch.ops.tlx_dist.fp8_swiglu_bwd_quant_both, (h, dA, off, "reference"), test_utils=utils)
+
+
+def test_swiglu_both_bad_inputs():
+    from tlx_dist.fp8 import swiglu as S
+
+    h, dA = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets_E must be a 1-D int32 / int64"):
+        S.swiglu_quant_both(h, torch.tensor([[8]]))
+    with pytest.raises(ValueError, match="E=0"):
+        S.swiglu_bwd_quant_both(h, dA, torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"dA_MF must be \[M, F\]"):
+        S.swiglu_bwd_quant_both(h, dA[:, :64], torch.tensor([8]))
+    with pytest.raises(ValueError, match="odd width"):
+        S.swiglu_quant_both(h[:, :255], torch.tensor([8]))
+
+
+def test_experts_outside_autograd_match_and_skip_the_tiles(monkeypatch):
+    # under no_grad the forward equals the recording one and makes no column form (the recording
+    # one makes x's and a's)
+    from tlx_dist import fp8
+    from tlx_dist.fp8 import swiglu as S
+
+    calls = []
+    real = Q.quantize_cols_ref
+    for mod in (Q, S):
+        monkeypatch.setattr(mod, "quantize_cols_ref", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w13, w2, dy, off = _experts_data([40, 0, 50, 7], 110, 256, 64)
+    ts = [t.clone().requires_grad_(True) for t in (x, w13, w2)]
+    y = fp8.swiglu_experts_fp8(*ts, off, backend="reference")
+    assert len(calls) == 2
+    calls.clear()
+    with torch.no_grad():
+        y0 = fp8.swiglu_experts_fp8(*ts, off, backend="reference")
+    assert torch.equal(y0, y.detach()) and not calls
+
+
 def _experts_data(counts, N, D, Fi, seed=0):
     g = torch.Generator().manual_seed(seed)
     E = len(counts)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tlx
-from fp8_both_interpreted_cases import BOTH_CASES, assert_both_equal, rows_x
-from fp8_swiglu_cases import assert_experts_equal, fused_experts, previous_experts
+from fp8_both_interpreted_cases import BOTH_CASES, SWIGLU_CASES, assert_both_equal, check_swiglu_both, rows_x
+from fp8_swiglu_cases import adversarial_h, assert_experts_equal, fused_experts, previous_experts
 from tlx_dist.fp8 import quant as Q
 
 # Collected everywhere (so a CPU run proves the module imports and parametrizes), run only on a GPU.
@@ -29,11 +29,6 @@ def _poisoned(fn):
     return fn()
 
 
-def _cpu(r, c):
-    return (Q.Fp8Rows(r.q_MC.cpu(), r.s_MCb.cpu()),
-            Q.Fp8Cols(c.q_CP.cpu(), c.s_TC.cpu(), c.tile_cum_E1.cpu(), c.offsets_E.cpu(), c.n_rows))
-
-
 GPU_CASES = BOTH_CASES + [
     ([5000, 0, 3000, 1, 200], 8400, 2048, "OLMoE-like D: many tiles, a zero-token expert, 199 padding rows"),
 ]
@@ -45,7 +40,7 @@ def test_quantize_both_vs_references(counts, M, C, why, odt):
     x = rows_x(M, C, M + C).to(DEV)
     off = torch.tensor(counts).cumsum(0).to(odt).to(DEV)
     r, c = _poisoned(lambda: Q.quantize_both(x, off, backend="triton"))
-    assert_both_equal(*_cpu(r, c), x.cpu(), off.cpu(), what=why)
+    assert_both_equal(r, c, x, off, what=why)
 
 
 @pytest.mark.parametrize("fmt,pow2", [("e4m3fnuz", False), ("e4m3fn", True)])
@@ -53,7 +48,22 @@ def test_quantize_both_formats_and_pow2(fmt, pow2):
     x = rows_x(1000, 300, 5).to(DEV)
     off = torch.tensor([600, 600, 811, 812], dtype=torch.int32, device=DEV)
     r, c = _poisoned(lambda: Q.quantize_both(x, off, fmt=fmt, pow2=pow2, backend="triton"))
-    assert_both_equal(*_cpu(r, c), x.cpu(), off.cpu(), fmt, pow2, what=f"{fmt} pow2={pow2}")
+    assert_both_equal(r, c, x, off, fmt, pow2, what=f"{fmt} pow2={pow2}")
+
+
+GPU_SWIGLU = SWIGLU_CASES + [
+    ([5000, 0, 3000, 1, 200], 8400, 1024, torch.bfloat16, torch.int32, "OLMoE's F: many tiles, paired backward"),
+]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("counts,M,F_,dtype,odt,why", GPU_SWIGLU, ids=[c[5].split(";")[0] for c in GPU_SWIGLU])
+def test_swiglu_both_vs_references(counts, M, F_, dtype, odt, why, pow2):
+    # the compiled exp may differ from the interpreter's in the last fp32 bit: the kept output is
+    # bounded against float64, and both quantizations must equal the references' of that output
+    h, dA = adversarial_h(M, F_, dtype, seed=M + F_, device=DEV)
+    off = torch.tensor(counts).cumsum(0).to(odt).to(DEV)
+    _poisoned(lambda: check_swiglu_both(h, dA, off, pow2=pow2, what=why))
 
 
 @needs_tlx

@@ -20,8 +20,8 @@ Backward (the SwiGLU's gradient fused with both quantizations of dh; no cat):
     dx_ND        = mm(dh_fp8, w13 in its dX layout)
     dW13         = wgrad(x_cols, dh_cols)
 
-Saved for the backward: ``h`` and the column forms of ``x`` and ``a`` (FP8, half of their bf16
-bytes; neither ``x`` nor ``a`` is kept, and ``a`` / ``dh`` are never stored in bf16). A gradient
+Saved for the backward: ``h`` and the column forms of ``x`` and ``a`` (FP8: about half of their
+bf16 bytes; neither ``x`` nor ``a`` is kept, and ``a`` / ``dh`` are never stored in bf16). A gradient
 that is not asked for (or a call outside autograd) skips the column forms it would read. Every step
 is a custom op (tlx_dist/fp8/api.py, swiglu.py), so torch.compile and CUDA graphs see opaque ops
 with fake shapes; nothing syncs the host. The weights are read through their FP8 copies: pass
