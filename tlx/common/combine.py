@@ -24,8 +24,9 @@ Kernels:
   ``_gather_ksum_kernel``     grid (cdiv(T, BLOCK_R), cdiv(D, BLOCK_D)): out / g_TD.
   ``_combine_bwd_kernel``     grid (cdiv(N, BLOCK_R),): g_y [N, D] and g_gate [S], looping over D.
 
-EMULATE (TRITON_INTERPRET=1 only): the interpreter's fp32 -> bf16 cast truncates, so there the
-rounding to bf16 is done in integer arithmetic (round to nearest even, as the GPU's cvt.rn).
+EMULATE (TRITON_INTERPRET=1 only): the interpreter's fp32 -> bf16 cast truncates and its bf16 <->
+fp32 casts mishandle subnormals, so there bf16 values are read, rounded (to nearest even, as the
+GPU's cvt.rn) and written in integer arithmetic on their bits.
 """
 
 import triton
@@ -49,6 +50,25 @@ def _round_to(v, dst_ty: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _load_f32(ptrs, mask, EMULATE: tl.constexpr):
+    """fp32 values of the elements at ``ptrs`` (masked ones 0)."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    if EMULATE and v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _as(v, dst_ty: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``v`` holding values exact in ``dst_ty`` (from :func:`_round_to`), in ``dst_ty``."""
+    if EMULATE and dst_ty == tl.bfloat16:
+        return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dst_ty)
+
+
+@triton.jit
 def _gather_ksum_kernel(y_ptr, gate_ptr, inv_ptr, out_ptr, T, K, D, stride_yn, stride_ot,
                         HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EMULATE: tl.constexpr):
@@ -64,12 +84,12 @@ def _gather_ksum_kernel(y_ptr, gate_ptr, inv_ptr, out_ptr, T, K, D, stride_yn, s
     for k in range(K):
         s = t64 * K + k
         n = tl.load(inv_ptr + s, mask=t_ok, other=0).to(tl.int64)
-        y = tl.load(y_ptr + n[:, None] * stride_yn + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        y = _load_f32(y_ptr + n[:, None] * stride_yn + d[None, :], ok, EMULATE)
         if HAS_GATE:
-            w = _round_to(tl.load(gate_ptr + s, mask=t_ok, other=0.0).to(tl.float32), act, EMULATE)
+            w = _round_to(_load_f32(gate_ptr + s, t_ok, EMULATE), act, EMULATE)
             y = _round_to(w[:, None] * y, act, EMULATE)
         acc += y
-    r = _round_to(acc, act, EMULATE).to(act)
+    r = _as(_round_to(acc, act, EMULATE), act, EMULATE)
     tl.store(out_ptr + t64[:, None] * stride_ot + d[None, :], r, mask=ok)
 
 
@@ -83,15 +103,16 @@ def _combine_bwd_kernel(g_ptr, y_ptr, gate_ptr, order_ptr, gy_ptr, ggate_ptr, N,
     n64 = n.to(tl.int64)
     s = tl.load(order_ptr + n64, mask=n_ok, other=0).to(tl.int64)
     t = s // K
-    w = _round_to(tl.load(gate_ptr + s, mask=n_ok, other=0.0).to(tl.float32), act, EMULATE)
+    w = _round_to(_load_f32(gate_ptr + s, n_ok, EMULATE), act, EMULATE)
     dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         ok = n_ok[:, None] & (d < D)[None, :]
-        g = tl.load(g_ptr + t[:, None] * stride_gt + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + n64[:, None] * stride_yn + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        gy = _round_to(g * w[:, None], act, EMULATE).to(act)
+        g = _load_f32(g_ptr + t[:, None] * stride_gt + d[None, :], ok, EMULATE)
+        y = _load_f32(y_ptr + n64[:, None] * stride_yn + d[None, :], ok, EMULATE)
+        gy = _as(_round_to(g * w[:, None], act, EMULATE), act, EMULATE)
         tl.store(gy_ptr + n64[:, None] * stride_gyn + d[None, :], gy, mask=ok)
         dot += tl.sum(g * y, axis=1)
-    gg = _round_to(dot, ggate_ptr.dtype.element_ty, EMULATE).to(ggate_ptr.dtype.element_ty)
+    gt: tl.constexpr = ggate_ptr.dtype.element_ty
+    gg = _as(_round_to(dot, gt, EMULATE), gt, EMULATE)
     tl.store(ggate_ptr + s, gg, mask=n_ok)
