@@ -180,11 +180,11 @@ class Dispatcher(abc.ABC):
             g_TKD = self.combine(g_ND, handle)
             return g_TKD.sum(1, dtype=torch.promote_types(g_ND.dtype, torch.float32)).to(g_ND.dtype)
 
-    def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> None:
+    def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle, what: str = "y_ND") -> None:
         if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
-            raise ValueError(f"y_ND must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")
+            raise ValueError(f"{what} must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")
         if y_ND.shape[0] != handle.num_recv_rows:
-            raise ValueError(f"y_ND has {y_ND.shape[0]} rows but the dispatch received N={handle.num_recv_rows}")
+            raise ValueError(f"{what} has {y_ND.shape[0]} rows but the dispatch received N={handle.num_recv_rows}")
 
     @property
     def name(self) -> str:

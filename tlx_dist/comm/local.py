@@ -54,7 +54,7 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch_backward(self, g_ND, handle):
         """:meth:`Dispatcher.dispatch_backward` (one fused gather + k-sum where the kernels run)."""
-        self._check_combine(g_ND, handle)
+        self._check_combine(g_ND, handle, "g_ND")
         if not use_combine_kernels(g_ND):
             return super().dispatch_backward(g_ND, handle)
         with torch.no_grad():
