@@ -39,12 +39,23 @@ _BLOCK_R, _BLOCK_D, _NUM_WARPS = 4, 256, 4
 def use_combine_kernels(rows: torch.Tensor, gate_TK: torch.Tensor | None = None) -> bool:
     """True where the fused kernels compute these operands exactly as the torch composition
     (dtypes above) and can run (a CUDA device, or CPU under TRITON_INTERPRET=1)."""
-    from tlx import triton_available
-
     if rows.dtype not in _ACT or (gate_TK is not None and (gate_TK.dtype not in _GATE
                                                            or gate_TK.device != rows.device)):
         return False
-    return triton_available() and (rows.is_cuda or (rows.device.type == "cpu" and interpret_mode()))
+    return _runnable(rows.device.type)
+
+
+def _runnable(device_type: str) -> bool:
+    from tlx import triton_available
+
+    return triton_available() and (device_type == "cuda" or (device_type == "cpu" and interpret_mode()))
+
+
+# Evaluated eagerly while torch.compile traces (the first probe of triton fills a cache, a side
+# effect dynamo cannot trace inside an autograd.Function's backward), its result a constant: what
+# torch.compiler.assume_constant_result(_runnable) does, without importing torch._dynamo at import
+# time (as tlx_dist/grouped_gemm/backends.py does for its loader).
+_runnable._dynamo_marked_constant = True
 
 
 # --- references (the same semantics in torch; the ops' fallback) ------------------------------------
