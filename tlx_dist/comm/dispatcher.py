@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from .local_combine import dispatch_backward_local, use_combine_kernels
+
 __all__ = ["DispatchHandle", "Dispatcher", "check_dispatch_args", "permute_rows", "replicate_rows", "inverse_permutation"]
 
 
@@ -91,7 +93,8 @@ class _PermuteRows(torch.autograd.Function):
 class _ReplicateRows(torch.autograd.Function):
     """``out[i] = x_TD[order_S[i] // K]``: each token row once per slot, in slot order ``order_S``.
     Backward: ``dx[t] = sum_k grad[inverse_S[t*K + k]]`` -- a gather and a k-sum accumulated in fp32
-    and rounded once, deterministic (``index_select``'s own backward is an atomic ``index_add``)."""
+    and rounded once, deterministic (``index_select``'s own backward is an atomic ``index_add``);
+    one fused kernel where local_combine.py's run."""
 
     @staticmethod
     def forward(ctx, x_TD, order_S, inverse_S, K):
@@ -102,6 +105,8 @@ class _ReplicateRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse_S,) = ctx.saved_tensors
+        if ctx.K and use_combine_kernels(grad):  # the same gather + k-sum, fused (local_combine.py)
+            return dispatch_backward_local(grad, inverse_S, inverse_S.shape[0] // ctx.K, ctx.K), None, None, None
         g_TKD = grad.index_select(0, inverse_S).view(-1, ctx.K, grad.shape[1])
         return g_TKD.sum(1, dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype), None, None, None
 
@@ -175,11 +180,11 @@ class Dispatcher(abc.ABC):
             g_TKD = self.combine(g_ND, handle)
             return g_TKD.sum(1, dtype=torch.promote_types(g_ND.dtype, torch.float32)).to(g_ND.dtype)
 
-    def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> None:
+    def _check_combine(self, y_ND: torch.Tensor, handle: DispatchHandle, what: str = "y_ND") -> None:
         if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
-            raise ValueError(f"y_ND must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")
+            raise ValueError(f"{what} must be a 2-D tensor [N, D], got {getattr(y_ND, 'shape', type(y_ND))}")
         if y_ND.shape[0] != handle.num_recv_rows:
-            raise ValueError(f"y_ND has {y_ND.shape[0]} rows but the dispatch received N={handle.num_recv_rows}")
+            raise ValueError(f"{what} has {y_ND.shape[0]} rows but the dispatch received N={handle.num_recv_rows}")
 
     @property
     def name(self) -> str:

@@ -1,4 +1,9 @@
-"""Single-rank dispatcher: a permutation of (token, k) slots into expert-major order. No host sync."""
+"""Single-rank dispatcher: a permutation of (token, k) slots into expert-major order. No host sync.
+
+The weighted combine and the payload dispatch's backward are gather-reduces over that permutation:
+on a GPU (and on CPU under TRITON_INTERPRET=1) for bf16 / fp16 rows they run as one fused kernel each
+(local_combine.py: no [T, K, D] intermediate, forward or backward); elsewhere the torch composition
+of :class:`Dispatcher` (the reference) runs."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 
 from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation, permute_rows, replicate_rows
 from .layout import sort_slots
+from .local_combine import combine_weighted_local, dispatch_backward_local, use_combine_kernels
 
 __all__ = ["LocalDispatcher"]
 
@@ -35,3 +41,21 @@ class LocalDispatcher(Dispatcher):
         # Backward: a gather back into expert-major order -- a dispatch of dy.
         y_SD = permute_rows(y_ND, handle.inverse_S, handle.order_S)
         return y_SD.view(handle.num_tokens, handle.top_k, y_ND.shape[1])
+
+    def combine_weighted(self, y_ND, handle, gate_TK):
+        """:meth:`Dispatcher.combine_weighted`; ``gate_TK`` ``[T, K]`` (fp32 / bf16 / fp16 for the kernel)."""
+        self._check_combine(y_ND, handle)
+        if not isinstance(gate_TK, torch.Tensor) or tuple(gate_TK.shape) != (handle.num_tokens, handle.top_k):
+            raise ValueError(f"gate_TK must be a [T={handle.num_tokens}, K={handle.top_k}] tensor, got "
+                             f"{getattr(gate_TK, 'shape', type(gate_TK))}")
+        if not use_combine_kernels(y_ND, gate_TK):
+            return super().combine_weighted(y_ND, handle, gate_TK)
+        return combine_weighted_local(y_ND, gate_TK, handle.order_S, handle.inverse_S)
+
+    def dispatch_backward(self, g_ND, handle):
+        """:meth:`Dispatcher.dispatch_backward` (one fused gather + k-sum where the kernels run)."""
+        self._check_combine(g_ND, handle, "g_ND")
+        if not use_combine_kernels(g_ND):
+            return super().dispatch_backward(g_ND, handle)
+        with torch.no_grad():
+            return dispatch_backward_local(g_ND, handle.inverse_S, handle.num_tokens, handle.top_k)
