@@ -291,3 +291,25 @@ def test_swiglu_tile_grid_kernels_compile_with_the_hardware_encode(form, store):
     assert re.search(r"div\.rn\.f32", ptx), "silu / sigmoid use IEEE division"
     # the kept output is stored as bf16 exactly when STORE (st.global of 16-bit values)
     assert bool(re.search(r"st\.global(\.\w+)*\.b16", ptx)) == store
+
+
+def test_e4m3fnuz_on_nvidia_compiles_with_the_emulated_encode():
+    """Triton has no e4m3fnuz type on NVIDIA GPUs (the hardware cast raises at compile time), so the
+    quantizers take the integer encoding there (``tlx_dist.fp8.quant.emulate``): the row kernel
+    with FMT=1 compiles for sm_90 and uses no hardware FP8 conversion."""
+    import torch
+    import triton
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _quant_rows_kernel
+    from tlx_dist.fp8.quant import emulate
+
+    if getattr(torch.version, "hip", None):
+        pytest.skip("ROCm encodes e4m3fnuz in hardware")
+    assert emulate("e4m3fnuz") and emulate("e4m3fn") == (os.environ.get("TRITON_INTERPRET") == "1")
+    cx = {"G": 128, "BLOCK_M": 32, "FMT": 1, "POW2": False, "EMULATE": emulate("e4m3fnuz")}
+    sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "C": "i32", "stride_xm": "i32",
+           "stride_qm": "i32", "stride_sk": "i32"}
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(_quant_rows_kernel, sig, constexprs=cx), target=_cuda(90), options={"num_warps": 4})
+    assert not re.search(r"cvt\.[a-z.]*e4m3", k.asm["ptx"]), "no hardware e4m3 cast for e4m3fnuz on sm_90"

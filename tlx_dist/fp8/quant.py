@@ -99,6 +99,13 @@ class Fp8Weight:
         return self.q_EDF.shape
 
 
+def emulate(fmt: str) -> bool:
+    """Whether the kernels encode FP8 in integer arithmetic (``EMULATE``): under the interpreter,
+    and for e4m3fnuz off ROCm -- Triton on NVIDIA GPUs has no e4m3fnuz type, and the emulated
+    encoding gives the same bytes the hardware one would."""
+    return interpret_mode() or (fmt == "e4m3fnuz" and not getattr(torch.version, "hip", None))
+
+
 def check_fmt(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r} must be one of {sorted(FORMATS)}")
@@ -310,7 +317,7 @@ def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
         block_m = 32
         _quant_rows_kernel[(-(-M // block_m), Cb)](x_MC, q.view(torch.uint8), s, M, C, x_MC.stride(0), C, M,
                                                   G=GROUP, BLOCK_M=block_m, FMT=FORMATS[fmt][2], POW2=pow2,
-                                                  EMULATE=interpret_mode(), num_warps=4)
+                                                  EMULATE=emulate(fmt), num_warps=4)
     return Fp8Rows(q, s.t())
 
 
@@ -347,7 +354,7 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
         block_c = 64
         _quant_cols_kernel[(T, -(-C // block_c))](x_MC, q.view(torch.uint8), s, safe, tile_cum, E, M, C,
                                                  x_MC.stride(0), GROUP * T, G=GROUP, BLOCK_C=block_c,
-                                                 FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+                                                 FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
                                                  SEARCH_STEPS=search_steps(E), num_warps=4)
     return Fp8Cols(q, s, tile_cum, safe, M)
 
@@ -398,7 +405,7 @@ def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
     if C:
         _quant_both_kernel[(T, -(-C // GROUP))](x_MC, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum,
                                                E, M, C, x_MC.stride(0), C, M, GROUP * T, G=GROUP,
-                                               FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+                                               FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
                                                SEARCH_STEPS=search_steps(E), num_warps=8)
     return Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
@@ -432,5 +439,5 @@ def quantize_weight(w_EDF: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = Fa
     if D and F:
         _quant_blocks_kernel[(Db, Fb, E)](w_EDF, q.view(torch.uint8), qt.view(torch.uint8), s, st, D, F,
                                          w_EDF.stride(0), w_EDF.stride(1), G=GROUP, FMT=FORMATS[fmt][2], POW2=pow2,
-                                         EMULATE=interpret_mode(), num_warps=8)
+                                         EMULATE=emulate(fmt), num_warps=8)
     return Fp8Weight(qt, st, q, s, fmt)

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..grouped_gemm.host import interpret_mode, search_steps
+from ..grouped_gemm.host import search_steps
 from .api import _cols_fake, _quant_backend, _rows_fake
-from .quant import (FORMATS, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
+from .quant import (FORMATS, emulate, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
                     empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid)
 
 __all__ = ["swiglu_quant", "swiglu_bwd_quant", "swiglu_quant_ref", "swiglu_bwd_quant_ref", "swiglu_quant_both",
@@ -129,7 +129,7 @@ def swiglu_quant(h_M2F: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
     if M and F_:
         _swiglu_quant_kernel[(-(-M // _BLOCK_M), -(-F_ // GROUP))](
             h_M2F, a, q.view(torch.uint8), s, M, F_, h_M2F.stride(0), F_, F_, M, G=GROUP, BLOCK_M=_BLOCK_M,
-            FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(), num_warps=4)
+            FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt), num_warps=4)
     return a, Fp8Rows(q, s.t())
 
 
@@ -164,7 +164,7 @@ def swiglu_bwd_quant(h_M2F: torch.Tensor, dA_MF: torch.Tensor, *, fmt: str = "e4
         groups = F_ // GROUP if paired else -(-2 * F_ // GROUP)
         _swiglu_bwd_quant_kernel[(-(-M // _BLOCK_M), groups)](
             h_M2F, dA_MF, dh, q.view(torch.uint8), s, M, F_, h_M2F.stride(0), dA_MF.stride(0), 2 * F_, 2 * F_, M,
-            G=GROUP, BLOCK_M=_BLOCK_M, PAIRED=paired, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+            G=GROUP, BLOCK_M=_BLOCK_M, PAIRED=paired, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
             num_warps=4)
     return dh, Fp8Rows(q, s.t())
 
@@ -203,7 +203,7 @@ def swiglu_quant_both(h_M2F: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str 
         _swiglu_quant_tiles_kernel[(T, -(-F_ // GROUP))](
             h_M2F, h_M2F if a is None else a, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum, E, M,
             F_, h_M2F.stride(0), F_, F_, M, GROUP * T, G=GROUP, STORE=keep_a, FMT=FORMATS[fmt][2], POW2=pow2,
-            EMULATE=interpret_mode(), SEARCH_STEPS=search_steps(E), num_warps=8)
+            EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), num_warps=8)
     return a, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
@@ -245,7 +245,7 @@ def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: t
         _swiglu_bwd_quant_tiles_kernel[(T, groups)](
             h_M2F, dA_MF, h_M2F if dh is None else dh, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe,
             tile_cum, E, M, F_, h_M2F.stride(0), dA_MF.stride(0), 2 * F_, 2 * F_, M, GROUP * T, G=GROUP,
-            PAIRED=paired, STORE=keep_dh, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=interpret_mode(),
+            PAIRED=paired, STORE=keep_dh, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
             SEARCH_STEPS=search_steps(E), num_warps=8)
     return dh, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
