@@ -311,8 +311,7 @@ def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
         x_MC = x_MC.contiguous()
     M, C = x_MC.shape
     Cb = -(-C // GROUP)
-    q = torch.empty(M, C, dtype=FORMATS[fmt][0], device=x_MC.device)
-    s = torch.empty(Cb, M, dtype=torch.float32, device=x_MC.device)
+    q, s = empty_rows(M, C, fmt, x_MC.device)
     if M and C:
         block_m = 32
         _quant_rows_kernel[(-(-M // block_m), Cb)](x_MC, q.view(torch.uint8), s, M, C, x_MC.stride(0), C, M,
@@ -340,14 +339,11 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
         return quantize_cols_ref(x_MC, offsets_E, fmt, pow2)
     from tlx.common.fp8_quant import _quant_cols_kernel
 
-    from ..grouped_gemm.host import prep_offsets
-
     if x_MC.stride(1) != 1:
         x_MC = x_MC.contiguous()
     M, C = x_MC.shape
     E = offsets_E.shape[0]
-    T = max_m_tiles(M, E, GROUP)
-    safe, tile_cum = prep_offsets(offsets_E, M, GROUP)  # clamped on the device, flagged (guard.py)
+    T, safe, tile_cum = tile_grid(offsets_E, M)
     q = torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=x_MC.device)
     s = torch.empty(T, C, dtype=torch.float32, device=x_MC.device)
     if C:
@@ -367,11 +363,16 @@ def tile_grid(offsets_E: torch.Tensor, n_rows: int) -> tuple[int, torch.Tensor, 
     return max_m_tiles(n_rows, offsets_E.shape[0], GROUP), safe, tile_cum
 
 
+def empty_rows(M: int, C: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``q_MC`` [M, C] (fp8) and ``s`` [Cb, M] (fp32): a row quantization's storage."""
+    return (torch.empty(M, C, dtype=FORMATS[fmt][0], device=device),
+            torch.empty(-(-C // GROUP), M, dtype=torch.float32, device=device))
+
+
 def empty_rows_cols(M: int, C: int, T: int, fmt: str, device) -> tuple[torch.Tensor, ...]:
     """Uninitialized ``q_MC`` [M, C], ``s`` [Cb, M], ``q_CP`` [C, G*T], ``s_TC`` [T, C] (fp8 / fp32)."""
-    dt, f32 = FORMATS[fmt][0], torch.float32
-    return (torch.empty(M, C, dtype=dt, device=device), torch.empty(-(-C // GROUP), M, dtype=f32, device=device),
-            torch.empty(C, GROUP * T, dtype=dt, device=device), torch.empty(T, C, dtype=f32, device=device))
+    return empty_rows(M, C, fmt, device) + (torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=device),
+                                            torch.empty(T, C, dtype=torch.float32, device=device))
 
 
 def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..grouped_gemm.host import search_steps
 from .api import _cols_fake, _quant_backend, _rows_fake
 from .quant import (FORMATS, emulate, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
-                    empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid)
+                    empty_rows, empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid)
 
 __all__ = ["swiglu_quant", "swiglu_bwd_quant", "swiglu_quant_ref", "swiglu_bwd_quant_ref", "swiglu_quant_both",
            "swiglu_bwd_quant_both", "swiglu_quant_both_ref", "swiglu_bwd_quant_both_ref"]
@@ -97,12 +97,6 @@ def swiglu_bwd_quant_both_ref(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_
 # --- kernels -----------------------------------------------------------------------------------------
 
 
-def _rows(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    M, C = x.shape
-    return (torch.empty(M, C, dtype=FORMATS[fmt][0], device=x.device),
-            torch.empty(-(-C // GROUP), M, dtype=torch.float32, device=x.device))
-
-
 def swiglu_quant(h_M2F: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
                  backend: Optional[str] = None) -> tuple[torch.Tensor, Fp8Rows]:
     """``a = silu(gate) * up`` and its 1 x 128 row quantization, in one pass over ``h``.
@@ -125,7 +119,7 @@ def swiglu_quant(h_M2F: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
         h_M2F = h_M2F.contiguous()
     M = h_M2F.shape[0]
     a = torch.empty(M, F_, dtype=h_M2F.dtype, device=h_M2F.device)
-    q, s = _rows(a, fmt)
+    q, s = empty_rows(M, F_, fmt, a.device)
     if M and F_:
         _swiglu_quant_kernel[(-(-M // _BLOCK_M), -(-F_ // GROUP))](
             h_M2F, a, q.view(torch.uint8), s, M, F_, h_M2F.stride(0), F_, F_, M, G=GROUP, BLOCK_M=_BLOCK_M,
@@ -158,7 +152,7 @@ def swiglu_bwd_quant(h_M2F: torch.Tensor, dA_MF: torch.Tensor, *, fmt: str = "e4
         dA_MF = dA_MF.contiguous()
     M = h_M2F.shape[0]
     dh = torch.empty(M, 2 * F_, dtype=h_M2F.dtype, device=h_M2F.device)
-    q, s = _rows(dh, fmt)
+    q, s = empty_rows(M, 2 * F_, fmt, dh.device)
     if M and F_:
         paired = F_ % GROUP == 0
         groups = F_ // GROUP if paired else -(-2 * F_ // GROUP)
