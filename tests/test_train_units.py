@@ -17,7 +17,7 @@ DEBUG = [c for c in CONFIGS if c.name == "debug_cpu.toml"][0]
 
 
 def test_recipe_set():
-    assert {c.stem for c in CONFIGS} >= {"debug_cpu", "h200_1gpu", "h200_2gpu_ep2", "h200_8gpu_ep8",
+    assert {c.stem for c in CONFIGS} >= {"debug_cpu", "h200_1gpu", "h200_1gpu_fp8", "h200_2gpu_ep2", "h200_8gpu_ep8",
                                          "h200_8x8", "b200_16x8", "mi300x_16x8"}
 
 
@@ -53,6 +53,18 @@ def test_ep2_recipe_is_the_one_gpu_model_at_ep2():
     two = load_config([c for c in CONFIGS if c.stem == "h200_2gpu_ep2"][0])
     assert two.model == one.model and two.parallel.ep == 2
     assert (two.data.batch_size, two.data.seq_len) == (8, 4096) == (one.data.batch_size, one.data.seq_len)
+
+
+def test_fp8_recipe_is_the_one_gpu_recipe_in_fp8():
+    """configs/h200_1gpu_fp8.toml differs from h200_1gpu only in the experts' precision and where it
+    writes, so the two runs' loss curves compare step for step."""
+    import dataclasses
+    one = load_config([c for c in CONFIGS if c.stem == "h200_1gpu"][0])
+    fp8 = load_config([c for c in CONFIGS if c.stem == "h200_1gpu_fp8"][0])
+    assert (one.model.moe.precision, fp8.model.moe.precision) == ("bf16", "fp8")
+    assert dataclasses.replace(fp8.model, moe=dataclasses.replace(fp8.model.moe, precision="bf16")) == one.model
+    assert (fp8.parallel, fp8.data, fp8.train) == (one.parallel, one.data, one.train)
+    assert fp8.metrics.out_dir != one.metrics.out_dir and fp8.checkpoint.dir != one.checkpoint.dir
 
 
 @pytest.mark.parametrize("override, message", [
