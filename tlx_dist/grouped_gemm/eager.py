@@ -25,6 +25,10 @@ holds (:func:`traced`):
 - a tensor argument is of any type but ``torch.Tensor`` / ``nn.Parameter`` (DTensor, FakeTensor,
   FunctionalTensor, any other subclass), at the top level or inside a list / tuple argument.
 
+(Selective activation checkpointing and FlopCounterMode are dispatch modes: they see the op. A
+TorchFunctionMode alone -- ``with torch.device(...)`` is one -- sees the body's torch calls, as it
+would inside the op's body.)
+
 Autograd: an op without a formula whose call autograd would record (grad mode on, an input
 requiring grad) also runs as the op, which does what it always did. An op with a formula records a
 direct call through :class:`_EagerAutograd`, an ``autograd.Function`` that runs the same
