@@ -4,21 +4,24 @@ reference paths (their kernels, interpreted: tests/local_combine_interpreted_cas
 tests/fp8_both_interpreted_cases.py).
 
 What is checked: (1) which path runs -- each op's direct call runs its body and not the op, in the
-FP8 experts and the FP8 MoE layer too; FakeTensorMode, a dispatch mode, make_fx, vmap, a tensor
-subclass, torch.compile and an op without a formula called under autograd take the op; (2) that the
-two paths agree bit for bit -- every op's outputs (and that none aliases an input, as the op forbids),
-the experts', grouped_mm_fp8's, the combine's and the layer's outputs, gradients and saved tensors,
-for each subset of inputs that requires grad; torch.compile's result equals eager.
+FP8 experts and the FP8 MoE layer too; FakeTensorMode, a dispatch mode, a function mode, make_fx,
+jit.trace, vmap, a tensor subclass, torch.compile and an op without a formula called under autograd
+take the op; (2) that the two paths agree bit for bit -- every op's outputs (and that none aliases
+an input, as the op forbids), the experts', grouped_mm_fp8's, the combine's and the layer's
+outputs, gradients and saved tensors, for each subset of inputs that requires grad;
+torch.compile's result equals eager.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _util import make_cfg
@@ -166,11 +169,32 @@ def test_tracing_and_subclasses_take_the_op(calls):
         rows(x, "reference")
     assert "tlx_dist.fp8_quantize_rows.default" in rec.seen and not _ran(calls, "body")
 
+    class Seeing(TorchFunctionMode):  # a function mode sees the op as one call, as before
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seeing() as fmode:
+        rows(x, "reference")
+    assert fmode.seen == ["tlx_dist.fp8_quantize_rows.default"] and not _ran(calls, "body")
+    with torch.device("cpu"):  # a device context is a function mode too
+        rows(x, "reference")
+    assert not _ran(calls, "body")
+
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(lambda t: rows(t, "reference"))(x)  # real tensors, the proxy mode on top
     assert "tlx_dist.fp8_quantize_rows.default" in [str(n.target) for n in gm.graph.nodes]
     assert not _ran(calls, "body")
+
+    with warnings.catch_warnings():  # torch.jit.trace is deprecated, still a tracer
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced_fn = torch.jit.trace(lambda t: rows(t, "reference")[1], (x,), check_trace=False)
+    assert "tlx_dist::fp8_quantize_rows" in str(traced_fn.graph) and not _ran(calls, "body")
 
     class Sub(torch.Tensor):
         pass

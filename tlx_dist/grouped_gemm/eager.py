@@ -18,16 +18,16 @@ holds (:func:`traced`):
 
 - torch.compile / dynamo is tracing (``torch.compiler.is_compiling()``);
 - a TorchDispatchMode is active: FakeTensorMode, FunctionalTensorMode, the proxy mode of
-  ``make_fx`` / ``torch.export``, a user's mode (FlopCounterMode, a logging mode);
+  ``make_fx`` / ``torch.export``, selective activation checkpointing, a user's mode
+  (FlopCounterMode, a logging mode);
+- a TorchFunctionMode is active (a user's, or ``torch.device(...)`` as a context manager /
+  ``torch.set_default_device``): the mode sees the op as one call and the body runs outside it,
+  as it always has;
 - a functorch transform is active (``vmap``, ``torch.func.grad``): its wrapped tensors have type
   ``torch.Tensor``, so the type check below does not see them;
 - ``torch.jit.trace`` is recording;
 - a tensor argument is of any type but ``torch.Tensor`` / ``nn.Parameter`` (DTensor, FakeTensor,
   FunctionalTensor, any other subclass), at the top level or inside a list / tuple argument.
-
-(Selective activation checkpointing and FlopCounterMode are dispatch modes: they see the op. A
-TorchFunctionMode alone -- ``with torch.device(...)`` is one -- sees the body's torch calls, as it
-would inside the op's body.)
 
 Autograd: an op without a formula whose call autograd would record (grad mode on, an input
 requiring grad) also runs as the op, which does what it always did. An op with a formula records a
@@ -67,7 +67,7 @@ def _plain(a) -> bool:
 def traced(args: tuple, kwargs: dict) -> bool:
     """True when a call with these arguments must go through the registered op (module docstring)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._len_torch_function_stack() or torch._C._functorch.peek_interpreter_stack() is not None
             or torch._C._get_tracing_state() is not None):
         return True
     for a in args:
