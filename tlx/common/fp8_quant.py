@@ -21,7 +21,11 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
                            rows ``lo + G*j ...`` (j = t - tile_cum[e-1]) at columns ``G*t ...``;
                            columns past the expert's last row are zeros, so a GEMM k-step over a
                            tile never reads another expert's rows. Slack tiles past
-                           ``tile_cum[E-1]`` are not written.
+                           ``tile_cum[E-1]`` are not written. Body: ``expert_tile`` + ``store_cols``.
+  ``_quant_cols_from_rows_kernel``  q [M, C] e4m3 (any row stride), s [M, Cb] (any strides) -> q [C, P],
+                           s [T, C]: ``_quant_cols_kernel`` of x = q * s rounded once to DTYPE (as
+                           ``_dequant_rows_kernel`` makes it), from the FP8 rows themselves -- the
+                           weight gradient's operand of an FP8 dispatch's rows, with no [M, C] x.
   ``_quant_both_kernel``   x [M, C] -> both of the above in one read of x: grid (T, Cb), one
                            expert-aligned tile (padding tiles included) x one group of G columns;
                            every row gets its row quantization (padding rows too, as the rows
@@ -38,7 +42,9 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
 FMT: 0 = e4m3fn (NVIDIA, max 448), 1 = e4m3fnuz (AMD MI300, max 240). EMULATE (tests, under
 TRITON_INTERPRET=1, whose fp8 casts neither round to nearest-even nor saturate nor keep
 subnormals): the FP8 encoding is computed with integer arithmetic instead of the hardware cast;
-the compiled kernels use the cast (``cvt.rn.satfinite``).
+the compiled kernels use the cast (``cvt.rn.satfinite``). The same flag makes ``round_to``'s
+fp32 -> bf16 rounding integer arithmetic (the interpreter's cast truncates), and EMULATE_IN the
+e4m3 decode (``decode_fp8``: the interpreter's turns NaN into 480; NVIDIA has no e4m3fnuz type).
 """
 
 import triton

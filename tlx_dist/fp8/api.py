@@ -392,7 +392,8 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
         x_fp8: ``x_ND``'s rows already quantized (:class:`Fp8Rows` ``[N, D]``, e.g. from
             :func:`~tlx_dist.fp8.dispatch.dispatch_fp8`): the forward reads them instead of
             quantizing ``x_ND``, which the backward still reads (the weight gradient's operand:
-            a values placeholder, ``dispatch_fp8(dequantize=False)``, is a ValueError). ``q`` needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
+            a values placeholder, ``dispatch_fp8(dequantize=False)``, is a ValueError). ``q``
+            needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
     Returns:
         ``[N, F]`` in ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
