@@ -308,8 +308,8 @@ def test_quant_cols_from_rows_kernel_compiles_for_gfx942_with_the_hardware_casts
            "tile_cum_ptr": "*i32", "E": "i32", "M": "i32", "C": "i32", "stride_qm": "i32", "stride_sm": "i32",
            "stride_sk": "i32", "stride_qc": "i32"}
     sig.update({k: "constexpr" for k in cx})
-    k = triton.compile(ASTSource(_quant_cols_from_rows_kernel, sig, constexprs=cx), target=GPUTarget("hip", "gfx942", 64),
-                       options={"num_warps": 4})
+    k = triton.compile(ASTSource(_quant_cols_from_rows_kernel, sig, constexprs=cx),
+                       target=GPUTarget("hip", "gfx942", 64), options={"num_warps": 4})
     asm = k.asm["amdgcn"]
     assert re.search(r"v_cvt_pk_f32_fp8", asm), "the e4m3fnuz decode must be the hardware conversion"
     assert re.search(r"v_cvt_pk_fp8_f32", asm), "the e4m3fnuz encode must be the hardware conversion"
