@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8_both_interpreted_cases import BOTH_CASES as CASES  # noqa: F401 (the tile-grid cases, shared)
 from tlx_dist.fp8 import quant as Q
 from tlx_dist.fp8.dispatch import pack_rows, unpack_rows
 
@@ -88,15 +89,3 @@ def check_cols_from_rows(rows: Q.Fp8Rows, off: torch.Tensor, dtype: torch.dtype,
     want = Q.quantize_cols_ref(Q.dequantize_rows_rounded(cpu, dtype), off.cpu(), fmt, pow2)
     assert_cols_equal(got, want, what)
     return got
-
-
-# (counts, M, C, why)
-CASES = [
-    ([150, 0, 61, 1], 230, 300, "zero-token expert; a 1-row expert; 18 padding rows; C = 300 (a partial group)"),
-    ([0, 200, 0], 200, 128, "one expert takes every row (a full tile + 72 rows)"),
-    ([128, 128], 300, 136, "tile-aligned experts; 44 padding rows past the last offset; C = 136"),
-    ([0, 0], 9, 64, "every expert empty: only padding rows, C < 128"),
-    ([40], 40, 72, "one expert, fewer rows than a tile"),
-    ([1], 1, 200, "a single row"),
-    ([0, 0, 0], 0, 128, "no rows at all"),
-]

@@ -17,6 +17,7 @@ from _interp import run_interpreted_suite
 from _util import make_cfg
 from fp8_cols_from_rows_cases import BF, HF, adversarial_x, assert_cols_equal, dispatched_rows, raw_rows
 from fp8_swiglu_cases import assert_experts_equal
+from test_fp8_quant_both import EXPERT_CASES
 from tlx_dist import MoELayer, fp8
 from tlx_dist.fp8 import quant as Q
 
@@ -145,15 +146,6 @@ def _experts(x_ND, rows, w13, w2, dy, off, backend, wrt=(0, 1, 2), compile=False
         out[i] = gr
     return [y.detach()] + out
 
-
-# (counts, N, D, F, why)
-EXPERT_CASES = [
-    ([40, 0, 50, 7], 110, 256, 64, "zero-token expert, 13 padding rows, a 7-row expert"),
-    ([0, 300, 0], 300, 128, 200, "one expert takes every row (3 tiles); F = 200"),
-    ([130, 126], 270, 208, 128, "experts straddling the 128-row tiles; 14 padding rows; D = 208"),
-    ([1], 1, 128, 48, "a single row"),
-    ([0, 0], 0, 128, 64, "no rows at all"),
-]
 
 
 @pytest.mark.parametrize("counts,N,D,Fi,why", EXPERT_CASES, ids=[c[4].split(";")[0] for c in EXPERT_CASES])

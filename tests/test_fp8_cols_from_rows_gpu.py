@@ -12,24 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tlx
 from fp8_cols_from_rows_cases import (BF, CASES, HF, adversarial_x, assert_cols_equal, check_cols_from_rows,
                                       dispatched_rows, raw_rows)
 from fp8_swiglu_cases import assert_experts_equal, previous_experts
+from test_fp8_quant_both_gpu import DEV, _poisoned, needs_tlx
 from tlx_dist.fp8 import quant as Q
 
 # Collected everywhere (so a CPU run proves the module imports and parametrizes), run only on a GPU.
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-DEV = "cuda"
-needs_tlx = pytest.mark.skipif(not (tlx.tlx_available() and tlx.gpu_arch() == "sm_90"),
-                               reason="the TLX FP8 kernels need sm_90 with fbtriton")
-
-
-def _poisoned(fn):
-    # the caching allocator hands back the poisoned block: an element no program wrote shows as NaN
-    torch.empty(1 << 26, dtype=torch.float32, device=DEV).fill_(float("nan"))
-    return fn()
 
 
 GPU_CASES = CASES + [
