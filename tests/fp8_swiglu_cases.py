@@ -119,10 +119,11 @@ def adversarial_h(M: int, F_: int, dtype: torch.dtype, seed: int = 0, device: st
     return h.to(dtype).to(device), dA.to(dtype).to(device)
 
 
-def previous_experts(x, w13, w2, dy, off, backend: str):
+def previous_experts(x, w13, w2, dy, off, backend: str, x_fp8=None):
     """``[y, dx, dw13, dw2]`` of ``swiglu_experts_fp8(x, w13, w2, off)`` under the loss ``sum(y * dy)``,
     composed from the single-purpose quantizers (every tensor quantized once per form it is read
-    in): the oracle the experts' fused quantizations must equal bit for bit."""
+    in): the oracle the experts' fused quantizations must equal bit for bit. ``x_fp8``: x's rows as
+    an FP8 dispatch delivers them (the gate/up GEMM reads them; dW13 still quantizes ``x``)."""
     from tlx_dist import fp8
     from tlx_dist.fp8 import swiglu as S
 
@@ -136,7 +137,7 @@ def previous_experts(x, w13, w2, dy, off, backend: str):
         return fp8.wgrad_fp8(Q.quantize_cols(u, off, backend=qb), Q.quantize_cols(v, off, backend=qb),
                              out_dtype=w.dtype, backend=backend)
 
-    h = mm(Q.quantize_rows(x, backend=qb), q13.q_EFD, q13.s_EFbDb)
+    h = mm(Q.quantize_rows(x, backend=qb) if x_fp8 is None else x_fp8, q13.q_EFD, q13.s_EFbDb)
     a, a_fp8 = S.swiglu_quant(h, backend=qb)
     y = mm(a_fp8, q2.q_EFD, q2.s_EFbDb)
     dA = mm(Q.quantize_rows(dy, backend=qb), q2.q_EDF, q2.s_EDbFb)

@@ -33,9 +33,9 @@ from tlx_dist.fp8 import swiglu as S
 from tlx_dist.grouped_gemm import eager
 from tlx_dist.grouped_gemm.eager import EagerCustomOp
 
-NAMES = {"fp8_quantize_rows", "fp8_quantize_cols", "fp8_quantize_both", "fp8_mm", "fp8_wgrad", "grouped_mm_fp8",
-         "fp8_swiglu_quant", "fp8_swiglu_bwd_quant", "fp8_swiglu_quant_both", "fp8_swiglu_bwd_quant_both",
-         "local_combine_weighted", "local_combine_weighted_backward", "local_gather_ksum"}
+NAMES = {"fp8_quantize_rows", "fp8_quantize_cols", "fp8_quantize_cols_from_rows", "fp8_quantize_both", "fp8_mm",
+         "fp8_wgrad", "grouped_mm_fp8", "fp8_swiglu_quant", "fp8_swiglu_bwd_quant", "fp8_swiglu_quant_both",
+         "fp8_swiglu_bwd_quant_both", "local_combine_weighted", "local_combine_weighted_backward", "local_gather_ksum"}
 
 
 def _eager_ops() -> dict:
@@ -100,6 +100,7 @@ def _samples() -> dict:
     return {
         "fp8_quantize_rows": (x, "reference"),
         "fp8_quantize_cols": (x, off, "reference"),
+        "fp8_quantize_cols_from_rows": (a.q_MC, a.s_MCb.t(), off, torch.bfloat16, "reference"),
         "fp8_quantize_both": (x, off, "reference"),
         "fp8_mm": (a.q_MC, a.s_MCb.t().contiguous(), wq.q_EFD, wq.s_EFbDb, off, torch.bfloat16, "reference"),
         "fp8_wgrad": (xc.q_CP, xc.s_TC, dyc.q_CP, dyc.s_TC, xc.tile_cum_E1, xc.offsets_E, 40, torch.float32,

@@ -264,6 +264,58 @@ def test_quant_both_kernel_compiles_with_the_hardware_encode():
     assert re.search(r"div\.rn\.f32", ptx), "the scales use IEEE division"
 
 
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_quant_cols_from_rows_kernel_compiles_with_the_hardware_casts(dt):
+    # the weight gradient's column form straight from the dispatched FP8 rows: hardware e4m3 decode
+    # (exact through f16), fp32 product, one hardware rounding to the activation dtype (RNE), the
+    # hardware e4m3 encode; nothing in local memory
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _quant_cols_from_rows_kernel
+
+    cx = {"G": 128, "BLOCK_C": 64, "IN_FMT": 0, "FMT": 0, "POW2": False,
+          "DTYPE": tl.bfloat16 if dt == "bf16" else tl.float16, "EMULATE_IN": False, "EMULATE": False,
+          "SEARCH_STEPS": 4}
+    sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "qc_ptr": "*u8", "sc_ptr": "*fp32", "offsets_ptr": "*i32",
+           "tile_cum_ptr": "*i32", "E": "i32", "M": "i32", "C": "i32", "stride_qm": "i32", "stride_sm": "i32",
+           "stride_sk": "i32", "stride_qc": "i32"}
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(_quant_cols_from_rows_kernel, sig, constexprs=cx), target=_cuda(90),
+                       options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx, "the e4m3 decode must be the hardware cast"
+    rounding = rf"cvt\.rn\.{dt.replace('fp', 'f')}(x2)?\.f32"
+    assert re.search(rounding, ptx), "one round-to-nearest-even to the activation dtype"
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "the e4m3 encode must be the hardware cast"
+    assert re.search(r"div\.rn\.f32", ptx), "the scales use IEEE division"
+    assert not re.search(r"\b(ld|st)\.local", ptx), "no spills"
+
+
+def test_quant_cols_from_rows_kernel_compiles_for_gfx942_with_the_hardware_casts():
+    # e4m3fnuz rows on MI300: the hardware fp8 <-> fp32 conversions both ways (no integer decode)
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tlx.common.fp8_quant import _quant_cols_from_rows_kernel
+
+    cx = {"G": 128, "BLOCK_C": 64, "IN_FMT": 1, "FMT": 1, "POW2": False, "DTYPE": tl.bfloat16, "EMULATE_IN": False,
+          "EMULATE": False, "SEARCH_STEPS": 4}
+    sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "qc_ptr": "*u8", "sc_ptr": "*fp32", "offsets_ptr": "*i32",
+           "tile_cum_ptr": "*i32", "E": "i32", "M": "i32", "C": "i32", "stride_qm": "i32", "stride_sm": "i32",
+           "stride_sk": "i32", "stride_qc": "i32"}
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(ASTSource(_quant_cols_from_rows_kernel, sig, constexprs=cx),
+                       target=GPUTarget("hip", "gfx942", 64), options={"num_warps": 4})
+    asm = k.asm["amdgcn"]
+    assert re.search(r"v_cvt_pk_f32_fp8", asm), "the e4m3fnuz decode must be the hardware conversion"
+    assert re.search(r"v_cvt_pk_fp8_f32", asm), "the e4m3fnuz encode must be the hardware conversion"
+    assert _amd_meta(asm, "vgpr_spill_count") == 0 and _amd_meta(asm, "private_segment_fixed_size") == 0
+
+
 @pytest.mark.parametrize("form,store", [("fwd", False), ("fwd", True), ("bwd_paired", False), ("bwd_straddling", True)])
 def test_swiglu_tile_grid_kernels_compile_with_the_hardware_encode(form, store):
     import triton

@@ -337,9 +337,16 @@ class MoELayer(nn.Module):
     def _separate(self, x_TD: torch.Tensor, route) -> torch.Tensor:
         """dispatch -> grouped GEMMs with SwiGLU -> gate-weighted combine."""
         if self.precision == "fp8":
-            # The token rows leave quantized; the gate/up GEMM reads them as they arrive.
+            # The token rows leave quantized; the gate/up GEMM reads them as they arrive, and on the
+            # kernel backends dW13's tiles are made from them too, so the dequantized rows are not
+            # written (recv_ND only carries their gradient). The reference backend keeps them: its
+            # tiles are quantize_cols of the dequantized rows, the oracle of the kernels'.
+            D, F2 = self.w13.shape[1], self.w13.shape[2]
+            kernels = select_fp8_backend(x_TD.device, D, F2, self.gemm_backend,
+                                         f"w13's (D, 2F) = ({D}, {F2})") != "reference"
             recv_ND, rows_N, handle = dispatch_fp8(self.dispatcher, x_TD, route.idx_TK, route.gate_TK,
-                                                   backend="reference" if self.gemm_backend == "reference" else None)
+                                                   backend="reference" if self.gemm_backend == "reference" else None,
+                                                   dequantize=not kernels)
             w13_fp8, w2_fp8 = self._fp8_weights()
             y_ND = swiglu_experts_fp8(recv_ND, self.w13, self.w2, handle.offsets_e, w13_fp8=w13_fp8, w2_fp8=w2_fp8,
                                       backend=self.gemm_backend, config=self.gemm_config, x_fp8=rows_N)

@@ -21,7 +21,11 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
                            rows ``lo + G*j ...`` (j = t - tile_cum[e-1]) at columns ``G*t ...``;
                            columns past the expert's last row are zeros, so a GEMM k-step over a
                            tile never reads another expert's rows. Slack tiles past
-                           ``tile_cum[E-1]`` are not written.
+                           ``tile_cum[E-1]`` are not written. Body: ``expert_tile`` + ``store_cols``.
+  ``_quant_cols_from_rows_kernel``  q [M, C] e4m3 (any row stride), s [M, Cb] (any strides) -> q [C, P],
+                           s [T, C]: ``_quant_cols_kernel`` of x = q * s rounded once to DTYPE (as
+                           ``_dequant_rows_kernel`` makes it), from the FP8 rows themselves -- the
+                           weight gradient's operand of an FP8 dispatch's rows, with no [M, C] x.
   ``_quant_both_kernel``   x [M, C] -> both of the above in one read of x: grid (T, Cb), one
                            expert-aligned tile (padding tiles included) x one group of G columns;
                            every row gets its row quantization (padding rows too, as the rows
@@ -38,7 +42,9 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
 FMT: 0 = e4m3fn (NVIDIA, max 448), 1 = e4m3fnuz (AMD MI300, max 240). EMULATE (tests, under
 TRITON_INTERPRET=1, whose fp8 casts neither round to nearest-even nor saturate nor keep
 subnormals): the FP8 encoding is computed with integer arithmetic instead of the hardware cast;
-the compiled kernels use the cast (``cvt.rn.satfinite``).
+the compiled kernels use the cast (``cvt.rn.satfinite``). The same flag makes ``round_to``'s
+fp32 -> bf16 rounding integer arithmetic (the interpreter's cast truncates), and EMULATE_IN the
+e4m3 decode (``decode_fp8``: the interpreter's turns NaN into 480; NVIDIA has no e4m3fnuz type).
 """
 
 import triton
@@ -115,6 +121,66 @@ def encode_fp8(v, FMT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _decode_soft(b, FMT: tl.constexpr):
+    # fp32 value of e4m3 bit patterns ``b`` (uint8) in integer arithmetic: the interpreter's decode
+    # turns e4m3fn's NaN (0x7F / 0xFF) into 480, and Triton on NVIDIA has no e4m3fnuz type. Normals
+    # rebuild the fp32 bits; subnormals are ``m * 2**(-BIAS - 2)``, exact; fn's NaN is S.1111.111,
+    # fnuz's is 0x80 (it has no -0).
+    if FMT == 0:
+        BIAS: tl.constexpr = 7
+    else:
+        BIAS: tl.constexpr = 8
+    bi = b.to(tl.int32)
+    sign = (bi >> 7) & 1
+    e = (bi >> 3) & 0xF
+    m = bi & 7
+    normal = ((e + (127 - BIAS)) << 23) | (m << 20)
+    sub = (m.to(tl.float32) * tl.full(b.shape, 2.0 ** (-BIAS - 2), tl.float32)).to(tl.int32, bitcast=True)
+    v = ((sign << 31) | tl.where(e == 0, sub, normal)).to(tl.float32, bitcast=True)  # the sign as a bit: -0 stays -0
+    if FMT == 0:
+        nan = (bi & 0x7F) == 0x7F
+    else:
+        nan = bi == 0x80
+    return tl.where(nan, tl.full(b.shape, float("nan"), tl.float32), v)
+
+
+@triton.jit
+def decode_fp8(b, FMT: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 values of e4m3fn / e4m3fnuz bit patterns ``b`` (uint8), exact (NaN stays NaN)."""
+    if EMULATE:
+        out = _decode_soft(b, FMT)
+    elif FMT == 0:
+        out = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        out = b.to(tl.float8e4b8, bitcast=True).to(tl.float32)
+    return out
+
+
+@triton.jit
+def round_bf16_soft(v):
+    """(bf16 of fp32 ``v`` rounded to nearest even, its fp32 value) in integer arithmetic: the
+    interpreter's fp32 -> bf16 cast truncates and mishandles subnormals. bf16 is fp32's top 16
+    bits, so rounding the magnitude's bits at bit 16 is exact for normals, subnormals and overflow."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    r = ((mag + 0x7FFF + ((mag >> 16) & 1)) >> 16) | (sign << 15)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True), (r << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(v, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """(fp32 ``v`` rounded once to ``DTYPE`` (bf16 / fp16 / fp32), that value back in fp32). The
+    interpreter's fp32 -> fp16 cast rounds to nearest even already; its bf16 cast does not."""
+    if EMULATE and DTYPE == tl.bfloat16:
+        vr, vf = round_bf16_soft(v)
+    else:
+        vr = v.to(DTYPE)
+        vf = vr.to(tl.float32)
+    return vr, vf
+
+
+@triton.jit
 def quantize_block(x, inv, FMT: tl.constexpr, EMULATE: tl.constexpr):
     top = fp8_max(FMT)
     return encode_fp8(tl.minimum(tl.maximum(x * inv, -top), top), FMT, EMULATE)
@@ -138,32 +204,6 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, C, stride_xm, stride_qm, stride_s
 
 
 @triton.jit
-def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_xm, stride_qc,
-                       G: tl.constexpr, BLOCK_C: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
-                       EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """grid (T, cdiv(C, BLOCK_C)): one expert-aligned tile of G rows x BLOCK_C columns."""
-    t = tl.program_id(0)
-    cb = tl.program_id(1)
-    e = _search_expert(tile_cum_ptr, E, t, SEARCH_STEPS)
-    if e < E:  # tiles of the padding rows and the host bound's slack are not part of any expert
-        first = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
-        first = tl.where(e > 0, first, 0)
-        lo, cnt = expert_rows(offsets_ptr, e, E, M)
-        i = tl.arange(0, G)
-        r_in = (t - first) * G + i
-        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok_c = cols < C
-        ok = (r_in < cnt)[:, None] & ok_c[None, :]
-        rows = (lo + r_in).to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        s, inv = scale_from_amax(tl.max(tl.abs(x), axis=0), FMT, POW2)
-        q = quantize_block(x, inv[None, :], FMT, EMULATE)  # [G, BLOCK_C]; zeros past the expert's rows
-        dst = q_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + i)[:, None]
-        tl.store(dst, q, mask=ok_c[None, :])
-        tl.store(s_ptr + t.to(tl.int64) * C + cols, s, mask=ok_c)
-
-
-@triton.jit
 def expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """(rows int64 [G], row mask [G], whether an expert owns it) of expert-aligned tile ``t``: the
     rows ``lo + G*j + i`` (j = t - tile_cum[e-1]) of expert ``e``, or of the padding pseudo-expert
@@ -178,6 +218,58 @@ def expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEP
 
 
 @triton.jit
+def store_cols(x, cols, c_ok, t, qc_ptr, sc_ptr, stride_qc, C, G: tl.constexpr, FMT: tl.constexpr,
+               POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """The column form of fp32 ``x`` [G, BC] (zero outside the tile's rows and ``c_ok``), tile ``t``
+    x the columns ``cols``: each column's G values quantized against their amax, stored transposed
+    (q [C, P] row stride ``stride_qc``, at columns ``G*t ...``; zeros past the expert's rows) with
+    their scales (s [T, C]); nothing is stored for columns outside ``c_ok``."""
+    sc, invc = scale_from_amax(tl.max(tl.abs(x), axis=0), FMT, POW2)
+    qc = quantize_block(x, invc[None, :], FMT, EMULATE)
+    dst = qc_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + tl.arange(0, G))[:, None]
+    tl.store(dst, qc, mask=c_ok[None, :])
+    tl.store(sc_ptr + t.to(tl.int64) * C + cols, sc, mask=c_ok)
+
+
+@triton.jit
+def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_xm, stride_qc,
+                       G: tl.constexpr, BLOCK_C: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
+                       EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, cdiv(C, BLOCK_C)): one expert-aligned tile of G rows x BLOCK_C columns."""
+    t = tl.program_id(0)
+    cb = tl.program_id(1)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    if in_expert:  # tiles of the padding rows and the host bound's slack are not part of any expert
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cols < C
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        store_cols(x, cols, c_ok, t, q_ptr, s_ptr, stride_qc, C, G, FMT, POW2, EMULATE)
+
+
+@triton.jit
+def _quant_cols_from_rows_kernel(q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_qm,
+                                 stride_sm, stride_sk, stride_qc, G: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 IN_FMT: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, DTYPE: tl.constexpr,
+                                 EMULATE_IN: tl.constexpr, EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, cdiv(C, BLOCK_C)), BLOCK_C dividing G: one expert-aligned tile of G rows x BLOCK_C
+    columns of the row quantization (q [M, C] uint8 bit patterns, row stride ``stride_qm``; s
+    [M, Cb] at ``s_ptr + m * stride_sm + k * stride_sk``), all in one scale group of the rows."""
+    t = tl.program_id(0)
+    cb = tl.program_id(1)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    if in_expert:  # as _quant_cols_kernel: the padding rows' and the slack tiles are not written
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cols < C
+        ok = r_ok[:, None] & c_ok[None, :]
+        b = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :], mask=ok, other=0)
+        kb = (cb * BLOCK_C) // G
+        s = tl.load(s_ptr + rows * stride_sm + kb.to(tl.int64) * stride_sk, mask=r_ok, other=0.0)
+        _, x = round_to(decode_fp8(b, IN_FMT, EMULATE_IN) * s[:, None], DTYPE, EMULATE)  # the dequantized x
+        store_cols(tl.where(ok, x, 0.0), cols, c_ok, t, qc_ptr, sc_ptr, stride_qc, C, G, FMT, POW2, EMULATE)
+
+
+@triton.jit
 def store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr,
                     stride_qc, C, G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
     """Both quantizations of fp32 ``x`` [G, G] (zero outside ``r_ok`` x ``c_ok``), the rows ``rows``
@@ -188,12 +280,7 @@ def store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, s
     ok = r_ok[:, None] & c_ok[None, :]
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
     tl.store(s_ptr + kb.to(tl.int64) * stride_sk + rows, s, mask=r_ok)
-    cm = c_ok & in_expert
-    sc, invc = scale_from_amax(tl.max(tl.abs(x), axis=0), FMT, POW2)
-    qc = quantize_block(x, invc[None, :], FMT, EMULATE)  # zeros past the expert's rows
-    dst = qc_ptr + cols.to(tl.int64)[None, :] * stride_qc + (t.to(tl.int64) * G + tl.arange(0, G))[:, None]
-    tl.store(dst, qc, mask=cm[None, :])
-    tl.store(sc_ptr + t.to(tl.int64) * C + cols, sc, mask=cm)
+    store_cols(x, cols, c_ok & in_expert, t, qc_ptr, sc_ptr, stride_qc, C, G, FMT, POW2, EMULATE)
 
 
 @triton.jit

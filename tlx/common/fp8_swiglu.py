@@ -32,7 +32,7 @@ Kernels (FP8 bit patterns stored through a uint8 view):
 import triton
 import triton.language as tl
 
-from tlx.common.fp8_quant import expert_tile, quantize_block, scale_from_amax, store_rows_cols
+from tlx.common.fp8_quant import expert_tile, quantize_block, round_to, scale_from_amax, store_rows_cols
 
 
 @triton.jit
@@ -45,26 +45,9 @@ def _silu_sigmoid(g):
 
 
 @triton.jit
-def _round_bf16_soft(v):
-    # (bf16 of fp32 ``v`` rounded to nearest even, its fp32 value) in integer arithmetic: the
-    # interpreter's fp32 -> bf16 cast truncates and mishandles subnormals. bf16 is fp32's top 16
-    # bits, so rounding the magnitude's bits at bit 16 is exact for normals, subnormals and overflow.
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag = bits & 0x7FFFFFFF
-    r = ((mag + 0x7FFF + ((mag >> 16) & 1)) >> 16) | (sign << 15)
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True), (r << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _round_to(v, dst_ptr, EMULATE: tl.constexpr):
     """(``v`` fp32 rounded once to dst's dtype, that value back in fp32)."""
-    if EMULATE and dst_ptr.dtype.element_ty == tl.bfloat16:
-        vr, vf = _round_bf16_soft(v)
-    else:
-        vr = v.to(dst_ptr.dtype.element_ty)
-        vf = vr.to(tl.float32)
-    return vr, vf
+    return round_to(v, dst_ptr.dtype.element_ty, EMULATE)
 
 
 @triton.jit

@@ -36,8 +36,8 @@ import tlx
 from ..grouped_gemm.api import _check_offsets_values
 from ..grouped_gemm.eager import custom_op
 from ..grouped_gemm.reference import check_num_experts
-from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, quantize_both, quantize_cols, quantize_rows,
-                    quantize_weight)
+from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, is_values_placeholder, quantize_both, quantize_cols,
+                    quantize_cols_from_rows, quantize_rows, quantize_weight)
 from .reference import mm_fp8_ref, mm_fp8_torch, wgrad_fp8_ref, wgrad_fp8_torch
 from .tlx_gemm import Fp8GemmConfig
 
@@ -147,6 +147,20 @@ def _quant_cols_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) ->
 @_quant_cols_op.register_fake
 def _(x_MC, offsets_E, backend):
     return _cols_fake(x_MC, offsets_E, *x_MC.shape)
+
+
+@custom_op("tlx_dist::fp8_quantize_cols_from_rows")
+def _quant_cols_from_rows_op(x_q: torch.Tensor, x_s_CbN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype,
+                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # _quant_cols_op's four outputs for x = the rows (q [N, D], s [Cb, N]) dequantized to dtype, bit
+    # for bit, made from the rows themselves (no [N, D] x read)
+    c = quantize_cols_from_rows(Fp8Rows(x_q, x_s_CbN.t()), offsets_E, dtype=dtype, backend=_quant_backend(backend))
+    return c.q_CP, c.s_TC, c.tile_cum_E1, c.offsets_E
+
+
+@_quant_cols_from_rows_op.register_fake
+def _(x_q, x_s_CbN, offsets_E, dtype, backend):
+    return _cols_fake(x_q, offsets_E, *x_q.shape)
 
 
 @custom_op("tlx_dist::fp8_quantize_both")
@@ -328,6 +342,13 @@ def _check_w_fp8(w_fp8, w_EDF: torch.Tensor, name: str = "w_fp8", w_name: str = 
         raise ValueError(f"{name} is on {w_fp8.q_EDF.device} but {w_name} on {w_EDF.device}")
 
 
+def _refuse_placeholder(x: torch.Tensor, name: str) -> None:
+    if is_values_placeholder(x):
+        raise ValueError(f"{name} is a values placeholder (strides (0, 0): dispatch_fp8(dequantize=False)), but this "
+                         "weight gradient quantizes its values: pass the dequantized rows (dequantize=True), or use "
+                         "swiglu_experts_fp8(x_fp8=...), which makes them from the FP8 rows")
+
+
 def _resolve(x_ND, w_EDF, offsets_E, w_fp8, backend, config, x_fp8):
     """grouped_mm_fp8's checks and choices: ``(backend name, w_fp8, x_q, x_s_CbN)`` (the weight
     quantized here when no copy was given; x_q / x_s None unless ``x_fp8`` was)."""
@@ -372,11 +393,13 @@ def grouped_mm_fp8(x_ND: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Ten
             per-form default (``tlx_gemm.default_config``). Read by the tlx backend only.
         x_fp8: ``x_ND``'s rows already quantized (:class:`Fp8Rows` ``[N, D]``, e.g. from
             :func:`~tlx_dist.fp8.dispatch.dispatch_fp8`): the forward reads them instead of
-            quantizing ``x_ND``, which the backward still reads (the weight gradient's operand).
-            ``q`` needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
+            quantizing ``x_ND``, which the backward still reads (the weight gradient's operand:
+            a values placeholder, ``dispatch_fp8(dequantize=False)``, is a ValueError). ``q``
+            needs a unit column stride (and, on the kernel path, 16-byte aligned rows).
     Returns:
         ``[N, F]`` in ``x_ND.dtype``; rows past ``offsets_E[-1]`` are zero.
     """
+    _refuse_placeholder(x_ND, "x_ND")
     name, w_fp8, x_q, x_s = _resolve(x_ND, w_EDF, offsets_E, w_fp8, backend, config, x_fp8)
     return _grouped_mm_fp8_op(x_ND, w_EDF, w_fp8.q_EFD, w_fp8.s_EFbDb, w_fp8.q_EDF, w_fp8.s_EDbFb, offsets_E, name,
                               _config_json(config), x_q, x_s)
@@ -395,6 +418,7 @@ def grouped_mm_fp8_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offsets_E: tor
     for name, t in (("x_ND", x_ND), ("dy_NF", dy_NF)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor")
+        _refuse_placeholder(t, name)
     if x_ND.shape[0] != dy_NF.shape[0]:
         raise ValueError(f"x_ND has N={x_ND.shape[0]} rows but dy_NF has N={dy_NF.shape[0]}")
     name = select_fp8_backend(x_ND.device, x_ND.shape[1], dy_NF.shape[1], backend,

@@ -3,7 +3,7 @@
 Legend: T tokens on this rank, D hidden, Db = cdiv(D, 128) scale groups, K top-k, N received rows
 (expert-major), P the packed row's width in the activation dtype.
 
-    x_hat_ND, rows_N, handle = dispatch_fp8(dispatcher, x_TD, idx_TK, gate_TK)
+    x_hat_ND, rows_N, handle = dispatch_fp8(dispatcher, x_TD, idx_TK, gate_TK, dequantize=False)
     y_ND  = swiglu_experts_fp8(x_hat_ND, w13, w2, handle.offsets_e, x_fp8=rows_N)   # no requantization
     out   = dispatcher.combine_weighted(y_ND, handle, gate_TK)                      # bf16, fp32 k-sum
 
@@ -13,10 +13,14 @@ elements of the activation dtype (``packed_width``: P = 2112 for D = 4096 in bf1
 bf16 row) -- which every dispatcher moves bit for bit (:meth:`Dispatcher.dispatch_payload`: peer
 pointers, NVSHMEM, the emulated world, all-to-all, one rank). The receiver's FP8 rows are the
 packed rows' q columns as they landed (a strided view the GEMMs read in place) and their scales
-(copied to the GEMMs' ``[Db, N]`` layout). ``x_hat_ND`` is the dequantized rows in the activation
-dtype: what autograd sees as the dispatched activation (its gradient goes back through
-:meth:`Dispatcher.dispatch_backward`, a bf16 combine with an fp32 k-sum), and what the weight
-gradient requantizes in 128-row tiles. Combine is unchanged (bf16 rows, fp32 accumulation).
+(copied to the GEMMs' ``[Db, N]`` layout). ``x_hat_ND`` is what autograd sees as the dispatched
+activation: its gradient goes back through :meth:`Dispatcher.dispatch_backward` (a bf16 combine
+with an fp32 k-sum). By default it holds the rows dequantized to the activation dtype (the fp32
+product rounded once); with ``dequantize=False`` it is a zero-stride placeholder that carries the
+gradient and nothing else -- for the FP8 experts, whose gate/up GEMM reads the rows and whose
+weight gradient makes its 128-row tiles from them (``quantize_cols_from_rows``, bit for bit the
+tiles of the dequantized rows), so no ``[N, D]`` tensor in the activation dtype is written or read.
+Combine is unchanged (bf16 rows, fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..comm.dispatcher import Dispatcher, DispatchHandle
-from .quant import GROUP, Fp8Rows, dequantize_rows_rounded, quantize_rows
+from .quant import GROUP, Fp8Rows, dequantize_rows_rounded, quantize_rows, values_placeholder
 
 __all__ = ["packed_width", "pack_rows", "unpack_rows", "dispatch_fp8"]
 
@@ -71,24 +75,27 @@ def unpack_rows(packed_NP: torch.Tensor, D: int) -> Fp8Rows:
 
 class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, idx_TK, gate_TK, dispatcher, backend):
+    def forward(ctx, x_TD, idx_TK, gate_TK, dispatcher, backend, dequantize):
         D = x_TD.shape[1]
         packed = pack_rows(quantize_rows(x_TD.detach(), backend=backend), x_TD.dtype)
         recv_NP, handle = dispatcher.dispatch_payload(packed, idx_TK, gate_TK, x_TD)
         rows = unpack_rows(recv_NP, D)
-        x_hat = dequantize_rows_rounded(rows, x_TD.dtype)
+        if dequantize:
+            x_hat = dequantize_rows_rounded(rows, x_TD.dtype)
+        else:  # only the gradient's carrier: nothing is written
+            x_hat = values_placeholder(rows.q_MC.shape[0], D, x_TD.dtype, x_TD.device)
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.mark_non_differentiable(rows.q_MC, rows.s_MCb)
         return x_hat, rows.q_MC, rows.s_MCb, handle
 
     @staticmethod
     def backward(ctx, g_hat, _g_q, _g_s, _g_handle):
-        return ctx.dispatcher.dispatch_backward(g_hat.contiguous(), ctx.handle), None, None, None, None
+        return ctx.dispatcher.dispatch_backward(g_hat.contiguous(), ctx.handle), None, None, None, None, None
 
 
 def dispatch_fp8(dispatcher: Dispatcher, x_TD: torch.Tensor, idx_TK: torch.Tensor,
-                 gate_TK: Optional[torch.Tensor] = None,
-                 backend: Optional[str] = None) -> tuple[torch.Tensor, Fp8Rows, DispatchHandle]:
+                 gate_TK: Optional[torch.Tensor] = None, backend: Optional[str] = None, *,
+                 dequantize: bool = True) -> tuple[torch.Tensor, Fp8Rows, DispatchHandle]:
     """Dispatch with the token rows quantized before they leave (module docstring).
 
     Args:
@@ -96,15 +103,23 @@ def dispatch_fp8(dispatcher: Dispatcher, x_TD: torch.Tensor, idx_TK: torch.Tenso
         x_TD: ``[T, D]`` bf16 / fp16 (fp32 on CPU) token rows, differentiable.
         idx_TK, gate_TK: the router's ``[T, K]`` expert ids and gates (as for ``dispatch``).
         backend: the quantizer's (``None``: the kernel where it runs; ``"reference"``).
+        dequantize: write the dequantized rows (``x_hat_ND``'s values). False: ``x_hat_ND`` is a
+            placeholder (:func:`~tlx_dist.fp8.quant.values_placeholder`: strides ``(0, 0)``, NaN,
+            nothing written) that only carries the gradient back to ``x_TD``; its values must never
+            be read -- for a consumer that reads the rows alone, as :func:`swiglu_experts_fp8` given
+            ``x_fp8=rows_N`` does (it refuses the placeholder without them).
     Returns:
         ``(x_hat_ND, rows_N, handle)``: the dequantized received rows ``[N, D]`` in ``x_TD``'s dtype
-        (differentiable back to ``x_TD``), their :class:`Fp8Rows` (``q`` ``[N, D]`` e4m3, ``s``
-        ``[N, Db]`` fp32, bit for bit ``quantize_rows`` of what :meth:`dispatch` would have
-        delivered), and the handle for ``combine_weighted``.
+        (``dequantize_rows_rounded(rows_N, x_TD.dtype)``, or the placeholder; differentiable back to
+        ``x_TD``), their :class:`Fp8Rows` (``q`` ``[N, D]`` e4m3, ``s`` ``[N, Db]`` fp32, bit for
+        bit ``quantize_rows`` of what :meth:`dispatch` would have delivered), and the handle for
+        ``combine_weighted``.
     """
     if not isinstance(dispatcher, Dispatcher):
         raise TypeError(f"dispatcher must be a Dispatcher, got {type(dispatcher).__name__}")
     if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
         raise ValueError(f"x_TD must be a 2-D tensor [T, D], got {getattr(x_TD, 'shape', type(x_TD))}")
-    x_hat, q, s, handle = _Fp8Dispatch.apply(x_TD, idx_TK, gate_TK, dispatcher, backend)
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"dequantize must be a bool, got {type(dequantize).__name__}")
+    x_hat, q, s, handle = _Fp8Dispatch.apply(x_TD, idx_TK, gate_TK, dispatcher, backend, dequantize)
     return x_hat, Fp8Rows(q, s), handle

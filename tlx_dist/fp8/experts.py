@@ -7,7 +7,8 @@ Forward (the SwiGLU fused with the down GEMM's input quantization, tlx_dist/fp8/
 tensor read in two forms is quantized both ways in one pass, tlx_dist/fp8/quant.py ``quantize_both``):
 
     x_fp8, x_cols = quant_both(x_ND)                       # rows 1 x 128 along D + 128-row expert tiles
-    h_N2F        = mm(x_fp8 (or the dispatched rows), w13)
+    (the dispatched rows x_fp8 given: x_cols = quant_cols_from_rows(x_fp8), x_ND's values unread)
+    h_N2F        = mm(x_fp8, w13)
     a_fp8, a_cols = swiglu_quant_both(h_N2F)               # a = silu(gate) * up, fp32 math, one rounding
     y_ND         = mm(a_fp8, w2)
 
@@ -36,9 +37,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_both_op, _quant_cols_op,
-                  _quant_rows_op, _resolve, _wgrad_op, select_fp8_backend)
-from .quant import Fp8Rows, Fp8Weight, quantize_weight
+from .api import (_OUT, _check_w_fp8, _config_json, _mm_op, _quant_backend, _quant_both_op, _quant_cols_from_rows_op,
+                  _quant_cols_op, _quant_rows_op, _resolve, _wgrad_op, select_fp8_backend)
+from .quant import Fp8Rows, Fp8Weight, is_values_placeholder, quantize_weight
 from .swiglu import _swiglu_bwd_quant_both_op, _swiglu_bwd_quant_op, _swiglu_quant_both_op, _swiglu_quant_op
 from .tlx_gemm import Fp8GemmConfig
 
@@ -64,7 +65,11 @@ class _SwigluExpertsFp8(torch.autograd.Function):
         x_qc = x_sc = a_qc = a_sc = tiles = None
         if need_w13 and x_q is None:  # x's rows for the gate/up GEMM and its expert tiles for dW13, one read
             x_q, x_s_CbN, x_qc, x_sc, *tiles = _quant_both_op(x_ND, offsets_E, backend)
-        elif need_w13:  # the rows came quantized (an FP8 dispatch): only the tiles are left to make
+        elif need_w13 and (backend != "reference" or is_values_placeholder(x_ND)):
+            # the rows came quantized (an FP8 dispatch): the tiles are made from them, bit for bit
+            # those of x_ND = the rows dequantized, with no [N, D] read of it (x_ND may be a placeholder)
+            x_qc, x_sc, *tiles = _quant_cols_from_rows_op(x_q, x_s_CbN, offsets_E, x_ND.dtype, backend)
+        elif need_w13:  # the reference backend keeps its oracle: the tiles of x_ND itself
             x_qc, x_sc, *tiles = _quant_cols_op(x_ND, offsets_E, backend)
         elif x_q is None:
             x_q, x_s_CbN = _quant_rows_op(x_ND, backend)
@@ -122,8 +127,14 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (rows past the last are padding).
         w13_fp8, w2_fp8: the weights' FP8 copies (quantized here when None).
         backend, config: as :func:`~tlx_dist.fp8.grouped_mm_fp8` (both GEMMs).
-        x_fp8: ``x_ND``'s rows already quantized (an FP8 dispatch delivered them): the gate/up GEMM
-            reads them instead of quantizing ``x_ND`` (which the weight gradient still reads).
+        x_fp8: ``x_ND``'s rows already quantized (an FP8 dispatch delivered them), with ``x_ND =
+            dequantize_rows_rounded(x_fp8, x_ND.dtype)`` (what :func:`~tlx_dist.fp8.dispatch.dispatch_fp8`
+            returns): the gate/up GEMM reads them instead of quantizing ``x_ND``, and on the kernel
+            backends the weight gradient's 128-row tiles are made from them too
+            (``quantize_cols_from_rows``: bit for bit the tiles of ``x_ND``); the reference backend
+            quantizes ``x_ND`` itself. ``x_ND`` may then be a values placeholder
+            (``dispatch_fp8(dequantize=False)``): only its shape, dtype and gradient are used, on
+            every backend. A placeholder without ``x_fp8`` is a ValueError.
     Returns:
         ``[N, D]`` in ``x_ND.dtype``; padding rows are zero.
     """
@@ -133,6 +144,9 @@ def swiglu_experts_fp8(x_ND: torch.Tensor, w13_EDF2: torch.Tensor, w2_EFD: torch
             or 2 * w2_EFD.shape[1] != w13_EDF2.shape[2] or w2_EFD.shape[2] != w13_EDF2.shape[1]:
         raise ValueError(f"w2_EFD must be [E, F, D] = {[w13_EDF2.shape[0], w13_EDF2.shape[2] // 2, w13_EDF2.shape[1]]}"
                          f" to match w13_EDF2 {tuple(w13_EDF2.shape)}, got {tuple(getattr(w2_EFD, 'shape', ()))}")
+    if x_fp8 is None and is_values_placeholder(x_ND):
+        raise ValueError("x_ND is a values placeholder (strides (0, 0): dispatch_fp8(dequantize=False)), whose values "
+                         "are not there: pass the rows it stands for as x_fp8=, or dequantize=True")
     name, w13_fp8, x_q, x_s = _resolve(x_ND, w13_EDF2, offsets_E, w13_fp8, backend, config, x_fp8)
     Fi, D = w2_EFD.shape[1], w2_EFD.shape[2]
     if w2_EFD.device != x_ND.device:

@@ -23,6 +23,9 @@ Forms:
   ``quantize_both(x_MC, offsets_E)`` -> (Fp8Rows, Fp8Cols): the two above from one read of x
                                        (a tensor both the dX / forward GEMM and the weight
                                        gradient read, e.g. the down GEMM's dy).
+  ``quantize_cols_from_rows(rows, offsets_E, dtype=)`` -> Fp8Cols: ``quantize_cols`` of the
+                                       rows' dequantization to ``dtype``, made from the FP8 rows
+                                       (an FP8 dispatch's receiver: no ``[M, C]`` tensor of x).
   ``quantize_weight(w_EDF)``         -> Fp8Weight: G x G blocks, stored twice (K-contiguous
                                        [E, F, D] for the forward, [E, D, F] for dX) with scales.
 
@@ -42,10 +45,10 @@ from ..grouped_gemm.host import interpret_mode, max_m_tiles, search_steps
 from ..grouped_gemm.reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["GROUP", "AMAX_FLOOR", "FORMATS", "Fp8Rows", "Fp8Cols", "Fp8Weight", "quantize_rows", "quantize_cols",
-           "quantize_both", "quantize_weight", "quantize_rows_ref", "quantize_cols_ref", "quantize_both_ref",
-           "quantize_weight_ref", "dequantize_rows",
-           "dequantize_rows_rounded",
-           "dequantize_cols", "dequantize_weight", "tile_cum_ref", "check_fmt"]
+           "quantize_both", "quantize_cols_from_rows", "quantize_weight", "quantize_rows_ref", "quantize_cols_ref",
+           "quantize_both_ref", "quantize_cols_from_rows_ref", "quantize_weight_ref", "dequantize_rows",
+           "dequantize_rows_rounded", "dequantize_cols", "dequantize_weight", "tile_cum_ref", "check_fmt",
+           "values_placeholder", "is_values_placeholder"]
 
 GROUP = 128
 AMAX_FLOOR = 1e-12  # the value of tlx/common/fp8_quant.py's AMAX_FLOOR
@@ -61,6 +64,19 @@ class Fp8Rows:
 
     q_MC: torch.Tensor
     s_MCb: torch.Tensor
+
+
+def values_placeholder(M: int, C: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[M, C]`` of ``dtype`` with strides ``(0, 0)`` (one NaN element, expanded): what stands for a
+    tensor whose values travel only as its :class:`Fp8Rows` (``dispatch_fp8(dequantize=False)``). It
+    carries the shape, dtype, device and gradient; its values are never to be read (the FP8
+    experts refuse it without the rows, and a stray read shows NaN)."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(M, C)
+
+
+def is_values_placeholder(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a :func:`values_placeholder` (a 2-D tensor with strides ``(0, 0)``)."""
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride() == (0, 0)
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,14 @@ def quantize_both_ref(x_MC: torch.Tensor, offsets_E: torch.Tensor, fmt: str = "e
                       pow2: bool = False) -> tuple[Fp8Rows, Fp8Cols]:
     """Reference of :func:`quantize_both`: ``(quantize_rows_ref(x), quantize_cols_ref(x, offsets))``."""
     return quantize_rows_ref(x_MC, fmt, pow2), quantize_cols_ref(x_MC, offsets_E, fmt, pow2)
+
+
+def quantize_cols_from_rows_ref(rows: Fp8Rows, offsets_E: torch.Tensor, dtype: torch.dtype, fmt: str = "e4m3fn",
+                                pow2: bool = False) -> Fp8Cols:
+    """Reference of :func:`quantize_cols_from_rows`, its definition: ``quantize_cols_ref`` of the
+    rows dequantized to ``dtype`` (the fp32 product ``q * s`` rounded once; torch ops, reads the
+    offsets on the host)."""
+    return quantize_cols_ref(dequantize_rows(rows, torch.float32).to(dtype), offsets_E, fmt, pow2)
 
 
 def quantize_weight_ref(w_EDF: torch.Tensor, fmt: str = "e4m3fn", pow2: bool = False) -> Fp8Weight:
@@ -409,6 +433,69 @@ def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
                                                FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
                                                SEARCH_STEPS=search_steps(E), num_warps=8)
     return Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
+
+
+def check_rows(rows, name: str = "rows") -> None:
+    """``rows`` must be an :class:`Fp8Rows`: ``q_MC`` 2-D e4m3fn / e4m3fnuz, ``s_MCb`` fp32
+    ``[M, cdiv(C, 128)]`` on its device."""
+    if not isinstance(rows, Fp8Rows):
+        raise TypeError(f"{name} must be an Fp8Rows (quantize_rows / dispatch_fp8), got {type(rows).__name__}")
+    q, s = rows.q_MC, rows.s_MCb
+    if q.dim() != 2 or q.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise ValueError(f"{name}.q_MC must be a 2-D e4m3fn / e4m3fnuz tensor, got {tuple(q.shape)} {q.dtype}")
+    M, C = q.shape
+    if tuple(s.shape) != (M, -(-C // GROUP)) or s.dtype != torch.float32 or s.device != q.device:
+        raise ValueError(f"{name}.s_MCb must be fp32 [{M}, {-(-C // GROUP)}] on {q.device} to match q_MC "
+                         f"{(M, C)}, got {tuple(s.shape)} {s.dtype} on {s.device}")
+
+
+def quantize_cols_from_rows(rows: Fp8Rows, offsets_E: torch.Tensor, *, dtype: torch.dtype, fmt: str = "e4m3fn",
+                            pow2: bool = False, backend: Optional[str] = None) -> Fp8Cols:
+    """:func:`quantize_cols` of ``dequantize_rows_rounded(rows, dtype)``, bit for bit, straight from
+    the FP8 rows: each value the fp32 product ``q * s`` rounded once to ``dtype``, then quantized
+    in the expert-aligned 128-row tiles -- one read of the rows' bytes, no ``[M, C]`` tensor in
+    ``dtype`` written or read (the weight gradient's operand of an FP8 dispatch's rows).
+
+    Args:
+        rows: :class:`Fp8Rows` of ``[M, C]`` (e4m3fn / e4m3fnuz; ``q_MC`` any row stride, e.g. the
+            packed dispatch rows' view; ``s_MCb`` any strides, e.g. ``[Cb, M]`` storage).
+        offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device, as
+            :func:`quantize_cols`).
+        dtype: the dequantized rows' dtype (bf16 / fp16 / fp32: the activation dtype).
+        fmt, pow2, backend: of the column quantization, as :func:`quantize_rows`.
+    Returns:
+        :class:`Fp8Cols` (q ``[C, P]`` fp8, s ``[T, C]`` fp32, the tile cumsum and the safe offsets).
+    """
+    check_rows(rows)
+    if dtype not in _IN_DTYPES:
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    check_fmt(fmt)
+    q = rows.q_MC
+    check_offsets(offsets_E, q, "rows.q_MC")
+    if not _use_kernels(q, backend):
+        return quantize_cols_from_rows_ref(rows, offsets_E, dtype, fmt, pow2)
+    import triton.language as tl
+
+    from tlx.common.fp8_quant import _quant_cols_from_rows_kernel
+
+    if q.stride(1) != 1:
+        q = q.contiguous()
+    s = rows.s_MCb
+    M, C = q.shape
+    E = offsets_E.shape[0]
+    in_fmt = "e4m3fn" if q.dtype == torch.float8_e4m3fn else "e4m3fnuz"
+    T, safe, tile_cum = tile_grid(offsets_E, M)
+    qc = torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=q.device)
+    sc = torch.empty(T, C, dtype=torch.float32, device=q.device)
+    if C:
+        block_c = 64  # divides GROUP: a program's columns share one scale of each row
+        dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+        _quant_cols_from_rows_kernel[(T, -(-C // block_c))](
+            q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum, E, M, C, q.stride(0), s.stride(0),
+            s.stride(1), GROUP * T, G=GROUP, BLOCK_C=block_c, IN_FMT=FORMATS[in_fmt][2], FMT=FORMATS[fmt][2],
+            POW2=pow2, DTYPE=dt, EMULATE_IN=emulate(in_fmt), EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E),
+            num_warps=4)
+    return Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
 def quantize_weight(w_EDF: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
