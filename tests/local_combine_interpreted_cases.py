@@ -131,3 +131,25 @@ def test_compile_fullgraph_dispatch_and_combine():
         res.append((out, *torch.autograd.grad(out, [x_, w_], dy)))
     for name, a, b in zip(("out", "dx", "dgate"), *res):
         assert torch.equal(a, b), name
+
+
+def test_eager_calls_equal_the_ops(monkeypatch):
+    # eager calls run the ops' bodies directly (tlx_dist/grouped_gemm/eager.py): the same kernels,
+    # the ops' outputs and gradients bit for bit
+    from tlx_dist.grouped_gemm import eager
+
+    disp, h, y, gate, g = make_case(29, 4, 6, 136, "random", "signed", torch.bfloat16, seed=8)
+    assert use_combine_kernels(y, gate)
+
+    def run():
+        y_ = y.clone().requires_grad_(True)
+        w_ = gate.clone().requires_grad_(True)
+        out = combine_weighted_local(y_, w_, h.order_S, h.inverse_S)
+        return (out, *torch.autograd.grad(out, [y_, w_], g), dispatch_backward_local(y, h.inverse_S, 29, 4))
+
+    direct = run()
+    with monkeypatch.context() as m:
+        m.setattr(eager, "traced", lambda args, kwargs: True)  # every call through the registered op
+        via_op = run()
+    for name, a, b in zip(("out", "g_y", "g_gate", "ksum"), direct, via_op):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -115,3 +115,40 @@ def test_fp8_dispatch_emulated_world_on_the_gpu(case):
     from fp8_dispatch_cases import check_fp8_dispatch_world
 
     check_fp8_dispatch_world(*case, device=DEV)
+
+
+@needs_tlx
+def test_eager_calls_run_the_op_bodies_bit_for_bit(monkeypatch):
+    # eager calls run the FP8 and combine ops' bodies directly (tlx_dist/grouped_gemm/eager.py):
+    # no registered op runs, and the layer's output and every gradient equal the ops' path bit for
+    # bit on the TLX kernels and the fused combine kernel (the separate pipeline is deterministic)
+    import collections
+
+    from tlx_dist.comm import local_combine as LC
+    from tlx_dist.fp8 import api as A
+    from tlx_dist.fp8 import swiglu as S
+    from tlx_dist.grouped_gemm import eager
+
+    ops = collections.Counter()
+    for e in [v for m in (A, S, LC) for v in vars(m).values() if isinstance(v, eager.EagerCustomOp)]:
+        monkeypatch.setattr(e, "op", (lambda op, n: lambda *a, **k: ops.update([n]) or op(*a, **k))(e.op, e.name))
+    cfg = make_cfg(dim=512, moe_inter_dim=256, num_experts=16, top_k=4, dtype="bfloat16", init_std=0.05)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, precision="fp8", device=DEV)
+    x = torch.randn(300, 512, device=DEV, dtype=torch.bfloat16)
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        grads = torch.autograd.grad(out.float().square().sum(), [xi] + list(layer.parameters()), allow_unused=True)
+        return [out] + [g for g in grads if g is not None]
+
+    direct = run()
+    assert not ops, dict(ops)
+    with monkeypatch.context() as m:
+        m.setattr(eager, "traced", lambda args, kwargs: True)
+        via_op = run()
+    assert {"tlx_dist::fp8_mm", "tlx_dist::local_combine_weighted", "tlx_dist::local_gather_ksum"} <= set(ops)
+    assert len(direct) == len(via_op)
+    for i, (a, b) in enumerate(zip(direct, via_op)):
+        assert torch.equal(a, b), f"tensor {i} differs"

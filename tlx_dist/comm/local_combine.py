@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..grouped_gemm.eager import custom_op
 from ..grouped_gemm.host import interpret_mode
 
 __all__ = ["use_combine_kernels", "combine_weighted_local", "dispatch_backward_local", "combine_weighted_ref",
@@ -126,9 +127,11 @@ def _combine_bwd(g_TD, y_ND, gate_TK, order_S):
 
 
 # --- custom ops ---------------------------------------------------------------------------------------
+# Eager calls run the bodies directly (the combine's autograd formula through an eager
+# autograd.Function); anything that traces gets the ops (tlx_dist/grouped_gemm/eager.py).
 
 
-@torch.library.custom_op("tlx_dist::local_combine_weighted", mutates_args=())
+@custom_op("tlx_dist::local_combine_weighted")
 def _combine_op(y_ND: torch.Tensor, gate_TK: torch.Tensor, order_S: torch.Tensor,
                 inverse_S: torch.Tensor) -> torch.Tensor:
     if use_combine_kernels(y_ND, gate_TK):
@@ -141,7 +144,7 @@ def _(y_ND, gate_TK, order_S, inverse_S):
     return y_ND.new_empty(gate_TK.shape[0], y_ND.shape[1])
 
 
-@torch.library.custom_op("tlx_dist::local_combine_weighted_backward", mutates_args=())
+@custom_op("tlx_dist::local_combine_weighted_backward")
 def _combine_bwd_op(g_TD: torch.Tensor, y_ND: torch.Tensor, gate_TK: torch.Tensor,
                     order_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_combine_kernels(y_ND, gate_TK) and g_TD.dtype == y_ND.dtype and g_TD.device == y_ND.device:
@@ -169,7 +172,7 @@ def _backward(ctx, g_TD):
 _combine_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tlx_dist::local_gather_ksum", mutates_args=())
+@custom_op("tlx_dist::local_gather_ksum")
 def _ksum_op(g_ND: torch.Tensor, inverse_S: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     if use_combine_kernels(g_ND):
         return _gather_ksum(g_ND, None, inverse_S, num_tokens, top_k)

@@ -34,6 +34,7 @@ import torch
 import tlx
 
 from ..grouped_gemm.api import _check_offsets_values
+from ..grouped_gemm.eager import custom_op
 from ..grouped_gemm.reference import check_num_experts
 from .quant import (FORMATS, Fp8Cols, Fp8Rows, Fp8Weight, is_values_placeholder, quantize_both, quantize_cols,
                     quantize_cols_from_rows, quantize_rows, quantize_weight)
@@ -96,7 +97,8 @@ def select_fp8_backend(device: torch.device, K: int, NN: int, backend: Optional[
 
 # --- custom ops on quantized operands ---------------------------------------------------------------
 # Backend names (and a pinned tile config, as JSON) travel as strings so that torch.compile / CUDA
-# graphs see one opaque op per call.
+# graphs see one opaque op per call. Eager calls run the bodies directly, without the op's dispatch
+# layers; anything that traces gets the op (tlx_dist/grouped_gemm/eager.py).
 
 
 def _config_json(config: Optional[Fp8GemmConfig]) -> str:
@@ -124,7 +126,7 @@ def _cols_fake(x_MC, offsets_E, M, C):
             offsets_E.new_empty(E + 1, dtype=torch.int32), offsets_E.new_empty(E, dtype=torch.int32))
 
 
-@torch.library.custom_op("tlx_dist::fp8_quantize_rows", mutates_args=())
+@custom_op("tlx_dist::fp8_quantize_rows")
 def _quant_rows_op(x_MC: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     r = quantize_rows(x_MC, backend=_quant_backend(backend))
     return r.q_MC, r.s_MCb.t().contiguous()
@@ -135,7 +137,7 @@ def _(x_MC, backend):
     return _rows_fake(x_MC, *x_MC.shape)
 
 
-@torch.library.custom_op("tlx_dist::fp8_quantize_cols", mutates_args=())
+@custom_op("tlx_dist::fp8_quantize_cols")
 def _quant_cols_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     c = quantize_cols(x_MC, offsets_E, backend=_quant_backend(backend))
@@ -147,7 +149,7 @@ def _(x_MC, offsets_E, backend):
     return _cols_fake(x_MC, offsets_E, *x_MC.shape)
 
 
-@torch.library.custom_op("tlx_dist::fp8_quantize_cols_from_rows", mutates_args=())
+@custom_op("tlx_dist::fp8_quantize_cols_from_rows")
 def _quant_cols_from_rows_op(x_q: torch.Tensor, x_s_CbN: torch.Tensor, offsets_E: torch.Tensor, dtype: torch.dtype,
                              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # _quant_cols_op's four outputs for x = the rows (q [N, D], s [Cb, N]) dequantized to dtype, bit
@@ -161,7 +163,7 @@ def _(x_q, x_s_CbN, offsets_E, dtype, backend):
     return _cols_fake(x_q, offsets_E, *x_q.shape)
 
 
-@torch.library.custom_op("tlx_dist::fp8_quantize_both", mutates_args=())
+@custom_op("tlx_dist::fp8_quantize_both")
 def _quant_both_op(x_MC: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # _quant_rows_op's two outputs then _quant_cols_op's four, from one read of x
@@ -174,7 +176,7 @@ def _(x_MC, offsets_E, backend):
     return _rows_fake(x_MC, *x_MC.shape) + _cols_fake(x_MC, offsets_E, *x_MC.shape)
 
 
-@torch.library.custom_op("tlx_dist::fp8_mm", mutates_args=())
+@custom_op("tlx_dist::fp8_mm")
 def _mm_op(a_q: torch.Tensor, a_s_CbN: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, offsets_E: torch.Tensor,
            out_dtype: torch.dtype, backend: str, config: str = "") -> torch.Tensor:
     # config: a pinned Fp8GemmConfig as JSON ("" = the host's default), read by the tlx backend only
@@ -193,7 +195,7 @@ def _(a_q, a_s_CbN, b_q, b_s, offsets_E, out_dtype, backend, config=""):
     return a_q.new_empty(a_q.shape[0], b_q.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("tlx_dist::fp8_wgrad", mutates_args=())
+@custom_op("tlx_dist::fp8_wgrad")
 def _wgrad_op(x_q: torch.Tensor, x_s: torch.Tensor, dy_q: torch.Tensor, dy_s: torch.Tensor, tile_cum_E1: torch.Tensor,
               safe_E: torch.Tensor, n_rows: int, out_dtype: torch.dtype, backend: str, config: str = "") -> torch.Tensor:
     xc = Fp8Cols(x_q, x_s, tile_cum_E1, safe_E, n_rows)
@@ -255,7 +257,7 @@ def wgrad_fp8(x: Fp8Cols, dy: Fp8Cols, *, out_dtype: torch.dtype = torch.bfloat1
 # --- the differentiable op ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tlx_dist::grouped_mm_fp8", mutates_args=())
+@custom_op("tlx_dist::grouped_mm_fp8")
 def _grouped_mm_fp8_op(x_ND: torch.Tensor, w_EDF: torch.Tensor, q_EFD: torch.Tensor, s_EFbDb: torch.Tensor,
                        q_EDF: torch.Tensor, s_EDbFb: torch.Tensor, offsets_E: torch.Tensor, backend: str,
                        config: str = "", x_q: Optional[torch.Tensor] = None,

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..grouped_gemm.eager import custom_op
 from ..grouped_gemm.host import search_steps
 from .api import _cols_fake, _quant_backend, _rows_fake
 from .quant import (FORMATS, emulate, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
@@ -246,10 +247,11 @@ def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: t
 
 # --- custom ops (e4m3fn, per-tile fp32 scales: what the NVIDIA GEMMs read) ------------------------------
 # backend: the FP8 GEMM backend's name; "reference" runs the torch references (as the row quantizer's
-# op in api.py does), any other the kernels where they run.
+# op in api.py does), any other the kernels where they run. Eager calls run the bodies directly
+# (tlx_dist/grouped_gemm/eager.py).
 
 
-@torch.library.custom_op("tlx_dist::fp8_swiglu_quant", mutates_args=())
+@custom_op("tlx_dist::fp8_swiglu_quant")
 def _swiglu_quant_op(h_M2F: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a, r = swiglu_quant(h_M2F, backend=_quant_backend(backend))
     return a, r.q_MC, r.s_MCb.t().contiguous()
@@ -262,7 +264,7 @@ def _(h_M2F, backend):
             h_M2F.new_empty(-(-(F2 // 2) // GROUP), M, dtype=torch.float32))
 
 
-@torch.library.custom_op("tlx_dist::fp8_swiglu_bwd_quant", mutates_args=())
+@custom_op("tlx_dist::fp8_swiglu_bwd_quant")
 def _swiglu_bwd_quant_op(h_M2F: torch.Tensor, dA_MF: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
     dh, r = swiglu_bwd_quant(h_M2F, dA_MF, backend=_quant_backend(backend))
@@ -280,7 +282,7 @@ def _(h_M2F, dA_MF, backend):
 # tile_cum_E1, safe_E), as _quant_rows_op and _quant_cols_op do; the bf16 output is not kept.
 
 
-@torch.library.custom_op("tlx_dist::fp8_swiglu_quant_both", mutates_args=())
+@custom_op("tlx_dist::fp8_swiglu_quant_both")
 def _swiglu_quant_both_op(h_M2F: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _, r, c = swiglu_quant_both(h_M2F, offsets_E, backend=_quant_backend(backend))
@@ -293,7 +295,7 @@ def _(h_M2F, offsets_E, backend):
     return _rows_fake(h_M2F, M, F2 // 2) + _cols_fake(h_M2F, offsets_E, M, F2 // 2)
 
 
-@torch.library.custom_op("tlx_dist::fp8_swiglu_bwd_quant_both", mutates_args=())
+@custom_op("tlx_dist::fp8_swiglu_bwd_quant_both")
 def _swiglu_bwd_quant_both_op(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _, r, c = swiglu_bwd_quant_both(h_M2F, dA_MF, offsets_E, backend=_quant_backend(backend))
