@@ -77,7 +77,7 @@ def test_fp8_recipe_is_the_one_gpu_recipe_in_fp8():
     (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds num_experts=8"),
     (["train.lr=-1.0"], "train.lr=-1.0 must be positive"),
     (["train.steps='ten'"], "train.steps='ten' must be of type int"),
-    (["data.source=web"], "data.source='web' must be 'pydoc', 'file' or 'synthetic'"),
+    (["data.source=web"], "data.source='web' must be 'pydoc', 'stdlib', 'file' or 'synthetic'"),
     (["train.dtype=fp8"], "train.dtype='fp8' must be 'auto', 'bf16' or 'fp32'"),
     (["train.bogus=1"], "train: unknown field(s) ['bogus']"),
     (["model.moe.bogus=1"], "model.moe: unknown field(s) ['bogus']"),
@@ -151,6 +151,39 @@ def test_byte_tokenizer_roundtrip():
     assert decode(encode(s)) == s
     toks = load_corpus(load_config(DEBUG).data)
     assert toks[0] == BOS and toks[-1] == EOS and int(toks.max()) <= EOS and len(toks) > 400_000
+
+
+def test_stdlib_corpus(monkeypatch, tmp_path):
+    """data.source='stdlib': every non-empty standard-library .py file once, as one document each,
+    in sorted path order, third-party packages left out; a Python without sources is a clear error."""
+    import sysconfig
+
+    from train import data as D
+
+    root = tmp_path / "lib"
+    files = {"b.py": "B", "a/x.py": "AX", "a/__init__.py": "", "site-packages/pkg/m.py": "NO",
+             "a/dist-packages/q.py": "NO", "notes.txt": "NO"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    real = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "stdlib": str(root)})
+    cfg = load_config(DEBUG, ["data.source=stdlib"]).data
+    assert [f.relative_to(root).as_posix() for f in D.stdlib_files()] == ["a/__init__.py", "a/x.py", "b.py"]
+    assert decode(load_corpus(cfg)) == "AXB" and load_corpus(cfg).tolist().count(BOS) == 2
+    for f in root.rglob("*.py"):
+        f.unlink()
+    with pytest.raises(ValueError, match=r"data\.source='stdlib'"):
+        load_corpus(cfg)
+
+
+def test_stdlib_corpus_of_this_python_is_large():
+    """The real corpus: larger than pydoc by well over an order of magnitude (what makes it a
+    corpus a short run of a large model does not memorize)."""
+    from train.data import stdlib_files
+
+    files = stdlib_files()
+    assert len(files) > 100 and sum(f.stat().st_size for f in files) > 5_000_000
 
 
 @pytest.mark.parametrize("source", ["pydoc", "synthetic"])

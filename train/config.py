@@ -121,8 +121,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """source: ``"pydoc"`` (Python's bundled documentation text), ``"file"`` (``path``, UTF-8 text)
-    or ``"synthetic"`` (uniform random bytes, for benchmarks). batch_size is per rank."""
+    """source: ``"pydoc"`` (Python's bundled documentation text), ``"stdlib"`` (the running Python's
+    standard-library sources: a corpus too large to memorize in a short run), ``"file"`` (``path``,
+    UTF-8 text) or ``"synthetic"`` (uniform random bytes, for benchmarks). batch_size is per rank."""
 
     seq_len: int = 128
     batch_size: int = 8
@@ -301,8 +302,8 @@ def _validate(cfg: Config) -> None:
     if p.reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"parallel.reduce_dtype={p.reduce_dtype!r} must be one of {', '.join(map(repr, REDUCE_DTYPES))}")
     _positive("data", d, "seq_len", "batch_size")
-    if d.source not in ("pydoc", "file", "synthetic"):
-        raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'file' or 'synthetic'")
+    if d.source not in ("pydoc", "stdlib", "file", "synthetic"):
+        raise ValueError(f"data.source={d.source!r} must be 'pydoc', 'stdlib', 'file' or 'synthetic'")
     if d.source == "file" and not d.path:
         raise ValueError("data.path='' must name a UTF-8 text file when data.source='file'")
     _positive("train", t, "steps", "grad_accum", "lr", "log_every", "comm_timeout_s")

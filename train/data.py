@@ -1,8 +1,12 @@
 """Byte-level text data that needs no download, with deterministic data-parallel sharding.
 
 Corpus: ``pydoc`` is the English reference documentation shipped inside every CPython
-(``pydoc_data.topics``, ~466 KB); ``file`` reads a UTF-8 text file; ``synthetic`` draws uniform
-random bytes (for throughput runs: the tokens never touch the disk or the host tokenizer).
+(``pydoc_data.topics``, ~466 KB: a large model memorizes it within a few hundred steps);
+``stdlib`` is the running Python's standard-library sources, each non-empty ``.py`` file one
+document in sorted path order (``site-packages`` / ``dist-packages`` excluded; 10-30 MB depending
+on how the install was trimmed, so the same install gives the same corpus); ``file`` reads a UTF-8
+text file; ``synthetic`` draws uniform random bytes (for throughput runs: the tokens never touch
+the disk or the host tokenizer).
 
 Tokenizer: UTF-8 bytes 0..255, plus BOS=256, EOS=257, PAD=258 (vocab 259). Documents are joined
 as ``BOS doc EOS BOS doc EOS ...``.
@@ -40,10 +44,26 @@ def decode(ids) -> str:
     return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+def stdlib_files() -> list[Path]:
+    """The ``.py`` files of the running Python's standard library, in sorted path order, third-party
+    packages excluded (the ``stdlib`` corpus)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages"}
+    return sorted(f for f in root.rglob("*.py") if not skip.intersection(f.relative_to(root).parts))
+
+
 def _docs(cfg: DataConfig) -> list[str]:
     if cfg.source == "pydoc":
         from pydoc_data.topics import topics
         return [topics[k] for k in sorted(topics)]
+    if cfg.source == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise ValueError("data.source='stdlib': this Python has no standard-library sources (.py files)")
+        texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+        return [t for t in texts if t]  # empty files (many __init__.py) are no documents
     if cfg.source == "file":
         return Path(cfg.path).read_text(encoding="utf-8").split("\n\n\n")
     raise ValueError(f"data.source={cfg.source!r} has no corpus")
