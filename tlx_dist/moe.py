@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from .comm import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmDispatcher
 from .config import PRECISIONS, MoEConfig
 from .fp8 import Fp8WeightCache, select_fp8_backend, swiglu_experts_fp8
+from .fp8.api import runs_reference
 from .fp8.dispatch import dispatch_fp8
 from .fp8.tlx_gemm import Fp8GemmConfig
 from .fused import FusedConfig, fused_experts, fused_experts_rows, fused_tlx_supports
@@ -340,13 +341,12 @@ class MoELayer(nn.Module):
             # The token rows leave quantized; the gate/up GEMM reads them as they arrive, and on the
             # kernel backends dW13's tiles are made from them too, so the dequantized rows are not
             # written (recv_ND only carries their gradient). The reference backend keeps them: its
-            # tiles are quantize_cols of the dequantized rows, the oracle of the kernels'.
-            D, F2 = self.w13.shape[1], self.w13.shape[2]
-            kernels = select_fp8_backend(x_TD.device, D, F2, self.gemm_backend,
-                                         f"w13's (D, 2F) = ({D}, {F2})") != "reference"
+            # tiles are quantize_cols of the dequantized rows, the oracle of the kernels'. (The
+            # experts select and check the backend themselves.)
+            reference = runs_reference(x_TD.device, self.gemm_backend)
             recv_ND, rows_N, handle = dispatch_fp8(self.dispatcher, x_TD, route.idx_TK, route.gate_TK,
                                                    backend="reference" if self.gemm_backend == "reference" else None,
-                                                   dequantize=not kernels)
+                                                   dequantize=reference)
             w13_fp8, w2_fp8 = self._fp8_weights()
             y_ND = swiglu_experts_fp8(recv_ND, self.w13, self.w2, handle.offsets_e, w13_fp8=w13_fp8, w2_fp8=w2_fp8,
                                       backend=self.gemm_backend, config=self.gemm_config, x_fp8=rows_N)

@@ -70,13 +70,19 @@ def _shape_reason(K: int, NN: int, what: str) -> Optional[str]:
     return None
 
 
+def runs_reference(device: torch.device, backend: Optional[str]) -> bool:
+    """Whether :func:`select_fp8_backend` picks the torch reference for ``backend`` on ``device``
+    (pinned, or the automatic choice on CPU), without its shape and device checks."""
+    return backend == "reference" or (backend is None and device.type == "cpu")
+
+
 def select_fp8_backend(device: torch.device, K: int, NN: int, backend: Optional[str] = None,
                        what: str = "the GEMM's (K, NN)") -> str:
     """The FP8 backend for operands on ``device`` with reduction K and output width NN: the pinned
     one if it can run them (else ValueError saying why), or the automatic choice (module docstring)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
-    if backend == "reference" or (backend is None and device.type == "cpu"):
+    if runs_reference(device, backend):
         return "reference"
     if device.type == "cpu":
         if backend == "torch":

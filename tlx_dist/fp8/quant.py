@@ -368,8 +368,7 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
     M, C = x_MC.shape
     E = offsets_E.shape[0]
     T, safe, tile_cum = tile_grid(offsets_E, M)
-    q = torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=x_MC.device)
-    s = torch.empty(T, C, dtype=torch.float32, device=x_MC.device)
+    q, s = empty_cols(C, T, fmt, x_MC.device)
     if C:
         block_c = 64
         _quant_cols_kernel[(T, -(-C // block_c))](x_MC, q.view(torch.uint8), s, safe, tile_cum, E, M, C,
@@ -393,10 +392,15 @@ def empty_rows(M: int, C: int, fmt: str, device) -> tuple[torch.Tensor, torch.Te
             torch.empty(-(-C // GROUP), M, dtype=torch.float32, device=device))
 
 
+def empty_cols(C: int, T: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``q_CP`` [C, G*T] (fp8) and ``s_TC`` [T, C] (fp32): a column quantization's storage."""
+    return (torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=device),
+            torch.empty(T, C, dtype=torch.float32, device=device))
+
+
 def empty_rows_cols(M: int, C: int, T: int, fmt: str, device) -> tuple[torch.Tensor, ...]:
     """Uninitialized ``q_MC`` [M, C], ``s`` [Cb, M], ``q_CP`` [C, G*T], ``s_TC`` [T, C] (fp8 / fp32)."""
-    return empty_rows(M, C, fmt, device) + (torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=device),
-                                            torch.empty(T, C, dtype=torch.float32, device=device))
+    return empty_rows(M, C, fmt, device) + empty_cols(C, T, fmt, device)
 
 
 def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
@@ -485,8 +489,7 @@ def quantize_cols_from_rows(rows: Fp8Rows, offsets_E: torch.Tensor, *, dtype: to
     E = offsets_E.shape[0]
     in_fmt = "e4m3fn" if q.dtype == torch.float8_e4m3fn else "e4m3fnuz"
     T, safe, tile_cum = tile_grid(offsets_E, M)
-    qc = torch.empty(C, GROUP * T, dtype=FORMATS[fmt][0], device=q.device)
-    sc = torch.empty(T, C, dtype=torch.float32, device=q.device)
+    qc, sc = empty_cols(C, T, fmt, q.device)
     if C:
         block_c = 64  # divides GROUP: a program's columns share one scale of each row
         dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
