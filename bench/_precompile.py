@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 
@@ -67,8 +68,14 @@ class Precompiler:
             return 0
         if self._pool is None:  # spawn: a fresh interpreter, no CUDA state inherited
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        futures = {self._pool.submit(_preload, m, n, s): f"{m}.{n}" for s, (m, n) in specs.items()}
-        failed = [(name, f.exception()) for f, name in futures.items() if f.exception() is not None]
+        try:
+            futures = {self._pool.submit(_preload, m, n, s): f"{m}.{n}" for s, (m, n) in specs.items()}
+            failed = [(name, f.exception()) for f, name in futures.items() if f.exception() is not None]
+        except BrokenProcessPool as e:  # a worker died earlier: none of these were compiled
+            failed = [(f"{m}.{n}", e) for m, n in specs.values()]
+        if any(isinstance(e, BrokenProcessPool) for _, e in failed):  # a worker died: the next call starts anew
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         self.errors += failed
         return len(failed)
 

@@ -302,3 +302,24 @@ def test_a_kernel_the_workers_cannot_compile_is_counted():
     finally:
         pre.close()
     assert pre._pool is None
+
+
+def _die(*args):
+    import os
+
+    os._exit(3)  # a worker that dies (as a crashing compiler would)
+
+
+def test_a_dead_worker_fails_its_kernels_and_the_next_compile_starts_anew(monkeypatch):
+    import _precompile
+
+    pre = _precompile.Precompiler(1)
+    try:
+        monkeypatch.setattr(_precompile, "_preload", _die)  # pickled by name: the worker runs test's _die
+        assert pre.compile({'{"a": 1}': ("m", "k"), '{"a": 2}': ("m", "k2")}) == 2
+        assert pre._pool is None and len(pre.errors) == 2
+        monkeypatch.undo()
+        assert pre.compile({'{"a": 3}': ("tlx.common.no_such_module", "_k")}) == 1  # a new pool, working
+        assert isinstance(pre.errors[-1][1], ModuleNotFoundError)
+    finally:
+        pre.close()
