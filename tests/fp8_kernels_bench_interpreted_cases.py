@@ -3,7 +3,9 @@ the launch overrides the bench's sweep passes (``_launch=``) on the real kernels
 each wrapper launches exactly its constants of before (meta-parameters and grid, recorded by a spy
 around the kernel); other configs, through bench/fp8_kernels.py's own Case / run_sweep, give the
 default's outputs (bit for bit; combine_bwd's g_gate within its summation-order bound), so a sweep
-on the GPU that reports a mismatch points at the config, not at the plumbing."""
+on the GPU that reports a mismatch points at the config, not at the plumbing. (dequantize_rows_rounded
+takes its reference under the interpreter -- its kernel is compiled only -- so its configs are
+checked on the GPU: tests/test_bench_fp8_kernels_gpu.py.)"""
 
 import os
 import sys
