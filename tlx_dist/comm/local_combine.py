@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..grouped_gemm.eager import custom_op
-from ..grouped_gemm.host import interpret_mode
+from ..grouped_gemm.host import interpret_mode, launch_meta
 
 __all__ = ["use_combine_kernels", "combine_weighted_local", "dispatch_backward_local", "combine_weighted_ref",
            "combine_weighted_backward_ref", "gather_ksum_ref"]
@@ -34,7 +34,9 @@ __all__ = ["use_combine_kernels", "combine_weighted_local", "dispatch_backward_l
 _ACT = (torch.bfloat16, torch.float16)
 _GATE = (torch.float32, torch.bfloat16, torch.float16)
 # Launch: 4 warps over a [BLOCK_R, BLOCK_D] tile, 8 contiguous 2-byte elements (16 B) per thread.
-_BLOCK_R, _BLOCK_D, _NUM_WARPS = 4, 256, 4
+# ``_launch=`` of the launch functions below overrides them for one call (bench/fp8_kernels.py --sweep).
+_KSUM_LAUNCH = {"BLOCK_R": 4, "BLOCK_D": 256, "num_warps": 4}
+_COMBINE_BWD_LAUNCH = {"BLOCK_R": 4, "BLOCK_D": 256, "num_warps": 4}
 
 
 def use_combine_kernels(rows: torch.Tensor, gate_TK: torch.Tensor | None = None) -> bool:
@@ -94,7 +96,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _gather_ksum(rows_ND, gate_TK, inverse_S, T, K):
+def _gather_ksum(rows_ND, gate_TK, inverse_S, T, K, _launch=None):
+    """``[T, D]``: the (gate-weighted when ``gate_TK`` is given) k-sum of ``rows_ND`` ``[T*K, D]``;
+    ``_launch``: the kernel's meta-parameter overrides (None: ``_KSUM_LAUNCH``)."""
     from tlx.common.combine import _gather_ksum_kernel
 
     rows_ND = _rows(rows_ND)
@@ -102,16 +106,18 @@ def _gather_ksum(rows_ND, gate_TK, inverse_S, T, K):
     out = torch.empty(T, D, dtype=rows_ND.dtype, device=rows_ND.device)
     if T and D and K:
         gate = gate_TK.contiguous() if gate_TK is not None else rows_ND  # unread without HAS_GATE
-        grid = (-(-T // _BLOCK_R), -(-D // _BLOCK_D))
+        meta = launch_meta(_KSUM_LAUNCH, _launch)
+        grid = (-(-T // meta["BLOCK_R"]), -(-D // meta["BLOCK_D"]))
         _gather_ksum_kernel[grid](rows_ND, gate, inverse_S.contiguous(), out, T, K, D, rows_ND.stride(0), D,
-                                  HAS_GATE=gate_TK is not None, BLOCK_R=_BLOCK_R, BLOCK_D=_BLOCK_D,
-                                  EMULATE=interpret_mode(), num_warps=_NUM_WARPS)
+                                  HAS_GATE=gate_TK is not None, EMULATE=interpret_mode(), **meta)
     elif T and D:
         out.zero_()
     return out
 
 
-def _combine_bwd(g_TD, y_ND, gate_TK, order_S):
+def _combine_bwd(g_TD, y_ND, gate_TK, order_S, _launch=None):
+    """``(g_y_ND, g_gate_TK)`` of :func:`combine_weighted_backward_ref`; ``_launch``: the kernel's
+    meta-parameter overrides (None: ``_COMBINE_BWD_LAUNCH``)."""
     from tlx.common.combine import _combine_bwd_kernel
 
     g_TD, y_ND, gate = _rows(g_TD), _rows(y_ND), gate_TK.contiguous()
@@ -120,9 +126,10 @@ def _combine_bwd(g_TD, y_ND, gate_TK, order_S):
     g_y = torch.empty(N, D, dtype=y_ND.dtype, device=y_ND.device)
     g_gate = torch.empty(gate_TK.shape, dtype=gate_TK.dtype, device=gate_TK.device)
     if N:
-        _combine_bwd_kernel[(-(-N // _BLOCK_R),)](g_TD, y_ND, gate, order_S.contiguous(), g_y, g_gate, N, K, D,
-                                                 g_TD.stride(0), y_ND.stride(0), D, BLOCK_R=_BLOCK_R,
-                                                 BLOCK_D=_BLOCK_D, EMULATE=interpret_mode(), num_warps=_NUM_WARPS)
+        meta = launch_meta(_COMBINE_BWD_LAUNCH, _launch)
+        _combine_bwd_kernel[(-(-N // meta["BLOCK_R"]),)](g_TD, y_ND, gate, order_S.contiguous(), g_y, g_gate, N, K, D,
+                                                         g_TD.stride(0), y_ND.stride(0), D, EMULATE=interpret_mode(),
+                                                         **meta)
     return g_y, g_gate
 
 

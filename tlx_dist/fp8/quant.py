@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ..grouped_gemm.host import interpret_mode, max_m_tiles, search_steps
+from ..grouped_gemm.host import interpret_mode, launch_meta, max_m_tiles, search_steps
 from ..grouped_gemm.reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["GROUP", "AMAX_FLOOR", "FORMATS", "Fp8Rows", "Fp8Cols", "Fp8Weight", "quantize_rows", "quantize_cols",
@@ -54,6 +54,13 @@ GROUP = 128
 AMAX_FLOOR = 1e-12  # the value of tlx/common/fp8_quant.py's AMAX_FLOOR
 # format name -> (torch dtype, largest finite value, kernel FMT code)
 FORMATS = {"e4m3fn": (torch.float8_e4m3fn, 448.0, 0), "e4m3fnuz": (torch.float8_e4m3fnuz, 240.0, 1)}
+# Each kernel's launch meta-parameters. A wrapper's private ``_launch=`` dict overrides them for one
+# call (bench/fp8_kernels.py --sweep; grouped_gemm/host.py launch_meta); None launches these.
+_ROWS_LAUNCH = {"BLOCK_M": 32, "num_warps": 4}
+_DEQUANT_ROWS_LAUNCH = {"BLOCK_M": 32, "num_warps": 4}
+_COLS_LAUNCH = {"BLOCK_C": 64, "num_warps": 4}
+_COLS_FROM_ROWS_LAUNCH = {"BLOCK_C": 64, "num_warps": 4}  # BLOCK_C divides GROUP: one scale of each row
+_BOTH_LAUNCH = {"num_warps": 8}  # the tile is G x G (G = GROUP, the scale group: not a launch choice)
 
 
 @dataclass(frozen=True)
@@ -260,10 +267,10 @@ def dequantize_rows(r: Fp8Rows, dtype: torch.dtype = torch.float32) -> torch.Ten
     return r.q_MC.to(dtype) * r.s_MCb.to(dtype).repeat_interleave(GROUP, dim=1)[:, :C]
 
 
-def dequantize_rows_rounded(r: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_rows_rounded(r: Fp8Rows, dtype: torch.dtype, *, _launch: Optional[dict] = None) -> torch.Tensor:
     """``[M, C]`` in ``dtype`` (bf16 / fp16 / fp32): the fp32 product ``q * s`` rounded once --
     ``dequantize_rows(r, float32).to(dtype)`` bit for bit, in one kernel on a GPU (e4m3fn) instead
-    of an fp32 ``[M, C]`` temporary."""
+    of an fp32 ``[M, C]`` temporary. ``_launch``: the kernel's meta-parameter overrides (a sweep's)."""
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
     q = r.q_MC
@@ -279,9 +286,9 @@ def dequantize_rows_rounded(r: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
     if not s.is_contiguous():
         s = s.contiguous()
     if M and C:
-        block_m = 32
-        _dequant_rows_kernel[(-(-M // block_m), -(-C // GROUP))](q.view(torch.uint8), s, y, M, C, q.stride(0), M, C,
-                                                                G=GROUP, BLOCK_M=block_m, num_warps=4)
+        meta = launch_meta(_DEQUANT_ROWS_LAUNCH, _launch)
+        _dequant_rows_kernel[(-(-M // meta["BLOCK_M"]), -(-C // GROUP))](q.view(torch.uint8), s, y, M, C, q.stride(0),
+                                                                        M, C, G=GROUP, **meta)
     return y
 
 
@@ -314,7 +321,7 @@ def dequantize_weight(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch
 
 
 def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
-                  backend: Optional[str] = None) -> Fp8Rows:
+                  backend: Optional[str] = None, _launch: Optional[dict] = None) -> Fp8Rows:
     """Quantize each row in 1 x 128 tiles along the columns.
 
     Args:
@@ -322,6 +329,8 @@ def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
         fmt: ``"e4m3fn"`` (NVIDIA) or ``"e4m3fnuz"`` (AMD MI300).
         pow2: power-of-two scales (exact e8m0; MXFP8-compatible).
         backend: None (kernel where it runs, else the reference), ``"triton"`` or ``"reference"``.
+        _launch: private, the kernel's meta-parameter overrides (a launch-config sweep's; None: the
+            wrapper's constants). The same on every wrapper here.
     Returns:
         :class:`Fp8Rows` (q ``[M, C]`` fp8, s ``[M, Cb]`` fp32, M-contiguous).
     """
@@ -337,22 +346,22 @@ def quantize_rows(x_MC: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False
     Cb = -(-C // GROUP)
     q, s = empty_rows(M, C, fmt, x_MC.device)
     if M and C:
-        block_m = 32
-        _quant_rows_kernel[(-(-M // block_m), Cb)](x_MC, q.view(torch.uint8), s, M, C, x_MC.stride(0), C, M,
-                                                  G=GROUP, BLOCK_M=block_m, FMT=FORMATS[fmt][2], POW2=pow2,
-                                                  EMULATE=emulate(fmt), num_warps=4)
+        meta = launch_meta(_ROWS_LAUNCH, _launch)
+        _quant_rows_kernel[(-(-M // meta["BLOCK_M"]), Cb)](x_MC, q.view(torch.uint8), s, M, C, x_MC.stride(0), C, M,
+                                                          G=GROUP, FMT=FORMATS[fmt][2], POW2=pow2,
+                                                          EMULATE=emulate(fmt), **meta)
     return Fp8Rows(q, s.t())
 
 
 def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
-                  backend: Optional[str] = None) -> Fp8Cols:
+                  backend: Optional[str] = None, _launch: Optional[dict] = None) -> Fp8Cols:
     """Quantize ``x_MC`` transposed, in tiles of 128 rows that start at each expert's first row.
 
     Args:
         x_MC: ``[M, C]`` rows in expert-major order (bf16 / fp16 / fp32).
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device like the grouped
             GEMM's: clamped into ``[0, M]`` and made non-decreasing; see grouped_gemm/guard.py).
-        fmt, pow2, backend: as :func:`quantize_rows`.
+        fmt, pow2, backend, _launch: as :func:`quantize_rows`.
     Returns:
         :class:`Fp8Cols` (q ``[C, P]`` fp8, s ``[T, C]`` fp32, the tile cumsum and the safe offsets).
     """
@@ -370,11 +379,11 @@ def quantize_cols(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
     T, safe, tile_cum = tile_grid(offsets_E, M)
     q, s = empty_cols(C, T, fmt, x_MC.device)
     if C:
-        block_c = 64
-        _quant_cols_kernel[(T, -(-C // block_c))](x_MC, q.view(torch.uint8), s, safe, tile_cum, E, M, C,
-                                                 x_MC.stride(0), GROUP * T, G=GROUP, BLOCK_C=block_c,
-                                                 FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
-                                                 SEARCH_STEPS=search_steps(E), num_warps=4)
+        meta = launch_meta(_COLS_LAUNCH, _launch)
+        _quant_cols_kernel[(T, -(-C // meta["BLOCK_C"]))](x_MC, q.view(torch.uint8), s, safe, tile_cum, E, M, C,
+                                                         x_MC.stride(0), GROUP * T, G=GROUP, FMT=FORMATS[fmt][2],
+                                                         POW2=pow2, EMULATE=emulate(fmt),
+                                                         SEARCH_STEPS=search_steps(E), **meta)
     return Fp8Cols(q, s, tile_cum, safe, M)
 
 
@@ -404,7 +413,7 @@ def empty_rows_cols(M: int, C: int, T: int, fmt: str, device) -> tuple[torch.Ten
 
 
 def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
-                  backend: Optional[str] = None) -> tuple[Fp8Rows, Fp8Cols]:
+                  backend: Optional[str] = None, _launch: Optional[dict] = None) -> tuple[Fp8Rows, Fp8Cols]:
     """:func:`quantize_rows` and :func:`quantize_cols` of ``x_MC`` from one read of it, bit for bit
     equal to the two (every row gets its row quantization, padding rows past ``offsets_E[-1]``
     included; only the experts' tiles get the column form).
@@ -413,7 +422,7 @@ def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
         x_MC: ``[M, C]`` rows in expert-major order (bf16 / fp16 / fp32).
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device, as
             :func:`quantize_cols`).
-        fmt, pow2, backend: as :func:`quantize_rows`.
+        fmt, pow2, backend, _launch: as :func:`quantize_rows`.
     Returns:
         ``(Fp8Rows, Fp8Cols)``: q ``[M, C]`` fp8 + s ``[M, Cb]`` fp32 (M-contiguous); q ``[C, P]``
         fp8 + s ``[T, C]`` fp32, the tile cumsum and the safe offsets.
@@ -435,7 +444,7 @@ def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
         _quant_both_kernel[(T, -(-C // GROUP))](x_MC, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum,
                                                E, M, C, x_MC.stride(0), C, M, GROUP * T, G=GROUP,
                                                FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
-                                               SEARCH_STEPS=search_steps(E), num_warps=8)
+                                               SEARCH_STEPS=search_steps(E), **launch_meta(_BOTH_LAUNCH, _launch))
     return Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
@@ -454,7 +463,8 @@ def check_rows(rows, name: str = "rows") -> None:
 
 
 def quantize_cols_from_rows(rows: Fp8Rows, offsets_E: torch.Tensor, *, dtype: torch.dtype, fmt: str = "e4m3fn",
-                            pow2: bool = False, backend: Optional[str] = None) -> Fp8Cols:
+                            pow2: bool = False, backend: Optional[str] = None,
+                            _launch: Optional[dict] = None) -> Fp8Cols:
     """:func:`quantize_cols` of ``dequantize_rows_rounded(rows, dtype)``, bit for bit, straight from
     the FP8 rows: each value the fp32 product ``q * s`` rounded once to ``dtype``, then quantized
     in the expert-aligned 128-row tiles -- one read of the rows' bytes, no ``[M, C]`` tensor in
@@ -466,7 +476,8 @@ def quantize_cols_from_rows(rows: Fp8Rows, offsets_E: torch.Tensor, *, dtype: to
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (guarded on the device, as
             :func:`quantize_cols`).
         dtype: the dequantized rows' dtype (bf16 / fp16 / fp32: the activation dtype).
-        fmt, pow2, backend: of the column quantization, as :func:`quantize_rows`.
+        fmt, pow2, backend, _launch: of the column quantization, as :func:`quantize_rows`
+            (``_launch["BLOCK_C"]`` must divide 128).
     Returns:
         :class:`Fp8Cols` (q ``[C, P]`` fp8, s ``[T, C]`` fp32, the tile cumsum and the safe offsets).
     """
@@ -491,13 +502,14 @@ def quantize_cols_from_rows(rows: Fp8Rows, offsets_E: torch.Tensor, *, dtype: to
     T, safe, tile_cum = tile_grid(offsets_E, M)
     qc, sc = empty_cols(C, T, fmt, q.device)
     if C:
-        block_c = 64  # divides GROUP: a program's columns share one scale of each row
+        meta = launch_meta(_COLS_FROM_ROWS_LAUNCH, _launch)
+        if GROUP % meta["BLOCK_C"]:  # a program's columns must share one scale of each row
+            raise ValueError(f"_launch BLOCK_C={meta['BLOCK_C']} must divide {GROUP}")
         dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
-        _quant_cols_from_rows_kernel[(T, -(-C // block_c))](
+        _quant_cols_from_rows_kernel[(T, -(-C // meta["BLOCK_C"]))](
             q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum, E, M, C, q.stride(0), s.stride(0),
-            s.stride(1), GROUP * T, G=GROUP, BLOCK_C=block_c, IN_FMT=FORMATS[in_fmt][2], FMT=FORMATS[fmt][2],
-            POW2=pow2, DTYPE=dt, EMULATE_IN=emulate(in_fmt), EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E),
-            num_warps=4)
+            s.stride(1), GROUP * T, G=GROUP, IN_FMT=FORMATS[in_fmt][2], FMT=FORMATS[fmt][2], POW2=pow2, DTYPE=dt,
+            EMULATE_IN=emulate(in_fmt), EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), **meta)
     return Fp8Cols(qc, sc, tile_cum, safe, M)
 
 

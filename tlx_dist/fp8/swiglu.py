@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grouped_gemm.eager import custom_op
-from ..grouped_gemm.host import search_steps
+from ..grouped_gemm.host import launch_meta, search_steps
 from .api import _cols_fake, _quant_backend, _rows_fake
 from .quant import (FORMATS, emulate, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
                     empty_rows, empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid)
@@ -38,6 +38,10 @@ __all__ = ["swiglu_quant", "swiglu_bwd_quant", "swiglu_quant_ref", "swiglu_bwd_q
            "swiglu_bwd_quant_both", "swiglu_quant_both_ref", "swiglu_bwd_quant_both_ref"]
 
 _BLOCK_M = 32
+# The *_both kernels' launch meta-parameters (the tile is G x G: the scale group, not a launch
+# choice); their wrappers' private ``_launch=`` overrides them for one call (bench/fp8_kernels.py --sweep).
+_TILES_LAUNCH = {"num_warps": 8}
+_BWD_TILES_LAUNCH = {"num_warps": 8}
 
 
 def _check_h(h_M2F: torch.Tensor) -> int:
@@ -165,7 +169,7 @@ def swiglu_bwd_quant(h_M2F: torch.Tensor, dA_MF: torch.Tensor, *, fmt: str = "e4
 
 
 def swiglu_quant_both(h_M2F: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn", pow2: bool = False,
-                      backend: Optional[str] = None, keep_a: bool = False) -> tuple[
+                      backend: Optional[str] = None, keep_a: bool = False, _launch: Optional[dict] = None) -> tuple[
                           Optional[torch.Tensor], Fp8Rows, Fp8Cols]:
     """``a = silu(gate) * up`` quantized both ways in one pass over ``h``: the down GEMM's row form
     and the weight gradient's expert-tile column form.
@@ -176,6 +180,8 @@ def swiglu_quant_both(h_M2F: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str 
             :func:`~tlx_dist.fp8.quant.quantize_cols`).
         fmt, pow2, backend: as :func:`~tlx_dist.fp8.quant.quantize_rows`.
         keep_a: also return ``a`` itself (else None, and the kernel does not store it).
+        _launch: private, the kernel's meta-parameter overrides (a launch-config sweep's; None: the
+            wrapper's constants).
     Returns:
         ``(a_MF or None, Fp8Rows, Fp8Cols)`` = ``(a, quantize_rows(a), quantize_cols(a, offsets_E))``
         of the rounded ``a`` (:func:`swiglu_quant`'s), bit for bit.
@@ -198,13 +204,13 @@ def swiglu_quant_both(h_M2F: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str 
         _swiglu_quant_tiles_kernel[(T, -(-F_ // GROUP))](
             h_M2F, h_M2F if a is None else a, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum, E, M,
             F_, h_M2F.stride(0), F_, F_, M, GROUP * T, G=GROUP, STORE=keep_a, FMT=FORMATS[fmt][2], POW2=pow2,
-            EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), num_warps=8)
+            EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), **launch_meta(_TILES_LAUNCH, _launch))
     return a, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
 def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4m3fn",
-                          pow2: bool = False, backend: Optional[str] = None, keep_dh: bool = False) -> tuple[
-                              Optional[torch.Tensor], Fp8Rows, Fp8Cols]:
+                          pow2: bool = False, backend: Optional[str] = None, keep_dh: bool = False,
+                          _launch: Optional[dict] = None) -> tuple[Optional[torch.Tensor], Fp8Rows, Fp8Cols]:
     """The SwiGLU's gradient ``dh`` quantized both ways in one pass: the dX GEMM's row form and the
     weight gradient's expert-tile column form.
 
@@ -213,6 +219,7 @@ def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: t
         offsets_E: ``[E]`` int32 / int64 cumulative end rows (as :func:`swiglu_quant_both`).
         fmt, pow2, backend: as :func:`~tlx_dist.fp8.quant.quantize_rows`.
         keep_dh: also return ``dh`` itself (else None, and the kernel does not store it).
+        _launch: as :func:`swiglu_quant_both`.
     Returns:
         ``(dh_M2F or None, Fp8Rows, Fp8Cols)`` = ``(dh, quantize_rows(dh), quantize_cols(dh, offsets_E))``
         of the rounded ``dh`` (:func:`swiglu_bwd_quant`'s), bit for bit.
@@ -241,7 +248,7 @@ def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: t
             h_M2F, dA_MF, h_M2F if dh is None else dh, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe,
             tile_cum, E, M, F_, h_M2F.stride(0), dA_MF.stride(0), 2 * F_, 2 * F_, M, GROUP * T, G=GROUP,
             PAIRED=paired, STORE=keep_dh, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
-            SEARCH_STEPS=search_steps(E), num_warps=8)
+            SEARCH_STEPS=search_steps(E), **launch_meta(_BWD_TILES_LAUNCH, _launch))
     return dh, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 

@@ -20,11 +20,31 @@ from .guard import offsets_flag
 from .reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
-           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason"]
+           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta"]
 
 
 def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch_meta(defaults: dict, launch: Optional[dict]) -> dict:
+    """One kernel launch's meta-parameters: the wrapper's constants ``defaults`` (e.g.
+    ``{"BLOCK_M": 32, "num_warps": 4}``), with ``launch``'s overrides where given (None: the
+    defaults). The overrides exist for launch-config sweeps (bench/fp8_kernels.py ``--sweep``) and
+    may name only the defaults' keys and ``num_stages``: any other constexpr sets what the kernel
+    computes, not how it is launched."""
+    if launch is None:
+        return dict(defaults)
+    if not isinstance(launch, dict):
+        raise TypeError(f"_launch must be a dict of meta-parameters or None, got {type(launch).__name__}")
+    bad = sorted(set(launch) - set(defaults) - {"num_stages"})
+    if bad:
+        raise ValueError(f"_launch={launch!r}: {bad} not launch parameters of this kernel (it takes "
+                         f"{sorted(set(defaults) | {'num_stages'})})")
+    for k, v in launch.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"_launch[{k!r}]={v!r} must be a positive int")
+    return {**defaults, **launch}
 
 
 @functools.lru_cache(maxsize=None)
