@@ -30,7 +30,7 @@ A candidate's outputs are compared with the default's before it is timed, bit fo
 combine_bwd's g_gate: an fp32 sum over D whose order follows the launch, held to twice the bound
 of any summation order (2 * D * 2^-24 * sum_d |g y|) plus one rounding of the gate's dtype. A
 candidate off (MISMATCH) or failing (ERROR) is reported and not timed, and the exit status is 1.
-The 128 x 128-tile kernels (quantize_both, the SwiGLU ones) go in chunks of BLOCK_R rows.
+The 128 x 128-tile kernels (quantize_both, the SwiGLU ones) have no loop: num_stages does not apply.
 Before each shape is timed its kernels, every candidate's included, are compiled in
 ``--compile-workers`` processes (bench/_precompile.py), the compile time spread over the host's cores.
 
@@ -60,7 +60,7 @@ KERNELS = ("quantize_rows", "quantize_cols", "quantize_both", "quantize_cols_fro
 ROUTINGS = ("balanced", "zipf")
 _ROWS = {"BLOCK_M": (16, 32, 64), "num_warps": (2, 4, 8, 16)}
 _COLS = {"BLOCK_C": (32, 64, 128), "num_warps": (2, 4, 8, 16)}
-_TILE = {"BLOCK_R": (8, 16, 32, 64), "num_warps": (2, 4, 8)}
+_TILE = {"num_warps": (4, 8, 16)}  # 2 warps: 256 values of each fp32 128 x 128 tile a thread, past its 255 registers
 _GATHER = {"BLOCK_R": (2, 4, 8), "BLOCK_D": (256, 512), "num_warps": (4, 8)}
 # kernel -> the meta-parameter values its sweep tries (their product; the default is added first)
 SWEEP = {"quantize_rows": _ROWS, "dequantize_rows_rounded": _ROWS, "quantize_cols": _COLS,

@@ -253,7 +253,7 @@ def test_quant_both_kernel_compiles_with_the_hardware_encode():
 
     from tlx.common.fp8_quant import _quant_both_kernel
 
-    cx = {"G": 128, "BLOCK_R": 32, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
+    cx = {"G": 128, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
     sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "qc_ptr": "*u8", "sc_ptr": "*fp32",
            "offsets_ptr": "*i32", "tile_cum_ptr": "*i32", "E": "i32", "M": "i32", "C": "i32", "stride_xm": "i32",
            "stride_qm": "i32", "stride_sk": "i32", "stride_qc": "i32"}
@@ -323,7 +323,7 @@ def test_swiglu_tile_grid_kernels_compile_with_the_hardware_encode(form, store):
 
     from tlx.common.fp8_swiglu import _swiglu_bwd_quant_tiles_kernel, _swiglu_quant_tiles_kernel
 
-    cx = {"G": 128, "BLOCK_R": 32, "STORE": store, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
+    cx = {"G": 128, "STORE": store, "FMT": 0, "POW2": False, "EMULATE": False, "SEARCH_STEPS": 4}
     tail = {"qc_ptr": "*u8", "sc_ptr": "*fp32", "offsets_ptr": "*i32", "tile_cum_ptr": "*i32", "E": "i32", "M": "i32",
             "F": "i32"}
     if form == "fwd":

@@ -30,11 +30,8 @@ Kernels (each stores the FP8 bit patterns through a uint8 view):
                            expert-aligned tile (padding tiles included) x one group of G columns;
                            every row gets its row quantization (padding rows too, as the rows
                            kernel's), only the experts' tiles their column quantization (as the cols
-                           kernel's). The tile goes in chunks of BLOCK_R rows, twice: the row form and
-                           the columns' amax, then the column form from the chunks read again (from
-                           L2): one G x G fp32 tile in registers spills. ``expert_tile_span``,
-                           ``store_rows`` and ``store_cols_part`` are its pieces, shared with the
-                           SwiGLU kernels that emit both forms (tlx/common/fp8_swiglu.py).
+                           kernel's). ``expert_tile`` + ``store_rows_cols`` are its body, shared with
+                           the SwiGLU kernels that emit both forms (tlx/common/fp8_swiglu.py).
   ``_quant_blocks_kernel`` w [E, R, C] -> q [E, R, C] and its transpose qt [E, C, R], s [E, Rb, Cb]
                            and st [E, Cb, Rb] (one pass: the forward wants K-contiguous weights,
                            dX the original layout).
@@ -207,26 +204,17 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, C, stride_xm, stride_qm, stride_s
 
 
 @triton.jit
-def expert_tile_span(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """(first row int64, rows present, whether an expert owns it) of expert-aligned tile ``t``: rows
-    ``base + i`` for ``i < n`` (``n`` may exceed G, or be <= 0: a slack tile past ``tile_cum[E]``
-    lands on the padding pseudo-expert ``E`` past its tiles, so it holds no row)."""
+def expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """(rows int64 [G], row mask [G], whether an expert owns it) of expert-aligned tile ``t``: the
+    rows ``lo + G*j + i`` (j = t - tile_cum[e-1]) of expert ``e``, or of the padding pseudo-expert
+    ``E``. A slack tile past ``tile_cum[E]`` also lands on ``E`` with ``j`` past its tiles, so its
+    mask is empty: it writes nothing."""
     e = _search_expert(tile_cum_ptr, E, t, SEARCH_STEPS)
     first = tl.load(tile_cum_ptr + tl.maximum(e - 1, 0))
     first = tl.where(e > 0, first, 0)
     lo, cnt = expert_rows(offsets_ptr, e, E, M)
-    start = (t - first) * G
-    return (lo + start).to(tl.int64), cnt - start, e < E
-
-
-@triton.jit
-def expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """(rows int64 [G], row mask [G], whether an expert owns it) of expert-aligned tile ``t``: the
-    rows ``lo + G*j + i`` (j = t - tile_cum[e-1]) of expert ``e``, or of the padding pseudo-expert
-    ``E`` (:func:`expert_tile_span`; a slack tile's mask is empty: it writes nothing)."""
-    base, n, in_expert = expert_tile_span(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
-    i = tl.arange(0, G)
-    return base + i, i < n, in_expert
+    r_in = (t - first) * G + tl.arange(0, G)
+    return (lo + r_in).to(tl.int64), r_in < cnt, e < E
 
 
 @triton.jit
@@ -282,60 +270,33 @@ def _quant_cols_from_rows_kernel(q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile
 
 
 @triton.jit
-def store_rows(x, rows, r_ok, cols, c_ok, kb, q_ptr, s_ptr, stride_qm, stride_sk, FMT: tl.constexpr,
-               POW2: tl.constexpr, EMULATE: tl.constexpr):
-    """The row form of fp32 ``x`` [R, G] (zero outside ``r_ok`` x ``c_ok``), the rows ``rows`` x
-    column group ``kb``: q [M, C] (row stride ``stride_qm``) and s [Cb, M] (row stride ``stride_sk``),
-    as ``_quant_rows_kernel`` writes them."""
+def store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr,
+                    stride_qc, C, G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """Both quantizations of fp32 ``x`` [G, G] (zero outside ``r_ok`` x ``c_ok``), the rows ``rows``
+    of tile ``t`` x column group ``kb``: the row form (q [M, C] row stride ``stride_qm``, s [Cb, M]
+    row stride ``stride_sk``) as ``_quant_rows_kernel`` writes it, and, when ``in_expert``, the
+    column form (q [C, P] row stride ``stride_qc``, s [T, C]) as ``_quant_cols_kernel`` writes it."""
     s, inv = scale_from_amax(tl.max(tl.abs(x), axis=1), FMT, POW2)
     ok = r_ok[:, None] & c_ok[None, :]
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], quantize_block(x, inv[:, None], FMT, EMULATE), mask=ok)
     tl.store(s_ptr + kb.to(tl.int64) * stride_sk + rows, s, mask=r_ok)
-
-
-@triton.jit
-def store_cols_part(x, invc, pos, cols, c_ok, qc_ptr, stride_qc, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-                    EMULATE: tl.constexpr):
-    """Rows ``pos ... pos + BLOCK_R`` of a column form: fp32 ``x`` [BLOCK_R, BC] (zero past the
-    expert's rows) quantized with its columns' ``invc`` [BC] (from the whole tile's amax), stored
-    transposed into q [C, P] (row stride ``stride_qc``) at columns ``pos ...``."""
-    dst = qc_ptr + cols.to(tl.int64)[None, :] * stride_qc + (pos + tl.arange(0, BLOCK_R))[:, None]
-    tl.store(dst, quantize_block(x, invc[None, :], FMT, EMULATE), mask=c_ok[None, :])
-
-
-@triton.jit
-def _load_rows(x_ptr, rows, r_ok, cols, c_ok, stride_xm):
-    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                   other=0.0).to(tl.float32)
+    store_cols(x, cols, c_ok & in_expert, t, qc_ptr, sc_ptr, stride_qc, C, G, FMT, POW2, EMULATE)
 
 
 @triton.jit
 def _quant_both_kernel(x_ptr, q_ptr, s_ptr, qc_ptr, sc_ptr, offsets_ptr, tile_cum_ptr, E, M, C, stride_xm, stride_qm,
-                       stride_sk, stride_qc, G: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-                       POW2: tl.constexpr, EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """grid (T, cdiv(C, G)): one expert-aligned tile of G rows x one group of G columns, in chunks
-    of BLOCK_R rows (BLOCK_R divides G), two passes: each chunk's row form and the columns' amax,
-    then (expert tiles only) the column form from the chunks read again (L2) -- a whole G x G
-    tile's registers spill."""
+                       stride_sk, stride_qc, G: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr,
+                       EMULATE: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """grid (T, cdiv(C, G)): one expert-aligned tile of G rows x one group of G columns."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
-    base, n, in_expert = expert_tile_span(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
+    rows, r_ok, in_expert = expert_tile(t, tile_cum_ptr, offsets_ptr, E, M, G, SEARCH_STEPS)
     cols = kb * G + tl.arange(0, G)
     c_ok = cols < C
-    amax = tl.zeros([G], tl.float32)
-    for r0 in range(0, G, BLOCK_R):
-        i = r0 + tl.arange(0, BLOCK_R)
-        rows, r_ok = base + i, i < n
-        x = _load_rows(x_ptr, rows, r_ok, cols, c_ok, stride_xm)
-        store_rows(x, rows, r_ok, cols, c_ok, kb, q_ptr, s_ptr, stride_qm, stride_sk, FMT, POW2, EMULATE)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    if in_expert:
-        sc, invc = scale_from_amax(amax, FMT, POW2)
-        for r0 in range(0, G, BLOCK_R):
-            i = r0 + tl.arange(0, BLOCK_R)
-            x = _load_rows(x_ptr, base + i, i < n, cols, c_ok, stride_xm)
-            store_cols_part(x, invc, t.to(tl.int64) * G + r0, cols, c_ok, qc_ptr, stride_qc, BLOCK_R, FMT, EMULATE)
-        tl.store(sc_ptr + t.to(tl.int64) * C + cols, sc, mask=c_ok)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    store_rows_cols(x, rows, r_ok, cols, c_ok, in_expert, kb, t, q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr,
+                    stride_qc, C, G, FMT, POW2, EMULATE)
 
 
 @triton.jit

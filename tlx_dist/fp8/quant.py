@@ -60,18 +60,7 @@ _ROWS_LAUNCH = {"BLOCK_M": 32, "num_warps": 4}
 _DEQUANT_ROWS_LAUNCH = {"BLOCK_M": 32, "num_warps": 4}
 _COLS_LAUNCH = {"BLOCK_C": 64, "num_warps": 2}
 _COLS_FROM_ROWS_LAUNCH = {"BLOCK_C": 64, "num_warps": 4}  # BLOCK_C divides GROUP: one scale of each row
-# The both-ways kernels' tile is G x G (G = GROUP, the scale group: not a launch choice); BLOCK_R is
-# the row chunk it goes in (a power of two dividing G).
-_BOTH_LAUNCH = {"BLOCK_R": 16, "num_warps": 4}
-
-
-def tile_launch_meta(defaults: dict, launch: Optional[dict]) -> dict:
-    """:func:`launch_meta` of a both-ways tile kernel, whose ``BLOCK_R`` must divide GROUP."""
-    meta = launch_meta(defaults, launch)
-    r = meta["BLOCK_R"]
-    if r > GROUP or GROUP % r:
-        raise ValueError(f"_launch={launch!r}: BLOCK_R={r} must be a power of two dividing {GROUP}")
-    return meta
+_BOTH_LAUNCH = {"num_warps": 4}  # the tile is G x G (G = GROUP, the scale group: not a launch choice)
 
 
 @dataclass(frozen=True)
@@ -455,7 +444,7 @@ def quantize_both(x_MC: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str = "e4
         _quant_both_kernel[(T, -(-C // GROUP))](x_MC, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum,
                                                E, M, C, x_MC.stride(0), C, M, GROUP * T, G=GROUP,
                                                FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
-                                               SEARCH_STEPS=search_steps(E), **tile_launch_meta(_BOTH_LAUNCH, _launch))
+                                               SEARCH_STEPS=search_steps(E), **launch_meta(_BOTH_LAUNCH, _launch))
     return Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 

@@ -29,20 +29,19 @@ import torch
 import torch.nn.functional as F
 
 from ..grouped_gemm.eager import custom_op
-from ..grouped_gemm.host import search_steps
+from ..grouped_gemm.host import launch_meta, search_steps
 from .api import _cols_fake, _quant_backend, _rows_fake
 from .quant import (FORMATS, emulate, GROUP, Fp8Cols, Fp8Rows, _check_input, _use_kernels, check_fmt, check_offsets,
-                    empty_rows, empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid, tile_launch_meta)
+                    empty_rows, empty_rows_cols, quantize_cols_ref, quantize_rows_ref, tile_grid)
 
 __all__ = ["swiglu_quant", "swiglu_bwd_quant", "swiglu_quant_ref", "swiglu_bwd_quant_ref", "swiglu_quant_both",
            "swiglu_bwd_quant_both", "swiglu_quant_both_ref", "swiglu_bwd_quant_both_ref"]
 
 _BLOCK_M = 32
 # The *_both kernels' launch meta-parameters (the tile is G x G: the scale group, not a launch
-# choice; BLOCK_R its row chunk, as quantize_both's); their wrappers' private ``_launch=`` overrides
-# them for one call (bench/fp8_kernels.py --sweep).
-_TILES_LAUNCH = {"BLOCK_R": 16, "num_warps": 4}
-_BWD_TILES_LAUNCH = {"BLOCK_R": 16, "num_warps": 4}
+# choice); their wrappers' private ``_launch=`` overrides them for one call (bench/fp8_kernels.py --sweep).
+_TILES_LAUNCH = {"num_warps": 8}
+_BWD_TILES_LAUNCH = {"num_warps": 8}
 
 
 def _check_h(h_M2F: torch.Tensor) -> int:
@@ -205,7 +204,7 @@ def swiglu_quant_both(h_M2F: torch.Tensor, offsets_E: torch.Tensor, *, fmt: str 
         _swiglu_quant_tiles_kernel[(T, -(-F_ // GROUP))](
             h_M2F, h_M2F if a is None else a, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe, tile_cum, E, M,
             F_, h_M2F.stride(0), F_, F_, M, GROUP * T, G=GROUP, STORE=keep_a, FMT=FORMATS[fmt][2], POW2=pow2,
-            EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), **tile_launch_meta(_TILES_LAUNCH, _launch))
+            EMULATE=emulate(fmt), SEARCH_STEPS=search_steps(E), **launch_meta(_TILES_LAUNCH, _launch))
     return a, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
@@ -249,7 +248,7 @@ def swiglu_bwd_quant_both(h_M2F: torch.Tensor, dA_MF: torch.Tensor, offsets_E: t
             h_M2F, dA_MF, h_M2F if dh is None else dh, q.view(torch.uint8), s, qc.view(torch.uint8), sc, safe,
             tile_cum, E, M, F_, h_M2F.stride(0), dA_MF.stride(0), 2 * F_, 2 * F_, M, GROUP * T, G=GROUP,
             PAIRED=paired, STORE=keep_dh, FMT=FORMATS[fmt][2], POW2=pow2, EMULATE=emulate(fmt),
-            SEARCH_STEPS=search_steps(E), **tile_launch_meta(_BWD_TILES_LAUNCH, _launch))
+            SEARCH_STEPS=search_steps(E), **launch_meta(_BWD_TILES_LAUNCH, _launch))
     return dh, Fp8Rows(q, s.t()), Fp8Cols(qc, sc, tile_cum, safe, M)
 
 
