@@ -1,8 +1,8 @@
 """The overlapped hierarchical dispatch against a paced inter-node leg, on one GPU.
 
     python3 bench/hier_overlap.py [--world 8 --ranks-per-node 4] [--tokens 8192 --dim 2048 --inter 512]
-                                  [--experts 64 --topk 8] [--nic-gbs 25,50] [--pace host|spin]
-                                  [--source device|host] [--iters 10] [--dry]
+                                  [--experts 64 --topk 8] [--capacity 1.25] [--nic-gbs 25,50]
+                                  [--pace timer|host] [--source device|host] [--iters 10] [--dry]
 
 What it shows: where the inter-node links are slow against the tensor cores, the fused expert
 forward of one rank computes the rows of its own node while the other nodes' rows are still
@@ -21,7 +21,9 @@ rank, four things are timed (CUDA events, medians over ``--iters``), each behind
 spin on the stream so that launch overhead is not counted:
 
   compute   the fused expert forward (``fused_experts_rows``, the default GEMM backend) with every
-            row present: the one-launch forward of the plain (not overlapped) path;
+            row present: the one-launch forward of the plain (not overlapped) path, over the
+            static capacity's expanded rows (``--capacity``, a factor of T * K as
+            ``parallel.capacity_factor``; the padding rows' tiles store zeros);
   transfer  the paced inter-node leg alone: the rank's other-node rows (the bytes its node's relays
             forward to it) are written back into its receive region (``RECV``) in ``--chunks``
             copies spread over a window of ``nic_bytes / rate`` -- ``nic_bytes`` being the
@@ -34,31 +36,31 @@ spin on the stream so that launch overhead is not counted:
             counter of that source is set by a copy, as the relays' forward would add it. How the
             copies are held to the rate (``--pace``):
 
-            host (default)  no kernel at all: a host thread enqueues each copy at its wall-clock
-                            time ``t0 + t_i`` (:func:`paced_schedule`: ``t_i`` is when the NIC would
+            timer (default) before each copy, on the copy stream, a one-warp kernel waits for
+                            the GPU's wall clock (``%globaltimer``) to reach the copy's time
+                            ``t0 + t_i`` (:func:`paced_schedule`: ``t_i`` is when the NIC would
                             have delivered the copy's last byte; the last one at the window's end),
-                            the counter's copy from pinned host memory; ``t0`` is the moment the
-                            thread sees the GPU reach the sample's start event (both streams are
-                            held behind it, the compute already enqueued), so a copy is never early,
-                            and one the host enqueues late is simply late;
-            spin            a clock spin (``torch.cuda._sleep``: one thread of one SM, no memory
-                            traffic) before each copy on the copy stream, calibrated against the
-                            clock, then the whole window once against its measured length. A
-                            kernel needs an SM, and a persistent GEMM's CTAs fill the SMs they hold:
-                            suspected (not profiled) to hold the copies back to the gaps between
-                            GEMM phases, serialising the transfer behind the compute, which a NIC's
-                            RDMA (no SM) would not. Kept to show the difference.
+                            ``t0`` taken by a first such kernel at the window's start. A wait
+                            kernel that gets its SM late releases its copy at its time all the same
+                            (unless later than that), so delays do not add up over a window, and
+                            a NIC's rate is a wall-clock rate, not an SM-clock one. It needs one
+                            SM at a time: the overlapped GEMMs leave ``side_sms`` free;
+            host            no kernel at all: a host thread enqueues each copy at its wall-clock
+                            time ``t0 + t_i``, the counter's copy from pinned host memory; ``t0``
+                            is the moment the thread sees the GPU reach the sample's start event
+                            (both streams are held behind it, the compute already enqueued), so a
+                            copy is never early, and one the host enqueues late is simply late.
 
             The measured window (GPU events, from the start event to the copy stream's last copy)
             is what the table reports, and again while the compute runs ("transfer in overlap");
   serial    transfer, then the plan's wait and copy of those rows (the plain path's receive copy),
             the compute, the other nodes' partial rows to their relays: the plain path's order
-            (host pacing: the compute is enqueued behind the plan's bounded wait on HFROWS, so it
-            starts when the last copy's counter lands, with no host launch in between);
+            (the compute is enqueued behind the plan's bounded wait on HFROWS, so it starts when the
+            last copy's counter lands, with no host launch in between);
   overlap   the paced transfer on its copy stream while the phased fused forward runs
-            (``fused_experts_rows(overlap=plan)``: gate/up over this node's rows, the bounded wait,
-            the rest, the down GEMM with the other nodes' partial rows starting to their relays on a
-            side stream as soon as they are final).
+            (``fused_experts_rows(overlap=plan)``: gate/up and down over this node's rows on the SMs
+            the side stream leaves, the bounded wait, the rest, the other nodes' partial rows
+            starting to their relays on a side stream as soon as they are final).
 
 Before each serial / overlap sample the other-node rows are overwritten with NaN (the receive rows
 outside this node's and their RECV rows), so the GEMMs can only read what the paced copies bring:
@@ -86,7 +88,7 @@ import torch
 import _results  # bench/_results.py (the script's directory is on sys.path)
 
 TARGET = 1.15  # overlap <= TARGET * max(compute, transfer) (issue 35 item 6)
-PACINGS = ("host", "spin")
+PACINGS = ("timer", "host")
 
 
 def _rates(text: str, flag: str) -> list:
@@ -113,9 +115,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--nic-gbs", default="50", help="inter-node rates to pace to, GB/s per GPU (bytes: 50 GB/s is "
                                                     "one 400 Gb/s NIC a GPU); comma-separated")
     ap.add_argument("--chunks", type=int, default=16, help="paced copies per window")
-    ap.add_argument("--pace", default="host",
-                    help="how the copies are held to the rate: 'host' (a host thread enqueues each at its time; "
-                         "no kernel) or 'spin' (a clock-spin kernel before each on the copy stream)")
+    ap.add_argument("--capacity", type=float, default=1.25,
+                    help="the exchange's static capacity, expanded rows a rank as a factor of T * K "
+                         "(parallel.capacity_factor; default 1.25)")
+    ap.add_argument("--pace", default="timer",
+                    help="how the copies are held to the rate: 'timer' (a wait for the GPU's wall clock before each, "
+                         "on the copy stream) or 'host' (a host thread enqueues each at its time; no kernel)")
     ap.add_argument("--source", default="device", choices=("device", "host"),
                     help="where the paced copies read from: device memory, or pinned host memory (PCIe DMA)")
     ap.add_argument("--side-sms", type=int, default=None, help="ExchangeConfig.overlap_sms (default: its default)")
@@ -136,6 +141,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ValueError(f"--rank={args.rank} must be in [0, {W})")
     if args.experts % W or args.topk > args.experts:
         raise ValueError(f"--experts={args.experts} must be divisible by --world={W} and at least --topk={args.topk}")
+    if not (math.isfinite(args.capacity) and args.capacity > 0):
+        raise ValueError(f"--capacity={args.capacity} must be a positive factor")
     if args.side_sms is not None and args.side_sms < 1:
         raise ValueError(f"--side-sms={args.side_sms} must be positive")
     if args.pace not in PACINGS:
@@ -220,6 +227,7 @@ def paced_schedule(far: Sequence[int], T: int, chunks: int, window_ms: float) ->
 
 
 SPIN_S = 2e-4  # the host pacer sleeps until this close to a copy's time, then polls (sleep's overshoot)
+LEAD_MAX_MS = 25.0  # host pacing: an enqueue slower than this is a compile, not the host's pace
 
 
 def host_pace(times_ms: Sequence[float], issue: Callable[[int], None], *, clock: Callable[[], float] = time.perf_counter,
@@ -282,13 +290,53 @@ def dry(args) -> int:
     for r in args.rates:
         win = window_ms(args, idxs, r)
         sched = paced_schedule(far, args.tokens, args.chunks, win) if sum(far) else []
-        how = (f"copies at {', '.join(f'{p.t_ms:.3f}' for p in sched)} ms (host pacing)" if args.pace == "host"
-               else f"copies, a clock spin of about {win / max(1, len(sched)):.3f} ms before each (spin pacing)")
+        how = f"copies at {', '.join(f'{p.t_ms:.3f}' for p in sched)} ms ({args.pace} pacing)"
         print(f"paced window at {r:g} GB/s: {win:.3f} ms; {len(sched)} {how}")
     return 0
 
 
 # ---------------------------------------------------------------- the GPU part
+
+_TIMER = {}
+
+
+def _timer_kernels():
+    """The timer pacing's two one-warp kernels (built on first use): ``start(t0)`` stores the
+    GPU's wall clock (``%globaltimer``, ns) into ``t0[0]``; ``until(t0, at_ns)`` returns once that
+    clock reads ``t0[0] + at_ns`` or later. A NIC's rate is a wall-clock rate: the SM clock (which
+    ``torch.cuda._sleep`` counts) drops when the tensor cores are busy."""
+    if not _TIMER:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _now(x):
+            return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [x], dtype=tl.int64,
+                                             is_pure=False, pack=1)
+
+        @triton.jit
+        def _start_kernel(t0_ptr):
+            tl.store(t0_ptr, _now(tl.load(t0_ptr)))
+
+        @triton.jit
+        def _until_kernel(t0_ptr, at_ns):
+            t0 = tl.load(t0_ptr, volatile=True)
+            now = _now(t0)
+            while now - t0 < at_ns:
+                now = _now(t0)
+
+        _TIMER.update(start=_start_kernel, until=_until_kernel)
+    return _TIMER
+
+
+def pace_start(t0_ns: torch.Tensor) -> None:
+    """Timer pacing: the window starts now (on the current stream)."""
+    _timer_kernels()["start"][(1,)](t0_ns, num_warps=1)
+
+
+def pace_until(t0_ns: torch.Tensor, t_ms: float) -> None:
+    """Timer pacing: the current stream waits until ``t_ms`` after the window's start."""
+    _timer_kernels()["until"][(1,)](t0_ns, int(round(t_ms * 1e6)), num_warps=1)
 
 def _median(xs):
     return statistics.median(xs)
@@ -337,7 +385,7 @@ def run(args, rec) -> int:
     xs = [torch.randn(T, D, generator=gen).to(dt).to(dev) for _ in range(W)]
     gates = [torch.rand(T, K, generator=gen).to(dt).to(dev) for _ in range(W)]
     cfg = ExchangeConfig(topology="hierarchical", **({} if args.side_sms is None else {"overlap_sms": args.side_sms}))
-    world = EmulatedWorld(W, T, D, K, E, dt, capacity="worst", device=dev, ranks_per_node=L, config=cfg)
+    world = EmulatedWorld(W, T, D, K, E, dt, capacity=args.capacity, device=dev, ranks_per_node=L, config=cfg)
     res = world.dispatch_rows(xs, [i.to(dev) for i in idxs], gates, overlap=True)
     for *_, h in res:
         h.overlap.finish()  # (every row landed: the emulated world's side-stream work runs in line)
@@ -390,7 +438,7 @@ def run(args, rec) -> int:
         torch.cuda.synchronize()
         return a.elapsed_time(b), out
 
-    ahead = 0  # the clock spin's rate first
+    ahead = 0  # the host-ahead clock spin's rate first
     cyc = []
     for _ in range(3):
         ms, _ = timed(lambda: torch.cuda._sleep(20_000_000))
@@ -409,14 +457,17 @@ def run(args, rec) -> int:
             else:
                 ctr[p.source:p.source + 1].copy_(far_W[p.source:p.source + 1])
 
-    def paced(cuts, sleeps, end=None):
-        """Spin pacing: the whole paced transfer enqueued on the copy stream now, after what the main
-        stream enqueued, a clock spin before each copy; ``end`` recorded after the last."""
+    t0_ns = torch.zeros(1, dtype=torch.int64, device=dev)  # timer pacing: the window's start (globaltimer)
+
+    def paced(cuts, end=None):
+        """Timer pacing: the whole paced transfer enqueued on the copy stream now, after what the
+        main stream enqueued -- the window's start, then before each copy a wait for the GPU's wall
+        clock to reach the copy's time in the window; ``end`` recorded after the last."""
         copy_s.wait_stream(main)
         with torch.cuda.stream(copy_s):
-            for i, p in enumerate(cuts):
-                if sleeps[i] > 0:
-                    torch.cuda._sleep(int(sleeps[i]))
+            pace_start(t0_ns)
+            for p in cuts:
+                pace_until(t0_ns, p.t_ms)
                 copy_piece(p)
             if end is not None:
                 end.record()
@@ -454,20 +505,21 @@ def run(args, rec) -> int:
         main.wait_stream(copy_s)
         b.record()
         torch.cuda.synchronize()
-        if enq_ms > 0.5 * lead[0] / per_ms:  # the next samples' spin covers the enqueue twice over
-            lead[0] = int(2 * enq_ms * per_ms)
+        if LEAD_MAX_MS > enq_ms > 0.5 * lead[0] / per_ms:  # the next samples' spin covers the enqueue twice
+            lead[0] = int(2 * enq_ms * per_ms)  # over (not a first call's compile: that sample is a warm one)
         late = max(a.elapsed_time(ev) - p.t_ms for ev, p in zip(evs, sched))
         return a.elapsed_time(b), a.elapsed_time(end), late, not waited, out
 
-    def spin_sample(cuts, sleeps, compute=None):
-        """One spin-paced sample, in the same form (``late_ms`` None: the spins are calibrated)."""
+    def timer_sample(cuts, compute=None):
+        """One timer-paced sample, in the same form (``late_ms`` None: a wait kernel that starts late
+        still releases its copy at its time, unless it starts after it)."""
         end = torch.cuda.Event(enable_timing=True)
         start = [None]
 
         def fn():
             start[0] = torch.cuda.Event(enable_timing=True)
             start[0].record()
-            paced(cuts, sleeps, end)
+            paced(cuts, end)
             return compute() if compute is not None else None
 
         ms, out = timed(fn, copy_s)
@@ -475,13 +527,15 @@ def run(args, rec) -> int:
 
     ref_part = fused()
     torch.cuda.synchronize()
-    shape = dict(W=W, L=L, T=T, D=D, F=F, E=E, K=K, rank=d, far_rows=sum(far), source=args.source,
+    shape = dict(W=W, L=L, T=T, D=D, F=F, E=E, K=K, capacity=args.capacity, rank=d, far_rows=sum(far),
+                 source=args.source,
                  side_sms=ov.side_sms, pace=args.pace)
     t_comp = [timed(lambda: fused())[0] for _ in range(args.iters)]
     comp = _median(t_comp)
     rec.row("compute", "fused", shape, comp, unit="ms")
     npieces = len(paced_schedule(far, T, args.chunks, 1.0))
-    print(f"W={W} as {W // L} x {L}, T={T}, D={D}, F={F}, E={E}, K={K}; rank {d}: {sum(far)} other-node rows "
+    print(f"W={W} as {W // L} x {L}, T={T}, D={D}, F={F}, E={E}, K={K}, capacity {args.capacity:g} x T*K "
+          f"({src_N.shape[0]} rows, {int(h.offsets_e[-1])} routed); rank {d}: {sum(far)} other-node rows "
           f"({sum(far) * D * 2 / 1e6:.1f} MB), {npieces} paced copies from {args.source} memory, "
           f"{args.pace} pacing")
     print()
@@ -497,20 +551,16 @@ def run(args, rec) -> int:
                 return host_sample(sched, compute)
             sample()  # (warm: the pacer thread, the events)
         else:
-            sleeps = [win / npieces * per_ms] * npieces
-            for _ in range(2):  # the spin's rate, then the window once against its measured length
-                t = _median([timed(lambda: paced(sched, sleeps), copy_s)[0] for _ in range(3)])
-                sleeps = [max(0.0, v * win / t) for v in sleeps]
-
             def sample(compute=None):
-                return spin_sample(sched, sleeps, compute)
+                return timer_sample(sched, compute)
+            sample()  # (warm: the wait kernels' first launch compiles them)
         xs = [sample() for _ in range(args.iters)]
         xfer = _median([x[1] for x in xs])
         ctr.zero_()  # (the transfer alone sets the counters; the plan's wait of a serial / overlap sample clears them)
 
         def serial(plan):
-            if args.pace == "spin":
-                main.wait_stream(copy_s)  # (the spins' copies were enqueued ahead: join them)
+            if args.pace != "host":
+                main.wait_stream(copy_s)  # (the paced copies were enqueued ahead: join them)
             plan.wait()  # host pacing: the bounded wait on HFROWS holds the compute until the last copy's counter
             part = fused()
             plan.send_partials(part)
@@ -524,7 +574,7 @@ def run(args, rec) -> int:
 
         finite = torch.ones((), dtype=torch.bool, device=dev)
         ss, so = [], []
-        for i in range(args.iters + (args.pace == "host")):  # host: one warm sample of each first
+        for i in range(args.iters + 1):  # one warm sample of each first (the phased launches compile)
             poison()
             plan = fresh_plan()  # (built outside the timed region: a small kernel of its own)
             r_s = sample(lambda: serial(plan))
@@ -532,7 +582,7 @@ def run(args, rec) -> int:
             plan = fresh_plan()
             r_o = sample(lambda: overlapped(plan))
             finite &= torch.isfinite(r_s[4]).all() & torch.isfinite(r_o[4]).all()
-            if i or args.pace == "spin":
+            if i:
                 ss.append(r_s)
                 so.append(r_o)
         if not bool(finite):

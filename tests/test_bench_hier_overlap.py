@@ -5,8 +5,8 @@ the ``--dry`` path.
 
 On one H200 (registered as ``bench-hier-overlap`` in scripts/gpu_checks.toml):
 
-    python3 bench/hier_overlap.py --nic-gbs 25,50                # host pacing (the default)
-    python3 bench/hier_overlap.py --nic-gbs 25,50 --pace spin    # the clock-spin pacing beside it
+    python3 bench/hier_overlap.py --nic-gbs 25,50                # timer pacing (the default)
+    python3 bench/hier_overlap.py --nic-gbs 25,50 --pace host    # host pacing beside it
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from tlx_dist.comm.hier_reference import hier_dispatch_reference  # noqa: E402
     (["--experts", "12"], "--experts"),                   # not divisible by W = 8
     (["--topk", "0"], "--topk"),
     (["--side-sms", "0"], "--side-sms"),
-    (["--pace", "kernel"], "--pace"),                      # only host or spin
+    (["--pace", "kernel"], "--pace"),                      # only timer or host
+    (["--pace", "spin"], "--pace"),
+    (["--capacity", "0"], "--capacity"),
+    (["--capacity", "nan"], "--capacity"),
     (["--chunks", "0"], "--chunks"),
 ])
 def test_bad_arguments_name_their_flag(argv, flag, capsys):
@@ -216,16 +219,34 @@ def test_host_pacer_thread_runs_the_loop_and_reraises():
     assert t.name != threading.current_thread().name
 
 
-@pytest.mark.parametrize("pace", ["host", "spin"])
+@pytest.mark.parametrize("pace", ["timer", "host"])
 def test_dry_names_the_pacing(pace, capsys):
     assert bench.main(["--dry", "--tokens", "256", "--nic-gbs", "25", "--pace", pace, "--no-results"]) == 0
     out = capsys.readouterr().out
     assert f"({pace} pacing)" in out
-    if pace == "host":  # the schedule's times are printed: the last at the window's end
-        line = next(x for x in out.splitlines() if x.startswith("paced window at 25"))
-        win = line.split(": ")[1].split(" ms")[0]
-        assert line.rstrip().endswith(f"{win} ms (host pacing)")
+    # the schedule's times are printed: the last at the window's end
+    line = next(x for x in out.splitlines() if x.startswith("paced window at 25"))
+    win = line.split(": ")[1].split(" ms")[0]
+    assert line.rstrip().endswith(f"{win} ms ({pace} pacing)")
 
 
-def test_default_pacing_is_host():
-    assert bench.parse_args([]).pace == "host"
+def test_default_pacing_is_timer():
+    assert bench.parse_args([]).pace == "timer"
+
+
+def test_timer_pacing_kernels_read_the_wall_clock():
+    """The timer pacing's kernels compile for sm_90 (no GPU needed): the start kernel stores
+    ``%globaltimer``, the wait kernel reads it in a loop until the copy's time."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = bench._timer_kernels()
+    ptx = {}
+    for name, sig in (("start", {"t0_ptr": "*i64"}), ("until", {"t0_ptr": "*i64", "at_ns": "i64"})):
+        ptx[name] = triton.compile(ASTSource(k[name], sig, constexprs={}),
+                                   target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert ptx["start"].count("%globaltimer") == 1 and "st.global" in ptx["start"]
+    until = ptx["until"]
+    assert until.count("%globaltimer") == 2  # once before the loop, once a turn
+    assert "bra" in until and "ld.volatile.global" in until

@@ -86,11 +86,13 @@ def test_overlapped_hier_layer_on_gpu(W, L, kind):
     assert legs_o == legs_p, "per-leg counters"
 
 
-def test_paced_bench_runs():
-    """bench/hier_overlap.py at a small shape: the paced transfer, the serial and the overlapped
-    forms run, the overlapped output passes the bench's own check (no NaN-poisoned row read)."""
+@pytest.mark.parametrize("pace", ["timer", "host"])
+def test_paced_bench_runs(pace):
+    """bench/hier_overlap.py at a small shape, either pacing: the paced transfer, the serial and the
+    overlapped forms run, the overlapped output passes the bench's own check (no NaN-poisoned row
+    read)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import hier_overlap
 
     assert hier_overlap.main(["--tokens", "1024", "--dim", "1024", "--inter", "256", "--iters", "2",
-                              "--nic-gbs", "50", "--no-results"]) == 0
+                              "--nic-gbs", "50", "--pace", pace, "--no-results"]) == 0
