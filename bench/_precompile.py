@@ -27,7 +27,14 @@ from typing import Callable
 
 
 def _preload(module: str, name: str, spec: str) -> None:
-    getattr(importlib.import_module(module), name).preload(spec)
+    fn = getattr(importlib.import_module(module), name)
+    if getattr(fn, "c_dispatch", False):  # (tlx.c_launch) its launches compile under the C-dispatcher knob
+        import tlx
+
+        with tlx.c_dispatch_knob():
+            fn.preload(spec)
+    else:
+        fn.preload(spec)
 
 
 class Precompiler:

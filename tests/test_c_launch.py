@@ -17,6 +17,13 @@ PER_STEP = {
     "tlx.blackwell.grouped_gemm": ["_grouped_gemm_blackwell_kernel"],
     "tlx.common.scheduler": ["_grouped_tile_prep_kernel", "_lpt_order_kernel"],
     "tlx.common.routing": ["_expert_slots_kernel"],
+    "tlx.hopper.fp8_grouped_gemm": ["_fp8_grouped_gemm_hopper_kernel"],
+    "tlx.blackwell.fp8_grouped_gemm": ["_mxfp8_grouped_gemm_blackwell_kernel"],
+    "tlx.common.fp8_quant": ["_quant_rows_kernel", "_quant_cols_kernel", "_quant_cols_from_rows_kernel",
+                             "_quant_both_kernel", "_quant_blocks_kernel", "_dequant_rows_kernel"],
+    "tlx.common.fp8_swiglu": ["_swiglu_quant_kernel", "_swiglu_bwd_quant_kernel", "_swiglu_quant_tiles_kernel",
+                              "_swiglu_bwd_quant_tiles_kernel"],
+    "tlx.common.combine": ["_gather_ksum_kernel", "_combine_bwd_kernel"],
 }
 
 _PROBE = ("import importlib, json; mods = json.loads({mods!r}); "
@@ -184,3 +191,29 @@ def test_marked_kernel_launches_from_a_fresh_thread():
     t.join()
     assert not err, err
     assert torch.equal(out[0][0], ref[0]) and torch.equal(out[0][1], ref[1])
+
+
+@pytest.mark.skipif(not tlx.tlx_available(), reason="needs fbtriton")
+def test_c_dispatch_knob_is_set_for_the_block_and_restored():
+    """What the bench precompiler wraps a marked kernel's preload in (bench/_precompile.py): the knob
+    a marked kernel's launches compile under, on inside the block and as before after it (unset, or a
+    value the user set), also when the block raises."""
+    from triton import knobs
+
+    d = knobs.nvidia.__dict__
+    key = tlx._KNOB
+    saved = d.pop(key, tlx._UNSET)
+    try:
+        with tlx.c_dispatch_knob():
+            assert d[key] is True
+        assert key not in d
+        d[key] = False
+        with pytest.raises(RuntimeError):
+            with tlx.c_dispatch_knob():
+                assert d[key] is True
+                raise RuntimeError("inside")
+        assert d[key] is False
+    finally:
+        d.pop(key, None)
+        if saved is not tlx._UNSET:
+            d[key] = saved

@@ -30,7 +30,7 @@ import threading
 from typing import Iterator
 
 __all__ = ["ARCHS", "tlx_available", "triton_available", "gpu_arch", "override", "describe", "c_launch",
-           "ENV_C_LAUNCH", "ENV_C_DISPATCH"]
+           "ENV_C_LAUNCH", "ENV_C_DISPATCH", "c_dispatch_knob"]
 
 ARCHS = ("sm_90", "sm_100", "gfx94x", "other", "none")
 
@@ -225,23 +225,48 @@ def _dispatch_in_c(kernel) -> None:
         from triton import knobs
     except ImportError:
         return
-    nv = knobs.nvidia
+    d = knobs.nvidia.__dict__
     run = kernel.run
 
     def run_dispatching(*args, **kwargs):
         _bind_context()
-        d = nv.__dict__
-        prev = d.get(_KNOB, _UNSET)
-        if prev is True:
-            return run(*args, **kwargs)
-        d[_KNOB] = True
+        prev = _knob_on(d)
         try:
             return run(*args, **kwargs)
         finally:
-            if prev is _UNSET:
-                d.pop(_KNOB, None)
-            else:
-                d[_KNOB] = prev
+            _knob_restore(d, prev)
 
     kernel.run = run_dispatching
     kernel.c_dispatch = True
+
+
+def _knob_on(d: dict):
+    """Sets fbtriton's C-dispatcher knob in ``d`` (``knobs.nvidia.__dict__``: directly, not through
+    its setter, which would export it to the environment); returns what :func:`_knob_restore`
+    puts back."""
+    prev = d.get(_KNOB, _UNSET)
+    d[_KNOB] = True
+    return prev
+
+
+def _knob_restore(d: dict, prev) -> None:
+    if prev is _UNSET:
+        d.pop(_KNOB, None)
+    else:
+        d[_KNOB] = prev
+
+
+@contextlib.contextmanager
+def c_dispatch_knob():
+    """fbtriton's C-dispatcher knob on for the block, restored after it. A marked kernel's
+    launches run under it (:func:`_dispatch_in_c`), and so must anything that compiles one of its
+    specialisations ahead of a launch (``JITFunction.preload``, ``bench/_precompile.py``), or the
+    launch finds no compiled kernel under its key and compiles it again."""
+    from triton import knobs
+
+    d = knobs.nvidia.__dict__
+    prev = _knob_on(d)
+    try:
+        yield
+    finally:
+        _knob_restore(d, prev)

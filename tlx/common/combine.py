@@ -32,6 +32,8 @@ GPU's cvt.rn) and written in integer arithmetic on their bits.
 import triton
 import triton.language as tl
 
+from tlx import c_launch as _c_launch
+
 
 @triton.jit
 def _round_to(v, dst_ty: tl.constexpr, EMULATE: tl.constexpr):
@@ -116,3 +118,8 @@ def _combine_bwd_kernel(g_ptr, y_ptr, gate_ptr, order_ptr, gy_ptr, ggate_ptr, N,
     gt: tl.constexpr = ggate_ptr.dtype.element_ty
     gg = _as(_round_to(dot, gt, EMULATE), gt, EMULATE)
     tl.store(ggate_ptr + s, gg, mask=n_ok)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_gather_ksum_kernel)
+_c_launch(_combine_bwd_kernel)

@@ -50,6 +50,8 @@ e4m3 decode (``decode_fp8``: the interpreter's turns NaN into 480; NVIDIA has no
 import triton
 import triton.language as tl
 
+from tlx import c_launch as _c_launch
+
 from tlx.common.scheduler import _search_expert, expert_rows
 
 AMAX_FLOOR = tl.constexpr(1e-12)
@@ -338,3 +340,12 @@ def _dequant_rows_kernel(q_ptr, s_ptr, y_ptr, M, C, stride_qm, stride_sk, stride
     sc = tl.load(s_ptr + kb * stride_sk + rows, mask=rm, other=0.0)
     v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
     tl.store(y_ptr + r64[:, None] * stride_ym + cols[None, :], v.to(y_ptr.dtype.element_ty), mask=m)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_quant_rows_kernel)
+_c_launch(_quant_cols_kernel)
+_c_launch(_quant_cols_from_rows_kernel)
+_c_launch(_quant_both_kernel)
+_c_launch(_quant_blocks_kernel)
+_c_launch(_dequant_rows_kernel)

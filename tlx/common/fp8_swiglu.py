@@ -32,6 +32,8 @@ Kernels (FP8 bit patterns stored through a uint8 view):
 import triton
 import triton.language as tl
 
+from tlx import c_launch as _c_launch
+
 from tlx.common.fp8_quant import expert_tile, quantize_block, round_to, scale_from_amax, store_rows_cols
 
 
@@ -195,3 +197,10 @@ def _swiglu_bwd_quant_tiles_kernel(h_ptr, da_ptr, dh_ptr, q_ptr, s_ptr, qc_ptr, 
         dg, du = _swiglu_bwd_values(g, u, da)
         _store_both(tl.where(is_gate[None, :], dg, du), dh_ptr, rows, r_ok, c, c_ok, in_expert, kb, t, stride_dhm,
                     q_ptr, s_ptr, stride_qm, stride_sk, qc_ptr, sc_ptr, stride_qc, 2 * F, G, STORE, FMT, POW2, EMULATE)
+
+
+# Launched every step: fbtriton's C launch path (tlx.c_launch) once compiled.
+_c_launch(_swiglu_quant_kernel)
+_c_launch(_swiglu_bwd_quant_kernel)
+_c_launch(_swiglu_quant_tiles_kernel)
+_c_launch(_swiglu_bwd_quant_tiles_kernel)
