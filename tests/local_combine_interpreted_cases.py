@@ -153,3 +153,38 @@ def test_eager_calls_equal_the_ops(monkeypatch):
         via_op = run()
     for name, a, b in zip(("out", "g_y", "g_gate", "ksum"), direct, via_op):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("T,K,E,routing", [
+    (37, 4, 6, "random"), (64, 8, 64, "random"), (16, 5, 5, "all"),      # K = E: every expert each token
+    (40, 2, 7, "one"),                                                  # one expert takes every slot
+    (33, 3, 9, "skip"),                                                 # experts with no rows between
+    (1, 1, 1, "random"), (300, 2, 3, "random"),                         # a one-expert model; several blocks
+])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_dispatch_order_kernel_is_the_stable_sort(T, K, E, routing, idx_dtype):
+    """LocalDispatcher's layout from the routing kernel (tlx.common.routing) equals torch's stable
+    sort by expert (``sort_slots``, the path where the kernels do not run): order, offsets, counts,
+    and so the dispatched rows, on random and adversarial routings."""
+    from tlx_dist.comm.layout import sort_slots
+    from tlx_dist.comm.local import _slots_kernel_runs, expert_order
+
+    g = torch.Generator().manual_seed(T * 31 + E)
+    if routing == "random":
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    elif routing == "all":
+        idx = torch.stack([torch.randperm(E, generator=g) for _ in range(T)])
+    elif routing == "one":
+        idx = torch.full((T, K), E - 1)
+    else:  # only even experts get rows
+        idx = torch.stack([torch.randperm((E + 1) // 2, generator=g)[:K] * 2 for _ in range(T)])
+    idx = idx.to(idx_dtype)
+    assert _slots_kernel_runs(idx)
+    order, offsets, counts = expert_order(idx, E)
+    ref = sort_slots(idx, E)
+    assert torch.equal(order, ref.order_S) and order.dtype == torch.int64
+    assert torch.equal(counts, ref.counts_E) and counts.dtype == torch.int64
+    assert torch.equal(offsets, torch.cumsum(ref.counts_E, 0).to(torch.int32)) and offsets.dtype == torch.int32
+    x = torch.randn(T, 24, generator=g).to(torch.bfloat16)
+    rows, h = LocalDispatcher(E).dispatch(x, idx)
+    assert torch.equal(rows, x[ref.order_S // K]) and torch.equal(h.offsets_e, offsets)

@@ -13,7 +13,30 @@ from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse
 from .layout import sort_slots
 from .local_combine import combine_weighted_local, dispatch_backward_local, use_combine_kernels
 
-__all__ = ["LocalDispatcher"]
+__all__ = ["LocalDispatcher", "expert_order"]
+
+
+def expert_order(idx_TK: torch.Tensor, E: int):
+    """``(order_S int64, offsets_E int32, counts_E int64)``: the slots in expert-major order (a
+    stable sort by expert id), each expert's cumulative end row and its row count. Where the
+    Triton kernels run (and nothing traces) one launch of the routing kernel
+    (``grouped_gemm.host.expert_slots``), else torch's stable sort (``sort_slots``): the same order."""
+    if _slots_kernel_runs(idx_TK):
+        from ..grouped_gemm.host import expert_slots
+
+        _, order_S, offsets_E, _ = expert_slots(idx_TK, E, 128, -(-(E + 1) // 4) * 4)
+        counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
+        return order_S, offsets_E, counts_E
+    slots = sort_slots(idx_TK, E)
+    return slots.order_S, torch.cumsum(slots.counts_E, 0).to(torch.int32), slots.counts_E
+
+
+def _slots_kernel_runs(idx_TK: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or idx_TK.shape[0] * idx_TK.shape[1] == 0:
+        return False
+    from .local_combine import _runnable
+
+    return _runnable(idx_TK.device.type)
 
 
 class LocalDispatcher(Dispatcher):
@@ -25,15 +48,14 @@ class LocalDispatcher(Dispatcher):
     def dispatch(self, x_TD, idx_TK, gate_TK=None):
         check_dispatch_args(x_TD, idx_TK, self.num_experts, self.validate)
         T, K = idx_TK.shape
-        slots = sort_slots(idx_TK, self.num_experts)
-        inverse_S = inverse_permutation(slots.order_S)
+        order_S, offsets_e, counts_E = expert_order(idx_TK, self.num_experts)
+        inverse_S = inverse_permutation(order_S)
         # Backward: gather each slot's gradient back and sum over k -- the combine of dx.
-        recv_ND = replicate_rows(x_TD, slots.order_S, inverse_S, K)
+        recv_ND = replicate_rows(x_TD, order_S, inverse_S, K)
         handle = DispatchHandle(
-            num_tokens=T, top_k=K, num_recv_rows=T * K,
-            offsets_e=torch.cumsum(slots.counts_E, 0).to(torch.int32),
-            recv_counts_e=slots.counts_E, tokens_per_expert_E=slots.counts_E,
-            order_S=slots.order_S, inverse_S=inverse_S)
+            num_tokens=T, top_k=K, num_recv_rows=T * K, offsets_e=offsets_e,
+            recv_counts_e=counts_E, tokens_per_expert_E=counts_E,
+            order_S=order_S, inverse_S=inverse_S)
         return recv_ND, handle
 
     def combine(self, y_ND, handle):

@@ -310,29 +310,9 @@ def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
     :func:`expert_major_slots` (a stable sort by expert). Ids
     outside ``[0, E)`` (never from the router) become padding rows after ``offsets_E[-1]`` that no
     kernel computes: those slots get no expert output. No host sync."""
-    import triton
+    from ..grouped_gemm.host import expert_slots
 
-    from tlx.common.routing import _expert_slots_kernel
-
-    from ..grouped_gemm.reference import check_num_experts
-
-    check_num_experts(E, "E")
-    T, K = idx_TK.shape
-    S = T * K
-    if S >= 2**31:
-        raise ValueError(f"idx_TK has T*K={S} slots; the layout kernel indexes them in int32 (< 2**31)")
-    dev = idx_TK.device
-    o = sched_order_offset(E)
-    tok_N = torch.empty(S, dtype=torch.int32, device=dev)
-    order_S = torch.empty(S, dtype=torch.int64, device=dev)
-    offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
-    # the kernel writes tile_cum [E + 1] and the order [E]; the entries between them are padding
-    sched = torch.empty(o + E, dtype=torch.int32, device=dev)
-    if S == 0:
-        sched.zero_()
-        offsets_E.zero_()
-        sched[o:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
-        return tok_N, order_S, offsets_E, sched
+    return expert_slots(idx_TK, E, block_m, sched_order_offset(E))
     _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E, o,
                                BM=block_m, EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
     return tok_N, order_S, offsets_E, sched

@@ -20,7 +20,7 @@ from .guard import offsets_flag
 from .reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
-           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta"]
+           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta", "expert_slots"]
 
 
 def interpret_mode() -> bool:
@@ -91,6 +91,38 @@ def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.T
     """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding),
     over the safe offsets (``prep_offsets``, whose ``safe_E`` the kernel should also be given)."""
     return prep_offsets(offsets_E, n_rows, block_m)[1]
+
+
+def expert_slots(idx_TK: torch.Tensor, E: int, block_m: int, order_off: int):
+    """``(tok_N int32 [S], order_S int64 [S], offsets_E int32 [E], sched int32 [order_off + E])``:
+    one launch of ``tlx.common.routing._expert_slots_kernel`` (a stable sort of the ``S = T * K``
+    slots by expert, with the scheduler's tables: ``sched[:E + 1]`` the inclusive sum of
+    ``block_m``-row tiles per expert, entry E adding the padding rows' tiles; ``sched[order_off:]``
+    the experts by row count, longest first). Ids outside ``[0, E)`` become padding rows after
+    ``offsets_E[-1]``. ``order_off``: a multiple of 4, at least ``E + 1``. No host sync."""
+    import triton
+
+    from tlx.common.routing import _expert_slots_kernel
+
+    check_num_experts(E, "E")
+    T, K = idx_TK.shape
+    S = T * K
+    if S >= 2**31:
+        raise ValueError(f"idx_TK has T*K={S} slots; the layout kernel indexes them in int32 (< 2**31)")
+    dev = idx_TK.device
+    tok_N = torch.empty(S, dtype=torch.int32, device=dev)
+    order_S = torch.empty(S, dtype=torch.int64, device=dev)
+    offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
+    # the kernel writes tile_cum [E + 1] and the order [E]; the entries between them are padding
+    sched = torch.empty(order_off + E, dtype=torch.int32, device=dev)
+    if S == 0:
+        sched.zero_()
+        offsets_E.zero_()
+        sched[order_off:].copy_(torch.arange(E, dtype=torch.int32, device=dev))
+        return tok_N, order_S, offsets_E, sched
+    _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E, order_off,
+                               BM=block_m, EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
+    return tok_N, order_S, offsets_E, sched
 
 
 def guard_offsets(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
