@@ -188,3 +188,36 @@ def test_dispatch_order_kernel_is_the_stable_sort(T, K, E, routing, idx_dtype):
     x = torch.randn(T, 24, generator=g).to(torch.bfloat16)
     rows, h = LocalDispatcher(E).dispatch(x, idx)
     assert torch.equal(rows, x[ref.order_S // K]) and torch.equal(h.offsets_e, offsets)
+
+
+def test_dispatch_order_under_tracing_takes_the_torch_ops():
+    """Fake tensors and make_fx get the torch sort (a Triton launch cannot take them); the traced
+    dispatch's order equals the eager kernel path's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tlx_dist.comm.local import _slots_kernel_runs, expert_order
+
+    idx = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(t))[:3] for t in range(20)])
+    assert _slots_kernel_runs(idx)
+    with FakeTensorMode() as mode:
+        fidx = mode.from_tensor(idx)
+        assert not _slots_kernel_runs(fidx)
+        order, offsets, counts = expert_order(fidx, 6)
+        assert order.shape == (60,) and offsets.dtype == torch.int32 and counts.shape == (6,)
+    gm = make_fx(lambda i: expert_order(i, 6))(idx)
+    want = expert_order(idx, 6)
+    for a, b in zip(gm(idx), want):
+        assert torch.equal(a, b)
+
+
+def test_dispatch_order_kernel_makes_out_of_range_ids_padding_rows():
+    """validate=False with ids outside [0, E) (never from the router): on the kernel path they are
+    padding rows after every expert's rows, counted for no expert (as in the fused pipeline's layout);
+    the in-range slots keep the stable order."""
+    from tlx_dist.comm.local import expert_order
+
+    idx = torch.tensor([[0, 5], [2, -1], [1, 0], [7, 2]])
+    order, offsets, counts = expert_order(idx, 3)
+    assert counts.tolist() == [2, 1, 2] and offsets.tolist() == [2, 3, 5]
+    assert order.tolist() == [0, 5, 4, 2, 7, 1, 3, 6]  # experts 0, 1, 2 in slot order, then ids 5, -1, 7

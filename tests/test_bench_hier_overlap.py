@@ -242,11 +242,14 @@ def test_timer_pacing_kernels_read_the_wall_clock():
     from triton.compiler import ASTSource
 
     k = bench._timer_kernels()
-    ptx = {}
-    for name, sig in (("start", {"t0_ptr": "*i64"}), ("until", {"t0_ptr": "*i64", "at_ns": "i64"})):
-        ptx[name] = triton.compile(ASTSource(k[name], sig, constexprs={}),
-                                   target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert ptx["start"].count("%globaltimer") == 1 and "st.global" in ptx["start"]
-    until = ptx["until"]
-    assert until.count("%globaltimer") == 2  # once before the loop, once a turn
-    assert "bra" in until and "ld.volatile.global" in until
+
+    def ptx(name, sig):
+        return triton.compile(ASTSource(k[name], sig, constexprs={}), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    start = ptx("start", {"t0_ptr": "*i64"})
+    assert start.count("%globaltimer") == 1 and "st.global" in start
+    # a window's times below 2**31 ns specialise at_ns as i32, longer ones as i64
+    for at in ("i32", "i64"):
+        until = ptx("until", {"t0_ptr": "*i64", "at_ns": at})
+        assert until.count("%globaltimer") == 2, at  # once before the loop, once a turn
+        assert "bra" in until and "ld.volatile.global" in until, at

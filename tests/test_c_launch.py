@@ -217,3 +217,41 @@ def test_c_dispatch_knob_is_set_for_the_block_and_restored():
         d.pop(key, None)
         if saved is not tlx._UNSET:
             d[key] = saved
+
+
+def test_precompiler_preloads_marked_kernels_under_the_knob(monkeypatch):
+    """bench/_precompile.py's worker: a kernel marked for the C dispatcher is preloaded with the knob
+    on (its launches compile under it, so the cache key must match); an unmarked one without it."""
+    pytest.importorskip("triton")
+    import importlib
+    import types
+    from pathlib import Path
+
+    from triton import knobs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import _precompile
+
+    seen = []
+
+    class Kernel:
+        def __init__(self, marked):
+            if marked:
+                self.c_dispatch = True
+
+        def preload(self, spec):
+            seen.append((spec, knobs.nvidia.__dict__.get(tlx._KNOB)))
+
+    fake = types.SimpleNamespace(marked=Kernel(True), plain=Kernel(False))
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda m: fake if m == "fake_mod" else real(m))
+    d = knobs.nvidia.__dict__
+    saved = d.pop(tlx._KNOB, tlx._UNSET)
+    try:
+        _precompile._preload("fake_mod", "marked", "s1")
+        _precompile._preload("fake_mod", "plain", "s2")
+        assert seen == [("s1", True), ("s2", None)]
+        assert tlx._KNOB not in d
+    finally:
+        if saved is not tlx._UNSET:
+            d[tlx._KNOB] = saved

@@ -19,12 +19,16 @@ __all__ = ["LocalDispatcher", "expert_order"]
 def expert_order(idx_TK: torch.Tensor, E: int):
     """``(order_S int64, offsets_E int32, counts_E int64)``: the slots in expert-major order (a
     stable sort by expert id), each expert's cumulative end row and its row count. Where the
-    Triton kernels run (and nothing traces) one launch of the routing kernel
-    (``grouped_gemm.host.expert_slots``), else torch's stable sort (``sort_slots``): the same order."""
+    Triton kernels run (real tensors, nothing tracing) one launch of the routing kernel
+    (``grouped_gemm.host.expert_slots``), else torch's stable sort (``sort_slots``): the same order
+    for ids in ``[0, E)``. Ids outside it (never from the router; ``LocalDispatcher(validate=True)``
+    rejects them on the host) are padding rows after ``offsets_E[-1]`` on the kernel path, counted
+    for no expert, as in the fused pipeline's layout (``fused.expert_major_layout``); torch's path
+    raises on them."""
     if _slots_kernel_runs(idx_TK):
-        from ..grouped_gemm.host import expert_slots
+        from ..grouped_gemm.host import expert_slots, sched_order_offset
 
-        _, order_S, offsets_E, _ = expert_slots(idx_TK, E, 128, -(-(E + 1) // 4) * 4)
+        _, order_S, offsets_E, _ = expert_slots(idx_TK, E, 128, sched_order_offset(E))
         counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
         return order_S, offsets_E, counts_E
     slots = sort_slots(idx_TK, E)
@@ -32,11 +36,16 @@ def expert_order(idx_TK: torch.Tensor, E: int):
 
 
 def _slots_kernel_runs(idx_TK: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling() or idx_TK.shape[0] * idx_TK.shape[1] == 0:
+    """The routing kernel takes this call: a real tensor where the kernels run (not under
+    torch.compile, fake tensors, make_fx or another tracing mode: they get the torch ops), with
+    between 1 and 2**31 - 1 slots (the kernel indexes them in int32)."""
+    S = idx_TK.shape[0] * idx_TK.shape[1]
+    if not 0 < S < 2**31:
         return False
+    from ..grouped_gemm.eager import traced
     from .local_combine import _runnable
 
-    return _runnable(idx_TK.device.type)
+    return not traced((idx_TK,), {}) and _runnable(idx_TK.device.type)
 
 
 class LocalDispatcher(Dispatcher):

@@ -289,13 +289,18 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
 def _routing_kernel_runs(idx_TK: torch.Tensor, wanted: bool = True) -> bool:
     """Whether :func:`fused_experts` takes the one-launch expert-major layout
     (``tlx/common/routing.py``) instead of the torch sort: where it can run (CUDA, and CPU under
-    ``TRITON_INTERPRET=1``), in eager mode (torch.compile traces the torch ops), unless ``wanted``
+    ``TRITON_INTERPRET=1``), in eager mode on real tensors (torch.compile, fake tensors and other
+    tracing modes get the torch ops), unless ``wanted``
     (``FusedConfig.layout_kernel``) is False. It also writes the TLX kernels' scheduler tables, so
     neither pass runs their prep kernel: fewer launches between the router and the first GEMM, where
     the GPU waits on the host at a few thousand tokens."""
     if not wanted or torch.compiler.is_compiling() or not tlx.triton_available():
         return False
+    from ..grouped_gemm.eager import traced
     from ..grouped_gemm.host import interpret_mode
+
+    if traced((idx_TK,), {}):
+        return False
 
     return (idx_TK.device.type == "cuda" and not interpret_mode()) or (idx_TK.device.type == "cpu"
                                                                        and interpret_mode())
@@ -313,9 +318,6 @@ def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):
     from ..grouped_gemm.host import expert_slots
 
     return expert_slots(idx_TK, E, block_m, sched_order_offset(E))
-    _expert_slots_kernel[(E,)](idx_TK.contiguous().reshape(-1), tok_N, order_S, offsets_E, sched, S, K, E, o,
-                               BM=block_m, EP=triton.next_power_of_2(E + 1), BLOCK=1024, num_warps=4)
-    return tok_N, order_S, offsets_E, sched
 
 
 def fused_experts(x_TD: torch.Tensor, idx_TK: torch.Tensor, gate_TK: torch.Tensor, w13_EDF2: torch.Tensor,

@@ -33,6 +33,7 @@ import torch
 
 from tlx import triton_available
 
+from ..grouped_gemm.host import sched_order_offset
 from .arrival import ArrivalPlan
 from .config import DEFAULT, FusedConfig
 from .reference import fused_backward_ref, fused_forward_ref
@@ -108,12 +109,6 @@ def registered_fused_backends() -> dict[str, FusedBackend]:
 
 
 # --- the composition shared by the kernel backends ---------------------------------------------------
-
-
-def sched_order_offset(E: int) -> int:
-    """Where the dW expert order starts in a precomputed schedule: after tile_cum's ``E + 1``
-    entries, rounded up to 4 (16-byte aligned, like every pointer the kernels specialise on)."""
-    return -(-(E + 1) // 4) * 4
 
 
 def _sched_parts(sched, offsets_E):

@@ -20,7 +20,8 @@ from .guard import offsets_flag
 from .reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
-           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta", "expert_slots"]
+           "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta", "expert_slots",
+           "sched_order_offset"]
 
 
 def interpret_mode() -> bool:
@@ -91,6 +92,12 @@ def prep_tile_cum(offsets_E: torch.Tensor, n_rows: int, block_m: int) -> torch.T
     """``[E + 1]`` int32 on the device: inclusive cumsum of BM-row tiles per expert (+ padding),
     over the safe offsets (``prep_offsets``, whose ``safe_E`` the kernel should also be given)."""
     return prep_offsets(offsets_E, n_rows, block_m)[1]
+
+
+def sched_order_offset(E: int) -> int:
+    """Where the dW expert order starts in a precomputed schedule: after tile_cum's ``E + 1``
+    entries, rounded up to 4 (16-byte aligned, like every pointer the kernels specialise on)."""
+    return -(-(E + 1) // 4) * 4
 
 
 def expert_slots(idx_TK: torch.Tensor, E: int, block_m: int, order_off: int):
