@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..grouped_gemm.host import expert_slots, sched_order_offset, slots_kernel_runs
 from .dispatcher import DispatchHandle, Dispatcher, check_dispatch_args, inverse_permutation, permute_rows, replicate_rows
 from .layout import sort_slots
 from .local_combine import combine_weighted_local, dispatch_backward_local, use_combine_kernels
@@ -26,8 +27,6 @@ def expert_order(idx_TK: torch.Tensor, E: int):
     for no expert, as in the fused pipeline's layout (``fused.expert_major_layout``); torch's path
     raises on them."""
     if _slots_kernel_runs(idx_TK):
-        from ..grouped_gemm.host import expert_slots, sched_order_offset
-
         _, order_S, offsets_E, _ = expert_slots(idx_TK, E, 128, sched_order_offset(E))
         counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
         return order_S, offsets_E, counts_E
@@ -36,16 +35,9 @@ def expert_order(idx_TK: torch.Tensor, E: int):
 
 
 def _slots_kernel_runs(idx_TK: torch.Tensor) -> bool:
-    """The routing kernel takes this call: a real tensor where the kernels run (not under
-    torch.compile, fake tensors, make_fx or another tracing mode: they get the torch ops), with
-    between 1 and 2**31 - 1 slots (the kernel indexes them in int32)."""
-    S = idx_TK.shape[0] * idx_TK.shape[1]
-    if not 0 < S < 2**31:
-        return False
-    from ..grouped_gemm.eager import traced
-    from .local_combine import _runnable
-
-    return not traced((idx_TK,), {}) and _runnable(idx_TK.device.type)
+    """The routing kernel takes this call (``grouped_gemm.host.slots_kernel_runs``) with between 1
+    and 2**31 - 1 slots (it indexes them in int32; torch's sort takes the rest)."""
+    return 0 < idx_TK.shape[0] * idx_TK.shape[1] < 2**31 and slots_kernel_runs(idx_TK)
 
 
 class LocalDispatcher(Dispatcher):

@@ -294,16 +294,9 @@ def _routing_kernel_runs(idx_TK: torch.Tensor, wanted: bool = True) -> bool:
     (``FusedConfig.layout_kernel``) is False. It also writes the TLX kernels' scheduler tables, so
     neither pass runs their prep kernel: fewer launches between the router and the first GEMM, where
     the GPU waits on the host at a few thousand tokens."""
-    if not wanted or torch.compiler.is_compiling() or not tlx.triton_available():
-        return False
-    from ..grouped_gemm.eager import traced
-    from ..grouped_gemm.host import interpret_mode
+    from ..grouped_gemm.host import slots_kernel_runs
 
-    if traced((idx_TK,), {}):
-        return False
-
-    return (idx_TK.device.type == "cuda" and not interpret_mode()) or (idx_TK.device.type == "cpu"
-                                                                       and interpret_mode())
+    return wanted and slots_kernel_runs(idx_TK)
 
 
 def expert_major_layout(idx_TK: torch.Tensor, E: int, block_m: int = SCHED_BM):

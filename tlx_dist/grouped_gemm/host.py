@@ -21,7 +21,7 @@ from .reference import check_num_experts, safe_offsets_ref
 
 __all__ = ["prep_offsets", "prep_tile_cum", "guard_offsets", "search_steps", "max_m_tiles", "ragged_descriptor",
            "interpret_mode", "num_sms", "lpt_order", "tma_2d_reason", "operand_reason", "launch_meta", "expert_slots",
-           "sched_order_offset"]
+           "sched_order_offset", "slots_kernel_runs"]
 
 
 def interpret_mode() -> bool:
@@ -98,6 +98,20 @@ def sched_order_offset(E: int) -> int:
     """Where the dW expert order starts in a precomputed schedule: after tile_cum's ``E + 1``
     entries, rounded up to 4 (16-byte aligned, like every pointer the kernels specialise on)."""
     return -(-(E + 1) // 4) * 4
+
+
+def slots_kernel_runs(idx_TK: torch.Tensor) -> bool:
+    """Whether :func:`expert_slots` can take this call: Triton present, a real tensor (not under
+    torch.compile, fake tensors, make_fx or another tracing mode: those get torch's sort), on a CUDA
+    device, or on the CPU under ``TRITON_INTERPRET=1``."""
+    from tlx import triton_available
+
+    from .eager import traced
+
+    if not triton_available() or traced((idx_TK,), {}):
+        return False
+    cuda = idx_TK.device.type == "cuda"
+    return cuda != interpret_mode() and (cuda or idx_TK.device.type == "cpu")
 
 
 def expert_slots(idx_TK: torch.Tensor, E: int, block_m: int, order_off: int):
