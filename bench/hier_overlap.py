@@ -356,12 +356,14 @@ class _SidePlan:
     def wait(self):
         self.plan.wait()
 
-    def send_partials(self, part_RD):
+    def send_partials(self, part_RD, acc_RD=None):
         self.plan.wait()
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            self.plan.send_partials(part_RD)
+            self.plan.send_partials(part_RD, acc_RD)
         part_RD.record_stream(self.side)
+        if acc_RD is not None:
+            acc_RD.record_stream(self.side)
         self.done = torch.cuda.Event()
         self.done.record(self.side)
 

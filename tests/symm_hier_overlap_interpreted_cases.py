@@ -312,6 +312,34 @@ def test_overlapped_hier_forward_in_a_recompute_leaves_the_combine_whole():
     _compare(outs[False], outs[True], "recompute")
 
 
+def test_phased_forward_rounds_the_early_partial_rows_once_in_bf16():
+    """bf16 rows (the suite's other worlds are fp32 / fp64, where the fp32 accumulator *is* the
+    output): the phased forward's other-node partial rows are rounded from the fp32 accumulator by
+    the kernel that sends them to the relays (``send_partials(part, acc)``), this node's by a cast
+    before the wait -- the output tensor, every row (zeros past a source's count), and the combine
+    equal the plain form's bit for bit."""
+    W, L, E, K, D, Fe = 4, 2, 8, 3, 8, 4
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(21)
+    w13 = torch.randn(E // W, D, 2 * Fe, generator=gen).to(bf)
+    w2 = torch.randn(E // W, Fe, D, generator=gen).to(bf)
+    op = _inputs(W, L, E, K, [3, 4, 2, 3], D, "random", bf, seed=22)
+    got = {}
+    for overlap in (False, True):
+        world = HierWorld(W, 4, D, K, E, bf, L)
+        res = world.dispatch_rows(*op, overlap=overlap)
+        parts = [fused_experts_rows(r, s_, s_, g, w13, w2, h.offsets_e, r.shape[0], backend="triton",
+                                    overlap=h.overlap) for r, s_, g, h in res]
+        if overlap:
+            assert all(h.overlap.partials_sent is not None for *_, h in res), "the early send did not run"
+        outs = world.combine_rows(parts, [r[3] for r in res])
+        world.check()
+        got[overlap] = [p.clone() for p in parts] + [o.clone() for o in outs]
+        world.close()
+    assert all(p.dtype == bf for p in got[True])
+    _compare(got[False], got[True], "bf16 partial rows and combine")
+
+
 def test_combine_after_the_phased_forward_needs_its_output_as_it_is():
     """The phased forward sent the other nodes' partial rows from its output: a combine given
     another tensor raises (naming why) before it launches anything."""

@@ -54,10 +54,10 @@ def _specs():
     fwd_cx = dict(common, LP=L, META_W=K + 1, DT=tl.bfloat16, OFF_STATE=base.off_state, OFF_RECV=base.off_recv,
                   OFF_META=base.off_meta, OFF_GATES=base.off_gates, OFF_ARRIVE=base.off_arrive, **hoff,
                   OFF_HDONE=H.off_hdone, FROM_REGION=True, BLOCK_R=8, BLOCK_D=512, **wait)
-    rs_sig = dict(y_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
+    rs_sig = dict(y_ptr="*bf16", part_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
                   ctr_ptr="*i64", peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rs_cx = dict(W=W, WP=W, K=K, KP=K, L=L, D=D, T_MAX=T_MAX, OFF_HCOMB=H.off_hcomb, OFF_HCARR=H.off_hcarr,
-                 GATED=True, ROWS=False, ACC=tl.float32, BLOCK_R=8, BLOCK_D=512)
+                 GATED=True, ROWS=False, PART=False, EMULATE=False, ACC=tl.float32, BLOCK_R=8, BLOCK_D=512)
     rc_sig = dict(fwd_sig)
     rc_cx = dict(W=W, WP=W, K=K, L=L, LP=L, D=D, T_MAX=T_MAX, HM=H.hmeta_words, DT=tl.bfloat16, ACC=tl.float32,
                  OFF_STATE=base.off_state, OFF_ARRIVE=base.off_arrive, OFF_COMB=base.off_comb, OFF_HCOMB=H.off_hcomb,
@@ -87,6 +87,9 @@ def _specs():
         "_relay_forward_kernel[grad]": ("_relay_forward_kernel", fwd_sig, dict(fwd_cx, FROM_REGION=False)),
         "_hier_reduce_send_kernel": ("_hier_reduce_send_kernel", rs_sig, rs_cx),
         "_hier_reduce_send_kernel[rows]": ("_hier_reduce_send_kernel", rs_sig, dict(rs_cx, GATED=False, ROWS=True)),
+        # the overlapped forward's early send: fp32 accumulator rows in, rounded rows out and home
+        "_hier_reduce_send_kernel[part]": ("_hier_reduce_send_kernel", dict(rs_sig, y_ptr="*fp32"),
+                                           dict(rs_cx, GATED=False, ROWS=True, PART=True)),
         "_relay_combine_kernel[peer]": ("_relay_combine_kernel", rc_sig, rc_cx),
         "_relay_forward_kernel[split1]": ("_relay_forward_kernel", fwd_sig,
                                           dict(fwd_cx, SPLIT=1, OFF_HRROWS=H.off_hrrows, OFF_HFROWS=H.off_hfrows)),
@@ -157,7 +160,7 @@ def test_hier_kernels_compile(compiled):
         assert compiled[name]["state"], name
     for name in ("_node_route_kernel", "_hier_send_kernel[peer]", "_relay_forward_kernel",
                  "_relay_forward_kernel[grad]", "_hier_reduce_send_kernel", "_hier_reduce_send_kernel[rows]",
-                 "_relay_combine_kernel[peer]", "_relay_forward_kernel[split1]"):
+                 "_hier_reduce_send_kernel[part]", "_relay_combine_kernel[peer]", "_relay_forward_kernel[split1]"):
         assert compiled[name]["nvshmem"] == 0, f"{name} references NVSHMEM without USE_NVSHMEM"
 
 

@@ -77,6 +77,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tlx.common.fp8_quant import round_to
+
 from . import nvshmem as nv
 from .reduce import _reduce_slot
 from .protocol import _end_op, _nvshmem_signal, _publish, _release_to_peer, _wait_geq
@@ -473,11 +475,12 @@ def _relay_forward_kernel(hmeta_ptr, hcnt_ptr, hexp_ptr, ctr_ptr, peers_ptr, RAN
 
 
 @triton.jit
-def _hier_reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, ctr_ptr, peers_ptr, RANK, N_EXP,
-                             W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _hier_reduce_send_kernel(y_ptr, part_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, ctr_ptr, peers_ptr, RANK,
+                             N_EXP, W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                              L: tl.constexpr, D: tl.constexpr, T_MAX: tl.constexpr,
                              OFF_HCOMB: tl.constexpr, OFF_HCARR: tl.constexpr, GATED: tl.constexpr,
-                             ROWS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                             ROWS: tl.constexpr, PART: tl.constexpr, EMULATE: tl.constexpr, ACC: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """The owners' side of a combine-direction op, for the rows of sources on other nodes (after the
     flat reduce-send, which passed the op's barrier and sent the near sources' rows): received row n
     of source s = (n_s, l_s) (``n // T_MAX``; rows below ``rows_from[s]``) gets its partial row --
@@ -485,8 +488,13 @@ def _hier_reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, c
     accumulation in slot order, one rounding), or with ROWS ``y[n]`` as it is -- stored into row
     ``(n_s, token, this rank's local index)`` of HCOMB on the relay (this node, l_s) (a local store
     when that is this rank). Then one release add per source of its rows to HCARR[s] on its relay.
-    Counters: ctr[6] += rows stored into another rank, ctr[7] += their payload bytes."""
-    DT: tl.constexpr = y_ptr.dtype.element_ty
+    Counters: ctr[6] += rows stored into another rank, ctr[7] += their payload bytes.
+    PART (with ROWS; the overlapped forward's early send): ``y`` holds the fp32 accumulator rows and
+    ``part`` (``[W * T_MAX, D]``, the exchange dtype) receives every other-node row of them rounded
+    once (zeros past a source's count), the same values the relay gets: the cast and the send in
+    one pass over the rows. EMULATE (the interpreter, whose bf16 cast does not round to nearest
+    even): that rounding in integer arithmetic, as torch's cast rounds."""
+    DT: tl.constexpr = part_ptr.dtype.element_ty if PART else y_ptr.dtype.element_ty
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -499,8 +507,9 @@ def _hier_reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, c
         n = b * BLOCK_R + tl.arange(0, BLOCK_R)
         inr = n < W * T_MAX
         s = n // T_MAX
-        valid = inr & ((n % T_MAX) < tl.load(rows_from_ptr + s, mask=inr, other=0)) & ((s // L) != node)
-        if tl.sum(valid.to(tl.int32)) > 0:
+        far = inr & ((s // L) != node)
+        valid = far & ((n % T_MAX) < tl.load(rows_from_ptr + s, mask=inr, other=0))
+        if tl.sum((far if PART else valid).to(tl.int32)) > 0:
             hist += tl.sum(((s[:, None] == wr[None, :]) & valid[:, None]).to(tl.int64), axis=0)
             tok = tl.load(tok_ptr + n, mask=valid, other=0).to(tl.int64)
             rbase = tl.load(peers_ptr + node * L + s % L, mask=valid, other=0)
@@ -523,7 +532,12 @@ def _hier_reduce_send_kernel(y_ptr, pos_ptr, gate_ptr, tok_ptr, rows_from_ptr, c
                     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
                     for k in range(K):
                         acc = _reduce_slot(acc, k, kk, pos_t, gate_t, valid, cm, cols, y_ptr, N_EXP, D, GATED, ACC, DT)
-                tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=valid[:, None] & cm)
+                if PART:
+                    v, _ = round_to(acc, DT, EMULATE)
+                    tl.store(dst[:, None] + cols[None, :], v, mask=valid[:, None] & cm)
+                    tl.store(part_ptr + n.to(tl.int64)[:, None] * D + cols[None, :], v, mask=far[:, None] & cm)
+                else:
+                    tl.store(dst[:, None] + cols[None, :], acc.to(DT), mask=valid[:, None] & cm)
     tl.debug_barrier()
     away = tl.zeros([], tl.int64)
     for d in range(W):

@@ -12,7 +12,7 @@ Legend: e local experts, R receive rows (``W * T_max``), N expert-major rows.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -49,10 +49,12 @@ class ArrivalPlan(Protocol):
         idempotent); the rows are in ``x_RD`` for what the stream runs after it."""
         ...
 
-    def send_partials(self, part_RD: torch.Tensor) -> None:
+    def send_partials(self, part_RD: torch.Tensor, acc_RD: Optional[torch.Tensor] = None) -> None:
         """Sends the partial rows of ``part_RD`` (``[R, D]``) outside ``present_rows`` -- final, the
         present rows still being computed -- on their way home ahead of the combine, which must
-        then get ``part_RD`` as it is."""
+        then get ``part_RD`` as it is. ``acc_RD`` (``[R, D]``, the accumulator those rows are
+        rounded from, once): the plan writes them into ``part_RD`` itself (where it can, in the
+        pass that sends them); they are in ``part_RD`` for what runs after :meth:`finish`."""
         ...
 
     def finish(self) -> None:

@@ -154,14 +154,15 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets
     after (``ov.offsets_V``, virtual experts with VIRT=3) -- so that
       gate/up GEMM, present runs (the other rows are still landing; on the SMs the side stream leaves free)
       down GEMM, present runs  (the same; it reads only the present rows' SwiGLU output)
+      cast the present partial rows (final: no other source's row adds into them)
       ov.wait()                (every other source's rows landed)
       gate/up GEMM, the rest + padding
-      down GEMM, other runs    -> those partial rows are final: cast, and ``ov.send_partials``
-                                 starts them home (the combine's first kernel, on the side stream);
-                                 cast the present partial rows
-    Both present-run GEMMs go before the wait: all the work that needs no other source's row
-    hides under the arrival (the hierarchical exchange's inter-node leg is the slow one), and the
-    other sources' partial rows still leave as soon as their down GEMM is done.
+      down GEMM, other runs    -> those partial rows are final: ``ov.send_partials`` rounds them
+                                 from the accumulator and starts them home (the combine's first
+                                 kernel, on the side stream)
+    The present-run GEMMs and their rows' cast go before the wait: all the work that needs no other
+    source's row hides under the arrival (the hierarchical exchange's inter-node leg is the slow
+    one), and the other sources' partial rows still leave as soon as their down GEMM is done.
     Same tiles' arithmetic as the one-launch forms (h and a bit for bit; the partial rows' fp32
     atomic sums in another order). The expert-major rows of source s's tokens only ever add into
     receive rows of source s, so after the peers' runs those receive rows are complete."""
@@ -189,16 +190,17 @@ def _forward_overlapped(p, x_RD, src_N, dst_N, gate_N, w13_EDF2, w2_EFD, offsets
     cap = p.free_sms(x_RD.device, ov.side_sms)
     h, a = p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc0, virt=3, grid_cap=cap)
     p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc0, virt=3, grid_cap=cap, out=out)
+    part[lo:hi].copy_(out[lo:hi])
     ov.wait()
     if recompute:
         ov.finish()
     p.gate_up_swiglu(x_RD, src_N, w13_EDF2, offs_V, tc1, virt=3, out=(h, a))
     p.down_scatter(a, w2_EFD, offs_V, dst_N, gate_N, num_dst, tc1, virt=3, out=out)
-    part[:lo].copy_(out[:lo])
-    part[hi:].copy_(out[hi:])
-    if not recompute:
-        ov.send_partials(part)
-    part[lo:hi].copy_(out[lo:hi])
+    if recompute:
+        part[:lo].copy_(out[:lo])
+        part[hi:].copy_(out[hi:])
+    else:
+        ov.send_partials(part, out)
     return part, h
 
 

@@ -103,18 +103,27 @@ class HierRowsOverlap:
         if num_local * 3 != self.offsets_V.shape[0]:
             raise ValueError(f"the weights hold {num_local} experts, the dispatch {self.offsets_V.shape[0] // 3}")
 
-    def send_partials(self, part_RD: torch.Tensor) -> None:
+    def send_partials(self, part_RD: torch.Tensor, acc_RD: Optional[torch.Tensor] = None) -> None:
         """The other nodes' partial rows of ``part_RD`` are final (the down GEMM's far runs are done):
         their first leg -- into the relay of this node that sums them (``_hier_reduce_send_kernel``)
         -- goes now, on the side stream after what the current stream enqueued (in line in the
         emulated world); the combine (``combine_rows`` with this same ``part_RD``) then sends this
-        node's rows, lets the relays sum and send home, and receives."""
+        node's rows, lets the relays sum and send home, and receives. With ``acc_RD`` (the fp32
+        accumulator the rows come from) the same kernel rounds them once, sends them and writes them
+        into ``part_RD`` (every row outside ``present_rows``; zeros past a source's count): one pass
+        over the rows instead of a cast and a send; those rows of ``part_RD`` are there once
+        :meth:`finish` joined the side stream (the combine does)."""
         if self.partials_sent is not None:
             raise RuntimeError("send_partials: this dispatch's partial rows were already sent")
+        if acc_RD is not None and (acc_RD.shape != part_RD.shape or acc_RD.device != part_RD.device):
+            raise ValueError(f"acc_RD {tuple(acc_RD.shape)} must be part_RD's shape {tuple(part_RD.shape)} "
+                             "on its device")
         self.wait()
         bufs = self.buffers
-        done = flat.on_side(bufs, lambda: _hier_reduce_send(bufs, part_RD, self._handle, gated=False, rows=True),
-                            part_RD)
+        y = part_RD if acc_RD is None else acc_RD
+        done = flat.on_side(bufs, lambda: _hier_reduce_send(bufs, y, self._handle, gated=False, rows=True,
+                                                            part=None if acc_RD is None else part_RD),
+                            part_RD, y)
         if done is not None:
             self.side_done = done
         self.partials_sent = part_RD.data_ptr()

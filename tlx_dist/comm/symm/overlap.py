@@ -78,14 +78,23 @@ class RowsOverlap:
         if num_local * 3 != self.offsets_V.shape[0]:
             raise ValueError(f"the weights hold {num_local} experts, the dispatch {self.offsets_V.shape[0] // 3}")
 
-    def send_partials(self, part_RD: torch.Tensor) -> None:
+    def send_partials(self, part_RD: torch.Tensor, acc_RD: Optional[torch.Tensor] = None) -> None:
         """The combine's first kernel (``reduce_send``, row form) launched early: the peers'
         partial rows of ``part_RD`` are final (the down GEMM's peer runs are done), this rank's own
         are still being computed on the current stream. Real ranks: on the side stream, after what
         the current stream enqueued, ``side_sms`` programs; the combine (``combine_rows``, with this
-        same ``part_RD``) then only joins and receives. The emulated world: in line."""
+        same ``part_RD``) then only joins and receives. The emulated world: in line. With ``acc_RD``
+        (the fp32 accumulator of the rows) the peers' rows of ``part_RD`` are first cast from it on
+        the current stream."""
         if self.partials_sent is not None:
             raise RuntimeError("send_partials: this dispatch's partial rows were already sent")
+        if acc_RD is not None:
+            if acc_RD.shape != part_RD.shape or acc_RD.device != part_RD.device:
+                raise ValueError(f"acc_RD {tuple(acc_RD.shape)} must be part_RD's shape {tuple(part_RD.shape)} "
+                                 "on its device")
+            lo, hi = self.present_rows
+            part_RD[:lo].copy_(acc_RD[:lo])
+            part_RD[hi:].copy_(acc_RD[hi:])
         self.wait()
         bufs = self.buffers
         if self._handle.dense:  # copy-engine row form: the partial rows go by copy engines
