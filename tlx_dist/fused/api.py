@@ -261,9 +261,11 @@ def fused_experts_rows(x_RD: torch.Tensor, src_N: torch.Tensor, dst_N: torch.Ten
             an :class:`~tlx_dist.fused.arrival.ArrivalPlan`): some sources' rows of ``x_RD`` may
             still be landing. The Hopper TLX and the portable kernels compute the rows present first
             (this rank's own, or its node's under the hierarchical exchange), wait, then the rest,
-            and start the other partial rows home (the combine's first kernel) while the down GEMM
-            computes the present ones; the output must then go to ``combine_rows`` as it is. Other
-            backends wait for every row first and leave the combine whole.
+            whose partial rows the plan starts home at once (the combine's first kernel; under the
+            hierarchical exchange that kernel also writes them into the output, on the exchange's
+            side stream, so they are there once the combine has joined it); the output must then go
+            to ``combine_rows`` as it is. Other backends wait for every row first and leave the
+            combine whole.
         config: the launch choices (:class:`~tlx_dist.fused.config.FusedConfig`); default: all defaults.
     Returns:
         ``[num_dst, D]`` in ``x_RD.dtype``.
