@@ -340,6 +340,23 @@ def test_phased_forward_rounds_the_early_partial_rows_once_in_bf16():
     _compare(got[False], got[True], "bf16 partial rows and combine")
 
 
+def test_send_partials_takes_an_accumulator_of_the_output_shape_only():
+    """``send_partials(part, acc)`` with an accumulator of another shape raises, naming it, before
+    anything is sent (the plan can still send once)."""
+    W, L, E, K, D = 4, 2, 8, 2, 8
+    f32 = torch.float32
+    world = HierWorld(W, 3, D, K, E, f32, L)
+    res = world.dispatch_rows(*_inputs(W, L, E, K, [3, 3, 2, 1], D, "random", f32, seed=17), overlap=True)
+    ov = res[0][3].overlap
+    part = torch.zeros(res[0][0].shape, dtype=f32)
+    with pytest.raises(ValueError, match="acc_RD"):
+        ov.send_partials(part, torch.zeros(part.shape[0] - 1, D))
+    assert ov.partials_sent is None
+    for *_, h in res:
+        h.overlap.finish()
+    world.close()
+
+
 def test_combine_after_the_phased_forward_needs_its_output_as_it_is():
     """The phased forward sent the other nodes' partial rows from its output: a combine given
     another tensor raises (naming why) before it launches anything."""
