@@ -226,6 +226,28 @@ def paced_schedule(far: Sequence[int], T: int, chunks: int, window_ms: float) ->
     return out
 
 
+def nan_rows(part_RD: torch.Tensor, T: int, far: Sequence[int], present: tuple) -> str:
+    """Where a forward's output holds NaN (the failure message of the poisoned-row check): its
+    receive rows with a NaN, by source -- how many, below / past the source's count (``far[s]``
+    rows sent; this node's sources, ``present`` = ``(lo, hi)`` receive rows, all counted as
+    present) -- e.g. ``"source 5: 3 rows below its count (first 17), 0 past it"``."""
+    bad = torch.isnan(part_RD).any(1).nonzero().flatten().tolist()
+    if not bad:
+        return "no NaN row"
+    lo, hi = present
+    out = []
+    for s in sorted({n // T for n in bad}):
+        rows = [n for n in bad if n // T == s]
+        if lo <= s * T < hi:
+            out.append(f"source {s} (this node's): {len(rows)} rows (first {rows[0] - s * T})")
+            continue
+        below = [n - s * T for n in rows if n - s * T < far[s]]
+        past = len(rows) - len(below)
+        first = f" (first {below[0]})" if below else ""
+        out.append(f"source {s}: {len(below)} rows below its count{first}, {past} past it")
+    return "; ".join(out)
+
+
 SPIN_S = 2e-4  # the host pacer sleeps until this close to a copy's time, then polls (sleep's overshoot)
 LEAD_MAX_MS = 25.0  # host pacing: an enqueue slower than this is a compile, not the host's pace
 
@@ -574,7 +596,8 @@ def run(args, rec) -> int:
             plan.finish()
             return part
 
-        finite = torch.ones((), dtype=torch.bool, device=dev)
+        finite_s = torch.ones((), dtype=torch.bool, device=dev)
+        finite_o = torch.ones((), dtype=torch.bool, device=dev)
         ss, so = [], []
         for i in range(args.iters + 1):  # one warm sample of each first (the phased launches compile)
             poison()
@@ -583,12 +606,16 @@ def run(args, rec) -> int:
             poison()
             plan = fresh_plan()
             r_o = sample(lambda: overlapped(plan))
-            finite &= torch.isfinite(r_s[4]).all() & torch.isfinite(r_o[4]).all()
+            finite_s &= torch.isfinite(r_s[4]).all()
+            finite_o &= torch.isfinite(r_o[4]).all()
             if i:
                 ss.append(r_s)
                 so.append(r_o)
-        if not bool(finite):
-            raise RuntimeError("a serial or overlapped forward read rows before the paced copies brought them (NaN)")
+        if not (bool(finite_s) and bool(finite_o)):
+            which = [f"{name} (its last sample: {nan_rows(r[4], T, far, (lo, hi))})"
+                     for name, ok, r in (("serial", finite_s, r_s), ("overlapped", finite_o, r_o)) if not bool(ok)]
+            raise RuntimeError("a forward read rows before the paced copies brought them (NaN): "
+                               + ", ".join(which))
         world.check()  # a bounded wait that timed out would have let the GEMMs read early
         scale = ref_part.float().abs().amax(1, keepdim=True).clamp_min(1e-30)
         err = 0.0

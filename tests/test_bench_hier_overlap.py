@@ -253,3 +253,18 @@ def test_timer_pacing_kernels_read_the_wall_clock():
         until = ptx("until", {"t0_ptr": "*i64", "at_ns": at})
         assert until.count("%globaltimer") == 2, at  # once before the loop, once a turn
         assert "bra" in until and "ld.volatile.global" in until, at
+
+
+def test_nan_rows_names_the_sources_and_the_rows_past_their_counts():
+    """The poisoned-row check's message: NaN rows by source, below or past its count; this node's
+    sources apart; a finite output says so."""
+    T, D = 4, 3
+    far = [0, 0, 3, 1]  # sources 0, 1 this node's (rows [0, 8)); 2 sent 3 rows, 3 sent 1
+    part = torch.zeros(4 * T, D)
+    assert bench.nan_rows(part, T, far, (0, 8)) == "no NaN row"
+    part[2 * T + 1, 0] = float("nan")  # source 2, row 1: below its count
+    part[3 * T + 2, 2] = float("nan")  # source 3, row 2: past its count
+    part[5, 1] = float("nan")          # source 1 (this node's), row 1
+    assert bench.nan_rows(part, T, far, (0, 8)) == (
+        "source 1 (this node's): 1 rows (first 1); source 2: 1 rows below its count (first 1), 0 past it; "
+        "source 3: 0 rows below its count, 1 past it")
