@@ -341,8 +341,8 @@ def test_phased_forward_rounds_the_early_partial_rows_once_in_bf16():
 
 
 def test_send_partials_takes_an_accumulator_of_the_output_shape_only():
-    """``send_partials(part, acc)`` with an accumulator of another shape raises, naming it, before
-    anything is sent (the plan can still send once)."""
+    """``send_partials(part, acc)`` with an accumulator of another shape or not contiguous raises,
+    naming it, before anything is sent (the plan can still send once)."""
     W, L, E, K, D = 4, 2, 8, 2, 8
     f32 = torch.float32
     world = HierWorld(W, 3, D, K, E, f32, L)
@@ -351,6 +351,8 @@ def test_send_partials_takes_an_accumulator_of_the_output_shape_only():
     part = torch.zeros(res[0][0].shape, dtype=f32)
     with pytest.raises(ValueError, match="acc_RD"):
         ov.send_partials(part, torch.zeros(part.shape[0] - 1, D))
+    with pytest.raises(ValueError, match="contiguous"):  # (rows read with a stride of D)
+        ov.send_partials(part, torch.zeros(D, part.shape[0]).t())
     assert ov.partials_sent is None
     for *_, h in res:
         h.overlap.finish()

@@ -115,9 +115,10 @@ class HierRowsOverlap:
         :meth:`finish` joined the side stream (the combine does)."""
         if self.partials_sent is not None:
             raise RuntimeError("send_partials: this dispatch's partial rows were already sent")
-        if acc_RD is not None and (acc_RD.shape != part_RD.shape or acc_RD.device != part_RD.device):
+        if acc_RD is not None and (acc_RD.shape != part_RD.shape or acc_RD.device != part_RD.device
+                                   or not (acc_RD.is_contiguous() and part_RD.is_contiguous())):
             raise ValueError(f"acc_RD {tuple(acc_RD.shape)} must be part_RD's shape {tuple(part_RD.shape)} "
-                             "on its device")
+                             "on its device, both contiguous (the send kernel reads and writes whole rows)")
         self.wait()
         bufs = self.buffers
         y = part_RD if acc_RD is None else acc_RD
