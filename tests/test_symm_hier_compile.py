@@ -54,8 +54,8 @@ def _specs():
     fwd_cx = dict(common, LP=L, META_W=K + 1, DT=tl.bfloat16, OFF_STATE=base.off_state, OFF_RECV=base.off_recv,
                   OFF_META=base.off_meta, OFF_GATES=base.off_gates, OFF_ARRIVE=base.off_arrive, **hoff,
                   OFF_HDONE=H.off_hdone, FROM_REGION=True, BLOCK_R=8, BLOCK_D=512, **wait)
-    rs_sig = dict(y_ptr="*bf16", part_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32", rows_from_ptr="*i64",
-                  ctr_ptr="*i64", peers_ptr="*i64", RANK="i32", N_EXP="i32")
+    rs_sig = dict(y_ptr="*bf16", part_ptr="*bf16", pos_ptr="*i32", gate_ptr="*bf16", tok_ptr="*i32",
+                  rows_from_ptr="*i64", ctr_ptr="*i64", peers_ptr="*i64", RANK="i32", N_EXP="i32")
     rs_cx = dict(W=W, WP=W, K=K, KP=K, L=L, D=D, T_MAX=T_MAX, OFF_HCOMB=H.off_hcomb, OFF_HCARR=H.off_hcarr,
                  GATED=True, ROWS=False, PART=False, EMULATE=False, ACC=tl.float32, BLOCK_R=8, BLOCK_D=512)
     rc_sig = dict(fwd_sig)

@@ -172,8 +172,8 @@ def _hier_reduce_send(bufs: SymmBuffers, y: torch.Tensor, h: HierHandle, gated: 
         y, y if part is None else part, h.pos_RK, h.gate_RK, h.tok_R, h.rows_from_W, bufs.hier.counters, bufs.peers,
         bufs.rank, h.num_recv_rows, W=L.world_size, WP=_next_pow2(L.world_size), K=L.top_k, KP=_next_pow2(L.top_k),
         L=H.ranks_per_node, D=L.hidden, T_MAX=L.max_tokens, OFF_HCOMB=H.off_hcomb, OFF_HCARR=H.off_hcarr,
-        GATED=gated, ROWS=rows, PART=part is not None, EMULATE=bufs.device.type != "cuda", ACC=flat._common(bufs)["ACC"], BLOCK_R=br, BLOCK_D=bd,
-        num_warps=warps)
+        GATED=gated, ROWS=rows, PART=part is not None, EMULATE=bufs.device.type != "cuda",
+        ACC=flat._common(bufs)["ACC"], BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
 
 
 def _relay_combine(bufs: SymmBuffers, h: HierHandle) -> None:
