@@ -359,6 +359,32 @@ def test_send_partials_takes_an_accumulator_of_the_output_shape_only():
     world.close()
 
 
+@pytest.mark.parametrize("W,T_max,lo_src,hi_src,D", [
+    (4, 5, 0, 2, 8),     # present sources first
+    (4, 5, 2, 4, 8),     # present sources last
+    (6, 7, 2, 4, 24),    # present in the middle; T_max not a multiple of the 16-row block, D of 256
+])
+def test_landed_rows_copy_copies_the_sent_rows_only(W, T_max, lo_src, hi_src, D):
+    """The wait's copy out of RECV: every row a non-present source sent (below its count,
+    including a source that sent all T_max rows and one that sent none), nothing of the present
+    sources' rows and nothing past a source's count (NaN-poisoned, they must stay so)."""
+    from tlx.comm import _landed_rows_copy_kernel
+
+    R = W * T_max
+    gen = torch.Generator().manual_seed(W * 10 + D)
+    src = torch.randn(R, D, generator=gen)
+    dst = torch.full((R, D), float("nan"))
+    rows_from = torch.randint(0, T_max + 1, (W,), generator=gen)
+    rows_from[0], rows_from[-1] = T_max, 0  # (a full source and an empty one)
+    lo, hi = lo_src * T_max, hi_src * T_max
+    _landed_rows_copy_kernel[(-(-R // 16), -(-D // 256))](src, dst, rows_from, lo, hi, R, T_max, D, src.stride(0),
+                                                         dst.stride(0), BLOCK_R=16, BLOCK_D=min(256, 1 << (D - 1).bit_length()))
+    n = torch.arange(R)
+    sent = ((n < lo) | (n >= hi)) & (n % T_max < rows_from[n // T_max])
+    assert torch.equal(dst[sent], src[sent]), "a sent row was not copied"
+    assert bool(dst[~sent].isnan().all()), "a row that was not sent (or a present one) was written"
+
+
 def test_combine_after_the_phased_forward_needs_its_output_as_it_is():
     """The phased forward sent the other nodes' partial rows from its output: a combine given
     another tensor raises (naming why) before it launches anything."""

@@ -184,6 +184,11 @@ def _specs(amd: bool = False):
         "_rows_wait_kernel": ("_rows_wait_kernel",
                               dict(want_ptr="*i64", peers_ptr="*i64", RANK="i32", RCNT_OFF="i64"),
                               dict(W=W, OFF_STATE=0, **wait)),
+        # the hierarchical plan's copy of the landed rows out of RECV (the rows each source sent)
+        "_landed_rows_copy_kernel": ("_landed_rows_copy_kernel",
+                                     dict(src_ptr="*bf16", dst_ptr="*bf16", rows_from_ptr="*i64", LO="i32", HI="i32",
+                                          R="i32", T_MAX="i32", D="i32", stride_s="i32", stride_d="i32"),
+                                     dict(BLOCK_R=16, BLOCK_D=256)),
         "_phase_offsets_kernel": ("_phase_offsets_kernel",
                                   dict(starts_ptr="*i64", counts_ptr="*i64", offs_ptr="*i32", out_ptr="*i32",
                                        LO="i32", HI="i32", CAP="i32"),
@@ -354,6 +359,8 @@ def test_kernels_compile_with_signal_semantics(compiled):
     wk = compiled["_rows_wait_kernel"]
     assert wk["acquire"] > 0 and wk["timer"] > 0 and wk["atomic"] > 1
     assert compiled["_phase_offsets_kernel"]["st"] > 0
+    lc = compiled["_landed_rows_copy_kernel"]
+    assert lc["ld"] > 0 and lc["st"] > 0 and lc["acquire"] == 0, "a plain copy: the wait before it orders it"
     # Rows move as 16-byte vectors, also through the symmetric regions, whose pointers are made
     # from integer addresses (peer table + layout offset): without tl.multiple_of on them every bf16
     # of a row went by its own 2-byte load or store (send_tokens: 33 2-byte peer stores in the PTX,

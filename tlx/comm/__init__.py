@@ -16,6 +16,7 @@ from .exchange import (  # noqa: F401
     _ce_signal_kernel,
     _expand_kernel,
     _gate_grad_recv_kernel,
+    _landed_rows_copy_kernel,
     _phase_offsets_kernel,
     _reduce_recv_kernel,
     _reduce_send_kernel,

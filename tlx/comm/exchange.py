@@ -3,7 +3,7 @@
 Files: this one (the overview below; it re-exports every phase kernel, which the host launches
 through it), ``route.py`` (phase 1 of a dispatch), ``send.py`` (the send and the row form's
 receiving programs), ``expand.py`` (the expand kernel), ``reduce.py`` (reduce-send, reduce-receive,
-gate-gradient receive), ``rows_overlap.py`` (the overlapped row form's wait and offsets),
+gate-gradient receive), ``rows_overlap.py`` (the overlapped row form's wait, landed-row copy and offsets),
 ``copy_engine.py`` (the copy-engine row form's ready / signal / fix-up kernels) and
 ``protocol.py`` (bounded waits, the count post, the barrier and layout pass, arrival adds,
 end-of-op readiness, the NVSHMEM route's puts and signals).
@@ -119,10 +119,10 @@ from .expand import _expand_kernel
 from .protocol import CLOCK_GLOBALTIMER, CLOCK_MEMREALTIME, CLOCK_POLLS, _wait_geq  # (read by the host and the tests)
 from .reduce import _gate_grad_recv_kernel, _reduce_recv_kernel, _reduce_send_kernel
 from .route import _route_kernel
-from .rows_overlap import _phase_offsets_kernel, _rows_wait_kernel
+from .rows_overlap import _landed_rows_copy_kernel, _phase_offsets_kernel, _rows_wait_kernel
 from .send import _send_tokens_kernel
 
 __all__ = ["_route_kernel", "_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel",
-           "_gate_grad_recv_kernel", "_rows_wait_kernel", "_phase_offsets_kernel", "_ce_ready_kernel",
+           "_gate_grad_recv_kernel", "_rows_wait_kernel", "_landed_rows_copy_kernel", "_phase_offsets_kernel", "_ce_ready_kernel",
            "_ce_signal_kernel", "_ce_fixup_kernel", "CLOCK_POLLS", "CLOCK_GLOBALTIMER", "CLOCK_MEMREALTIME",
            "_wait_geq"]

@@ -1,6 +1,7 @@
-"""The overlapped row form's kernels (``tlx_dist.comm.symm.RowsOverlap``): the arrival wait on a
-region's counters, and the gate/up GEMM's virtual-expert offsets (``exchange.py`` describes the
-op, the region and the legend)."""
+"""The overlapped row form's kernels (``tlx_dist.comm.symm.RowsOverlap``, ``HierRowsOverlap``): the
+arrival wait on a region's counters, the copy of the landed rows out of RECV (the hierarchical
+plan), and the gate/up GEMM's virtual-expert offsets (``exchange.py`` describes the op, the region
+and the legend)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,24 @@ def _rows_wait_kernel(want_ptr, peers_ptr, RANK, RCNT_OFF, W: tl.constexpr, OFF_
             got = tl.atomic_add(ctr + s, 0, sem="acquire", scope="sys")
             if got >= want:
                 tl.atomic_add(ctr + s, -want, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def _landed_rows_copy_kernel(src_ptr, dst_ptr, rows_from_ptr, LO, HI, R, T_MAX, D, stride_s, stride_d,
+                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (cdiv(R, BLOCK_R), cdiv(D, BLOCK_D)): receive rows outside ``[LO, HI)`` (the sources not
+    present when the dispatch returned), ``dst[n] = src[n]`` for the rows their source sent --
+    row ``n`` of source ``n // T_MAX`` while ``n % T_MAX < rows_from[source]`` -- and nothing past
+    them (no other row is ever read), so only the bytes that crossed are copied."""
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inr = (n < R) & ((n < LO) | (n >= HI))
+    ok = inr & ((n % T_MAX) < tl.load(rows_from_ptr + n // T_MAX, mask=inr, other=0))
+    if tl.sum(ok.to(tl.int32)) > 0:
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = ok[:, None] & (cols < D)[None, :]
+        n64 = n.to(tl.int64)[:, None]
+        v = tl.load(src_ptr + n64 * stride_s + cols[None, :], mask=m)
+        tl.store(dst_ptr + n64 * stride_d + cols[None, :], v, mask=m)
 
 
 @triton.jit

@@ -49,7 +49,8 @@ class HierRowsOverlap:
     receive rows of this node's sources (``[node*L*T_max, (node+1)*L*T_max)``). ``side_sms``: the
     side stream's SM budget (``ExchangeConfig.overlap_sms``). :meth:`wait` enqueues the arrival wait
     (one program; bounded, a relay that never forwards is reported by ``check()`` like every
-    exchange wait) and the copy of the other nodes' rows into ``recv_RD`` on the current stream;
+    exchange wait) and the copy of the other nodes' rows into ``recv_RD`` on the current stream
+    (the rows their sources sent, nothing past them);
     :meth:`finish` (the combine calls it, and so does the set's next op) waits if nobody did and
     joins the side stream into the current one."""
 
@@ -85,8 +86,12 @@ class HierRowsOverlap:
                                                           num_warps=1, **flat._wait(bufs))
         lo, hi = self.present_rows
         recv, x = bufs.recv_rows(), self._x
-        x[:lo].copy_(recv[:lo])  # (whole blocks: the rows past a source's count are never read)
-        x[hi:].copy_(recv[hi:])
+        R, D = x.shape
+        br, bd = 16, min(256, _next_pow2(D))
+        # only the rows each source sent (those past its count are never read)
+        flat.kernels(bufs.device)._landed_rows_copy_kernel[(-(-R // br), -(-D // bd))](
+            recv, x, self._far_W, lo, hi, R, bufs.layout.max_tokens, D, recv.stride(0), x.stride(0),
+            BLOCK_R=br, BLOCK_D=bd, num_warps=4)
 
     def check_rows(self, src_N, dst_N, offsets_E, num_dst: int, num_local: int) -> None:
         """What the overlapped forward assumes of the call it serves (checked before it launches
