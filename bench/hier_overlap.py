@@ -68,7 +68,7 @@ every serial and overlapped output is checked finite, the last of each against t
 output (within one bf16 rounding of the row's scale: the partial rows are fp32 atomic sums of the
 K slots, in another order), after the world's error word (a bounded wait that timed out). Every
 kernel of both forms runs once unpaced before the first paced sample (a first launch's module load
-must not wait behind a paced sample's spinning wait).
+must not hold the host pacer behind a paced sample's spinning wait).
 The target (issue 35 item 6): ``overlap <= 1.15 * max(compute, transfer)``, against ``serial`` ~
 their sum. ``--dry`` builds the routing on the CPU and prints the paced window and copy schedule of
 each rate (no GPU). Results go to ``bench/results/hier_overlap_*`` (bench/_results.py).
@@ -599,10 +599,10 @@ def run(args, rec) -> int:
             return part
 
         # Every kernel of both forms launched once with the rows already in place, before any paced
-        # sample: a kernel's first launch loads its module, and under CUDA's lazy loading that load
-        # waits for the GPU to drain -- behind a host-paced sample's spinning wait whose copies the
-        # blocked host would not issue (the wait times out, and every later wait of the rank gives
-        # up at once).
+        # sample: a kernel's first launch (its module's load) can hold the host until the GPU
+        # drains -- and with it the host pacer, whose copies a host-paced sample's spinning wait
+        # needs (the wait times out, and every later wait of the rank gives up at once; seen under
+        # both CUDA module-loading modes).
         for form in (serial, overlapped):
             for p in sched:
                 copy_piece(p)
