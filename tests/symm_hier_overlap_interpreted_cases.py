@@ -377,8 +377,9 @@ def test_landed_rows_copy_copies_the_sent_rows_only(W, T_max, lo_src, hi_src, D)
     rows_from = torch.randint(0, T_max + 1, (W,), generator=gen)
     rows_from[0], rows_from[-1] = T_max, 0  # (a full source and an empty one)
     lo, hi = lo_src * T_max, hi_src * T_max
+    bd = min(256, 1 << (D - 1).bit_length())
     _landed_rows_copy_kernel[(-(-R // 16), -(-D // 256))](src, dst, rows_from, lo, hi, R, T_max, D, src.stride(0),
-                                                         dst.stride(0), BLOCK_R=16, BLOCK_D=min(256, 1 << (D - 1).bit_length()))
+                                                         dst.stride(0), BLOCK_R=16, BLOCK_D=bd)
     n = torch.arange(R)
     sent = ((n < lo) | (n >= hi)) & (n % T_max < rows_from[n // T_max])
     assert torch.equal(dst[sent], src[sent]), "a sent row was not copied"

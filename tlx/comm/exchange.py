@@ -123,6 +123,6 @@ from .rows_overlap import _landed_rows_copy_kernel, _phase_offsets_kernel, _rows
 from .send import _send_tokens_kernel
 
 __all__ = ["_route_kernel", "_send_tokens_kernel", "_expand_kernel", "_reduce_send_kernel", "_reduce_recv_kernel",
-           "_gate_grad_recv_kernel", "_rows_wait_kernel", "_landed_rows_copy_kernel", "_phase_offsets_kernel", "_ce_ready_kernel",
-           "_ce_signal_kernel", "_ce_fixup_kernel", "CLOCK_POLLS", "CLOCK_GLOBALTIMER", "CLOCK_MEMREALTIME",
-           "_wait_geq"]
+           "_gate_grad_recv_kernel", "_rows_wait_kernel", "_landed_rows_copy_kernel", "_phase_offsets_kernel",
+           "_ce_ready_kernel", "_ce_signal_kernel", "_ce_fixup_kernel", "CLOCK_POLLS", "CLOCK_GLOBALTIMER",
+           "CLOCK_MEMREALTIME", "_wait_geq"]
