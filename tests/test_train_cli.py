@@ -203,5 +203,78 @@ def test_ctrl_c_during_start_up_is_one_line_and_status_130(after_s):
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where it is stuck: every thread's stack (faulthandler, SIGUSR1)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"no exit 60 s after Ctrl-C; stdout tail {out[-500:]!r}; stderr {err[-6000:]}")
     assert p.returncode == 130 and err == "interrupted\n", (p.returncode, err[-3000:])
+
+
+_HUNG_UNWIND = """
+import signal, sys, time
+import train.pretrain as P
+P.INTERRUPT_GRACE_S = float(sys.argv[1])
+signal.signal(signal.SIGINT, P._on_sigint)
+print("ready", flush=True)
+while True:  # an unwinding that never ends: every KeyboardInterrupt swallowed
+    try:
+        time.sleep(30)
+    except KeyboardInterrupt:
+        pass
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_ends_a_hung_shutdown(presses):
+    """A shutdown stuck after Ctrl-C (here: a loop that swallows KeyboardInterrupt) still ends with the
+    one line and status 130: after the grace period, or at once on a second Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import time
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    grace = 1.0 if presses == 1 else 120.0
+    p = subprocess.Popen([sys.executable, "-c", _HUNG_UNWIND, str(grace)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    t0 = time.monotonic()
+    for _ in range(presses):
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    try:
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    took = time.monotonic() - t0
+    assert p.returncode == 130 and err == "interrupted\n", (p.returncode, err[-3000:])
+    assert (took >= grace) if presses == 1 else (took < 30), took
+
+
+def test_sigusr1_prints_every_thread_stack_and_the_run_goes_on():
+    """``kill -USR1`` on a running job: the Python stacks on stderr, and training continues
+    (a later Ctrl-C still ends it with status 130)."""
+    import os
+    import signal
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "train.pretrain", "--config", str(DEBUG), "--override",
+                          "train.steps=100000", "--override", "train.log_every=1", "--override",
+                          "metrics.out_dir=''"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not p.stdout.readline().startswith("step "):
+            assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGUSR1)
+        for _ in range(3):  # three more steps after the dump
+            assert p.stdout.readline().startswith("step ")
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, (p.returncode, err[-3000:])
+    assert "most recent call first" in err and "train/pretrain.py" in err and err.endswith("interrupted\n"), err[-3000:]

@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     device = init_distributed(cfg.train.comm_timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    rank, rc = dist.get_rank(), 0
+    rank, rc, interrupted = dist.get_rank(), 0, False
     try:
         losses = train(cfg, device, args.profile)
         if args.losses_out and rank == 0:
@@ -329,8 +329,12 @@ def main(argv=None) -> int:
     except Exception as err:  # one clear line (then the traceback) instead of a bare backend error
         print(failure_message(err, rank, cfg.train.comm_timeout_s), file=sys.stderr, flush=True)
         raise
+    except KeyboardInterrupt:
+        interrupted = True  # a collective may be half done: the process ends without tearing groups down
+        raise
     finally:
-        shutdown_distributed()
+        if not interrupted:
+            shutdown_distributed()
     if rc == 0 and args.plot and rank == 0:
         rc = plot_run(cfg.metrics.out_dir)
     return rc
@@ -365,10 +369,34 @@ def exit_process(rc) -> None:
     os._exit(rc)
 
 
+# Seconds the unwinding after a Ctrl-C may take before the process ends anyway.
+INTERRUPT_GRACE_S = 10.0
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: the first unwinds main (``KeyboardInterrupt``) with a watchdog armed -- a shutdown that
+    does not finish within :data:`INTERRUPT_GRACE_S` (a collective left half done, say) still ends
+    with the one line and status 130 -- and a second ends the process at once."""
+    if getattr(_on_sigint, "armed", False):
+        _interrupted_exit()
+    _on_sigint.armed = True
+    import threading
+    threading.Timer(INTERRUPT_GRACE_S, _interrupted_exit).start()
+    raise KeyboardInterrupt
+
+
+def _interrupted_exit() -> None:
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def cli() -> None:
     """``python -m train.pretrain``: exit 0 after a finished run, the SystemExit status for
-    argument errors, 130 on Ctrl-C, 1 with the traceback printed for any other failure."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C now unwinds main's finally blocks
+    argument errors, 130 on Ctrl-C, 1 with the traceback printed for any other failure.
+    ``kill -USR1 <pid>`` prints every thread's Python stack to stderr (a run that seems stuck)."""
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    signal.signal(signal.SIGINT, _on_sigint)  # Ctrl-C now unwinds main's finally blocks
     try:
         rc = main()
     except SystemExit as e:
